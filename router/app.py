@@ -1,0 +1,180 @@
+"""The app factory: builds the gateway's object graph explicitly and hands its lifetime to the
+ASGI lifespan (HTTP clients, background tasks, index connections). No module-level state.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from router import __version__
+from router.affinity import InMemoryAffinityStore
+from router.config import GatewayConfig
+from router.endpoints import Endpoint, EndpointPool
+from router.errors import BadRequestError, GatewayError
+from router.hashing import BYTES_PER_TOKEN
+from router.metrics import GatewayMetrics
+from router.plugins import PluginContext, PluginRegistry, build_profile, default_registry
+from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex, PrefixIndex
+from router.producers import AffinityTracker, PrefixTracker
+from router.proxy import Proxy
+from router.scheduling import Scheduler
+from router.scraper import EndpointMonitor, MonitorSettings
+from router.strategies import strategy
+
+JSON = "application/json"
+
+
+@dataclass(slots=True)
+class Gateway:
+    """Everything one gateway instance owns; built by :func:`build_gateway`."""
+
+    config: GatewayConfig
+    pool: EndpointPool
+    index: PrefixIndex
+    affinity: InMemoryAffinityStore
+    scheduler: Scheduler
+    metrics: GatewayMetrics
+    proxy: Proxy
+    monitor: EndpointMonitor | None = None
+
+    def kv_capacity_to_blocks(self, endpoint_id: str, block_size: int, num_gpu_blocks: int) -> None:
+        """Bound the index for an endpoint by what its KV cache can really hold."""
+        if self.config.prefix_index.capacity_blocks is not None:
+            return
+        capacity_bytes = block_size * num_gpu_blocks * BYTES_PER_TOKEN
+        blocks = int(capacity_bytes // self.config.prefix_index.block_bytes)
+        self.index.set_capacity(endpoint_id, blocks)
+
+
+def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None) -> Gateway:
+    registry = registry or default_registry()
+    rng = random.Random(config.seed)
+    pool = EndpointPool(
+        Endpoint.from_url(e.url, e.role, e.models) for e in config.pool.endpoints
+    )
+    index_cfg = config.prefix_index
+    index = InMemoryPrefixIndex(index_cfg.capacity_blocks or DEFAULT_CAPACITY_BLOCKS)
+    affinity = InMemoryAffinityStore(
+        config.session_affinity.ttl_seconds, config.session_affinity.max_sessions
+    )
+    if config.plugins is None:
+        plugins, profile_cfg = strategy(config.strategy)
+    else:
+        assert config.scheduling_profiles  # enforced by the config model
+        plugins, profile_cfg = config.plugins, config.scheduling_profiles[0]
+    profile = build_profile(plugins, profile_cfg, registry, PluginContext(rng))
+    prefix = PrefixTracker(index)
+    sessions = AffinityTracker(affinity)
+    scheduler = Scheduler(profile, producers=[prefix, sessions], observers=[prefix, sessions])
+    metrics = GatewayMetrics(pool)
+    proxy = Proxy(config, pool, scheduler, metrics)
+    return Gateway(config, pool, index, affinity, scheduler, metrics, proxy)
+
+
+def _error_response(error: GatewayError) -> Response:
+    return Response(error.body(), error.status_code, dict(error.headers()), media_type=JSON)
+
+
+def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) -> FastAPI:
+    gateway = build_gateway(config, registry)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        proxy_cfg = config.proxy
+        limits = httpx.Limits(
+            max_connections=proxy_cfg.max_connections,
+            max_keepalive_connections=proxy_cfg.max_connections,
+        )
+        timeout = httpx.Timeout(
+            connect=proxy_cfg.connect_timeout_seconds,
+            read=max(proxy_cfg.first_byte_timeout_seconds, proxy_cfg.idle_timeout_seconds) + 5,
+            write=60.0,
+            pool=proxy_cfg.connect_timeout_seconds,
+        )
+        # Monitoring gets its own small client, so health checks never queue behind traffic.
+        async with (
+            httpx.AsyncClient(limits=limits, timeout=timeout) as client,
+            httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as monitor_client,
+        ):
+            gateway.proxy.client = client
+            hc, ms = config.pool.health_check, config.pool.metrics_scrape
+            settings = MonitorSettings(
+                scrape_interval=ms.interval_seconds,
+                scrape_timeout=ms.timeout_seconds,
+                health_interval=hc.interval_seconds,
+                health_timeout=hc.timeout_seconds,
+                unhealthy_threshold=hc.unhealthy_threshold,
+            )
+            monitor = EndpointMonitor(
+                gateway.pool, monitor_client, settings, gateway.kv_capacity_to_blocks
+            )
+            gateway.monitor = monitor
+            await monitor.check_all()
+            monitor.start()
+            try:
+                yield
+            finally:
+                await monitor.stop()
+                await gateway.index.aclose()
+
+    app = FastAPI(title="prefixgate", version=__version__, lifespan=lifespan)
+    app.state.gateway = gateway
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, exc: GatewayError) -> Response:
+        return _error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        error = GatewayError(str(exc.detail))
+        error.status_code = exc.status_code
+        error.error_type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _error_response(BadRequestError(str(exc.errors())))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await gateway.proxy.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gateway.proxy.handle(request, "completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        created = int(time.time())
+        data = [
+            {"id": m, "object": "model", "created": created, "owned_by": "prefixgate"}
+            for m in sorted(gateway.pool.models())
+        ]
+        return Response(orjson.dumps({"object": "list", "data": data}), media_type=JSON)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(b'{"status":"ok"}', media_type=JSON)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        healthy = sum(1 for s in gateway.pool if s.healthy)
+        body = orjson.dumps({"ready": healthy > 0, "healthy_endpoints": healthy})
+        return Response(body, 200 if healthy else 503, media_type=JSON)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,104 @@
+"""The ``prefixgate`` command: ``serve``, ``sim`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from router.config import GatewayConfig, load_config, parse_config
+from router.errors import ConfigError
+
+
+def _serve_config(args: argparse.Namespace) -> GatewayConfig:
+    if args.config and args.backend:
+        raise ConfigError("give --config or --backend, not both")
+    if args.config:
+        config = load_config(args.config)
+    elif args.backend:
+        config = parse_config({"pool": {"endpoints": [{"url": u} for u in args.backend]}})
+    else:
+        raise ConfigError("serve needs --config FILE or at least one --backend URL")
+    data = config.model_dump(by_alias=True, exclude_unset=True)
+    server = data.setdefault("server", {})
+    if args.host is not None:
+        server["host"] = args.host
+    if args.port is not None:
+        server["port"] = args.port
+    if args.strategy:
+        data.pop("plugins", None)
+        data.pop("schedulingProfiles", None)
+        data["strategy"] = args.strategy
+    return parse_config(data)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from router.server import serve
+
+    config = _serve_config(args)
+    serve(config, args.log_level)
+    return 0
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from benchmarks.sim.cli import run
+
+    return run(args)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from router.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from benchmarks.sim.cli import add_arguments as add_sim_arguments
+
+    parser = argparse.ArgumentParser(prog="prefixgate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", help="YAML config file (EndpointPickerConfig style)")
+    serve.add_argument("--backend", action="append", default=[], help="replica URL (repeat)")
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--strategy", default=None, help="built-in strategy instead of plugins")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=_cmd_serve)
+
+    sim = sub.add_parser("sim", help="run simulated vLLM replicas")
+    add_sim_arguments(sim)
+    sim.set_defaults(func=_cmd_sim)
+
+    demo = sub.add_parser("demo", help="gateway + 4 simulated replicas on loopback")
+    demo.add_argument("--port", type=int, default=8000, help="gateway port")
+    demo.add_argument("--replicas", type=int, default=4)
+    demo.add_argument("--smoke", action="store_true", help="send a short workload, print, exit")
+    demo.add_argument("--strategy", default="default")
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=str(getattr(args, "log_level", "info")).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # httpx logs every request at INFO: far too much for a proxy's log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        code: int = args.func(args)
+    except ConfigError as exc:
+        print(f"prefixgate: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

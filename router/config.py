@@ -1,0 +1,179 @@
+"""Gateway configuration: strict, typed, loaded from YAML in the spirit of llm-d's
+``EndpointPickerConfig``. Unknown keys and bad values fail at start-up with a message that
+names the offending key (``pool.endpoints[0].url: ...``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from router.endpoints import endpoint_id_from_url
+from router.errors import ConfigError
+from router.hashing import DEFAULT_BLOCK_BYTES
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
+    )
+
+
+class EndpointConfig(Strict):
+    url: str
+    role: Literal["both", "prefill", "decode"] = "both"
+    models: list[str] = Field(default_factory=list)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        endpoint_id_from_url(value)
+        return value.rstrip("/")
+
+
+class HealthCheckConfig(Strict):
+    interval_seconds: float = Field(2.0, gt=0)
+    timeout_seconds: float = Field(1.0, gt=0)
+    unhealthy_threshold: int = Field(3, ge=1)
+
+
+class MetricsScrapeConfig(Strict):
+    interval_seconds: float = Field(0.1, gt=0, le=60)
+    timeout_seconds: float = Field(0.5, gt=0)
+    stale_after_seconds: float = Field(1.0, gt=0)
+
+
+class PoolConfig(Strict):
+    endpoints: list[EndpointConfig] = Field(default_factory=list)
+    health_check: HealthCheckConfig = HealthCheckConfig()
+    metrics_scrape: MetricsScrapeConfig = MetricsScrapeConfig()
+
+    @field_validator("endpoints")
+    @classmethod
+    def _unique(cls, value: list[EndpointConfig]) -> list[EndpointConfig]:
+        ids = [endpoint_id_from_url(e.url) for e in value]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"duplicate endpoints: {', '.join(dupes)}")
+        return value
+
+
+class PrefixIndexConfig(Strict):
+    backend: Literal["memory", "redis"] = "memory"
+    block_bytes: int = Field(DEFAULT_BLOCK_BYTES, ge=16, le=65536)
+    max_blocks_per_request: int = Field(32768, ge=1)
+    # None: derived per endpoint from its reported KV capacity (vllm:cache_config_info).
+    capacity_blocks: int | None = Field(None, ge=1)
+    url: str | None = None
+    namespace: str = "prefixgate"
+    timeout_ms: float = Field(5.0, gt=0)
+
+
+class SessionAffinityConfig(Strict):
+    ttl_seconds: float = Field(600.0, gt=0)
+    max_sessions: int = Field(100_000, ge=1)
+
+
+class ServerConfig(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # 200K-token agent prompts are ~1 MB of text; JSON escaping and images need headroom.
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+
+
+class ProxyConfig(Strict):
+    connect_timeout_seconds: float = Field(2.0, gt=0)
+    # A long prompt can queue and prefill for minutes on a loaded replica.
+    first_byte_timeout_seconds: float = Field(600.0, gt=0)
+    idle_timeout_seconds: float = Field(300.0, gt=0)
+    max_attempts: int = Field(3, ge=1, le=10)
+    max_connections: int = Field(1024, ge=1)
+
+
+class PluginConfig(Strict):
+    type: str
+    name: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def ref(self) -> str:
+        return self.name or self.type
+
+
+class PluginRef(Strict):
+    plugin_ref: str
+    weight: float | None = Field(None, ge=0)
+
+
+class ProfileConfig(Strict):
+    name: str
+    plugins: list[PluginRef]
+
+
+class GatewayConfig(Strict):
+    api_version: str = "prefixgate.dev/v1alpha1"
+    kind: Literal["EndpointPickerConfig", "GatewayConfig"] = "EndpointPickerConfig"
+    server: ServerConfig = ServerConfig()
+    pool: PoolConfig = PoolConfig()
+    prefix_index: PrefixIndexConfig = PrefixIndexConfig()
+    session_affinity: SessionAffinityConfig = SessionAffinityConfig()
+    proxy: ProxyConfig = ProxyConfig()
+    # A built-in strategy (router.strategies), or explicit plugins + schedulingProfiles.
+    strategy: str = "default"
+    plugins: list[PluginConfig] | None = None
+    scheduling_profiles: list[ProfileConfig] | None = None
+    seed: int | None = None
+
+    @model_validator(mode="after")
+    def _profiles(self) -> GatewayConfig:
+        from router.strategies import STRATEGIES
+
+        if (self.plugins is None) != (self.scheduling_profiles is None):
+            raise ValueError("plugins and schedulingProfiles go together: give both or neither")
+        if self.scheduling_profiles is not None and not self.scheduling_profiles:
+            raise ValueError("schedulingProfiles: at least one profile is needed")
+        if self.plugins is not None and "strategy" in self.model_fields_set:
+            raise ValueError("strategy: give a strategy or plugins, not both")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy: unknown {self.strategy!r} (known: {sorted(STRATEGIES)})")
+        return self
+
+
+def format_validation_error(error: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for item in error.errors():
+        path = prefix
+        for part in item["loc"]:
+            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        lines.append(f"{path or '<root>'}: {message}")
+    return "; ".join(lines)
+
+
+def parse_config(data: Any) -> GatewayConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("config: the top level must be a mapping")
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid config: {format_validation_error(exc)}") from exc
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+    return parse_config(data)

@@ -1,0 +1,274 @@
+"""The request path: parse, route, forward, relay.
+
+Attempts go to the ranked endpoints in order: a connect error, a timeout or a 5xx before the
+first byte moves on to the next (bounded); a 4xx is the client's and is passed through as is.
+Once a byte has been relayed the answer is committed to that endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+import httpx
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from router.config import GatewayConfig
+from router.endpoints import EndpointPool, EndpointSnapshot, Lease
+from router.errors import (
+    ModelNotFoundError,
+    NoEndpointsError,
+    PayloadTooLargeError,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
+from router.hashing import block_hashes, estimate_tokens
+from router.metrics import GatewayMetrics
+from router.parsing import Api, ParsedRequest, parse_request
+from router.scheduling import RoutingRequest, Scheduler
+from router.streaming import DisconnectWatch, UpstreamResponse
+
+log = logging.getLogger("prefixgate.proxy")
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+SESSION_HEADER = "x-session-id"
+REQUEST_ID_HEADER = "x-request-id"
+FAIRNESS_HEADERS = ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
+
+# Headers a client may never set for the upstream: hop-by-hop ones, and the gateway's own
+# routing headers (a client-chosen destination or prefiller would be an SSRF hole).
+_DROP_REQUEST_HEADERS = frozenset(
+    h.encode()
+    for h in (
+        "host", "content-length", "connection", "keep-alive", "proxy-authenticate",
+        "proxy-authorization", "proxy-connection", "te", "trailer", "transfer-encoding",
+        "upgrade", "expect", DESTINATION_HEADER, "x-gateway-destination-endpoint-subset",
+        "x-prefiller-host-port", "x-gateway-request-dropped-reason", REQUEST_ID_HEADER,
+    )
+)
+_DROP_RESPONSE_HEADERS = frozenset(
+    h.encode()
+    for h in (
+        "connection", "keep-alive", "transfer-encoding", "upgrade", "trailer", "server",
+        "date", DESTINATION_HEADER, REQUEST_ID_HEADER,
+    )
+)
+
+
+@dataclass(slots=True)
+class Attempt:
+    response: httpx.Response
+    chunks: AsyncIterator[bytes]
+    first_chunk: bytes
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        pool: EndpointPool,
+        scheduler: Scheduler,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._config = config
+        self._pool = pool
+        self._scheduler = scheduler
+        self._metrics = metrics
+        self.client: httpx.AsyncClient | None = None
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self._config.server.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise asyncio.CancelledError from None
+        return b"".join(chunks)
+
+    def routing_request(
+        self, parsed: ParsedRequest, request: Request, request_id: str
+    ) -> RoutingRequest:
+        index = self._config.prefix_index
+        data = parsed.rendered.encode("utf-8", "surrogatepass")
+        headers = request.headers
+        fairness = next((headers[h] for h in FAIRNESS_HEADERS if h in headers), "default")
+        return RoutingRequest(
+            request_id=request_id,
+            model=parsed.model,
+            api=parsed.api,
+            session_id=headers.get(SESSION_HEADER) or None,
+            fairness_id=fairness,
+            prompt_bytes=len(data),
+            prompt_tokens=estimate_tokens(len(data)),
+            block_bytes=index.block_bytes,
+            block_hashes=block_hashes(
+                parsed.rendered, index.block_bytes, parsed.model, index.max_blocks_per_request
+            ),
+        )
+
+    async def handle(self, request: Request, api: Api) -> Response:
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        body = await self.read_body(request)
+        parsed = parse_request(api, body)
+        started = time.perf_counter()
+        routing = self.routing_request(parsed, request, request_id)
+        if not self._pool.knows_model(parsed.model):
+            raise ModelNotFoundError(
+                f"The model `{parsed.model}` does not exist.", param="model"
+            )
+        candidates = self._pool.candidates(parsed.model)
+        if not candidates:
+            raise NoEndpointsError(f"no healthy endpoint serves model {parsed.model!r}")
+        decision = await self._scheduler.schedule(routing, candidates)
+        if not decision.ranked:
+            raise NoEndpointsError(f"no endpoint is eligible for model {parsed.model!r}")
+        self._metrics.decision_seconds.observe(time.perf_counter() - started)
+        watch = DisconnectWatch(request.receive)
+        watch.start()
+        handed_over = False
+        try:
+            response = await self._forward(parsed, routing, decision.ranked, request, watch)
+            handed_over = True
+            return response
+        except asyncio.CancelledError:
+            if not watch.absorb_cancel():
+                raise
+            self._metrics.client_disconnects.inc()
+            self._metrics.requests.labels("none", "499", api).inc()
+            return Response(status_code=499)
+        finally:
+            if not handed_over:
+                watch.stop()
+
+    def _upstream_headers(self, request: Request, request_id: str) -> list[tuple[bytes, bytes]]:
+        headers = [(k, v) for k, v in request.headers.raw if k not in _DROP_REQUEST_HEADERS]
+        headers.append((b"x-request-id", request_id.encode()))
+        return headers
+
+    async def _forward(
+        self,
+        parsed: ParsedRequest,
+        routing: RoutingRequest,
+        ranked: list[EndpointSnapshot],
+        request: Request,
+        watch: DisconnectWatch,
+    ) -> Response:
+        assert self.client is not None, "the lifespan owns the client"
+        proxy_cfg = self._config.proxy
+        headers = self._upstream_headers(request, routing.request_id)
+        path = "/v1/chat/completions" if parsed.api == "chat" else "/v1/completions"
+        last_error: Exception | None = None
+        attempts = ranked[: proxy_cfg.max_attempts]
+        for n, endpoint in enumerate(attempts):
+            if n:
+                self._metrics.retries.inc()
+            lease = self._pool.lease(endpoint.id, routing.uncached_tokens(endpoint.id))
+            if n == 0:
+                self._observe_pick(routing, endpoint.id)
+            try:
+                attempt = await self._attempt(endpoint, path, headers, parsed.body)
+            except (httpx.HTTPError, OSError, TimeoutError) as exc:
+                lease.release()
+                kind = "timeout" if isinstance(exc, TimeoutError) else "transport"
+                self._metrics.upstream_failures.labels(endpoint.id, kind).inc()
+                log.warning("request %s: %s on %s: %r", routing.request_id, kind, endpoint.id, exc)
+                last_error = exc
+                continue
+            except BaseException:
+                lease.release()
+                raise
+            status = attempt.response.status_code
+            if status >= 500 and n + 1 < len(attempts):
+                lease.release()
+                self._metrics.upstream_failures.labels(endpoint.id, "5xx").inc()
+                with contextlib.suppress(Exception):
+                    await attempt.response.aclose()
+                continue
+            if n:
+                self._observe_pick(routing, endpoint.id)
+            lease.first_byte()
+            return self._relay(attempt, endpoint, lease, watch, routing, parsed.api)
+        if isinstance(last_error, TimeoutError):
+            raise UpstreamTimeoutError("no endpoint answered within the first-byte timeout")
+        raise UpstreamError(f"no endpoint could be reached ({type(last_error).__name__})")
+
+    def _observe_pick(self, routing: RoutingRequest, endpoint_id: str) -> None:
+        if routing.block_hashes:
+            ratio = routing.prefix_hits.get(endpoint_id, 0) / len(routing.block_hashes)
+            self._metrics.prefix_match_ratio.observe(ratio)
+        self._scheduler.picked(routing, endpoint_id)
+
+    async def _attempt(
+        self, endpoint: EndpointSnapshot, path: str, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> Attempt:
+        assert self.client is not None
+        req = self.client.build_request("POST", endpoint.url + path, headers=headers, content=body)
+        response: httpx.Response | None = None
+        try:
+            async with asyncio.timeout(self._config.proxy.first_byte_timeout_seconds):
+                response = await self.client.send(req, stream=True)
+                chunks = response.aiter_raw()
+                first = await anext(chunks, b"")
+        except BaseException:
+            if response is not None:
+                with contextlib.suppress(Exception):
+                    await response.aclose()
+            raise
+        return Attempt(response, chunks, first)
+
+    def _relay(
+        self,
+        attempt: Attempt,
+        endpoint: EndpointSnapshot,
+        lease: Lease,
+        watch: DisconnectWatch,
+        routing: RoutingRequest,
+        api: str,
+    ) -> Response:
+        upstream = attempt.response
+        headers = _response_headers(upstream.headers.raw, endpoint.id, routing.request_id)
+        status = str(upstream.status_code)
+        requests = self._metrics.requests
+        disconnects = self._metrics.client_disconnects
+        stream_errors = self._metrics.stream_errors
+
+        def finish(outcome: str) -> None:
+            requests.labels(endpoint.id, status, api).inc()
+            if outcome == "client_disconnect":
+                disconnects.inc()
+            elif outcome == "stream_error":
+                stream_errors.labels(endpoint.id).inc()
+
+        return UpstreamResponse(
+            upstream,
+            attempt.first_chunk,
+            attempt.chunks,
+            headers,
+            lease=lease,
+            watch=watch,
+            idle_timeout=self._config.proxy.idle_timeout_seconds,
+            on_finish=finish,
+        )
+
+
+def _response_headers(
+    raw: Iterable[tuple[bytes, bytes]], endpoint_id: str, request_id: str
+) -> list[tuple[bytes, bytes]]:
+    headers = [(k.lower(), v) for k, v in raw if k.lower() not in _DROP_RESPONSE_HEADERS]
+    headers.append((DESTINATION_HEADER.encode(), endpoint_id.encode()))
+    headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+    return headers

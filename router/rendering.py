@@ -1,0 +1,96 @@
+"""Canonical prompt rendering for the prefix index.
+
+The gateway cannot reproduce a replica's chat template or tokenizer, so it renders each request
+into a canonical text whose *prefix structure* matches the replica's: tools first (chat templates
+put tool definitions into the system header), then every message in order. A conversation that
+grows by appended messages therefore renders to a text that extends the previous one, and its
+block hashes form a growing chain of identical leading blocks.
+
+Separators are ASCII control characters that do not occur in ordinary text, so that message
+boundaries cannot be forged by content ("user: x" inside a message is not a new message).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+_MSG = "\x1e"  # record separator: between messages
+_FIELD = "\x1f"  # unit separator: between fields of a message
+
+
+def _canonical_json(value: Any) -> str:
+    # Sorted keys: two clients sending the same tools in another key order share a prefix.
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def render_content(content: Any) -> str:
+    """Render an OpenAI message ``content``: a string or a list of typed parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        pieces: list[str] = []
+        for part in content:
+            if isinstance(part, Mapping):
+                pieces.append(_render_part(part))
+            elif isinstance(part, str):
+                pieces.append(part)
+        return "".join(pieces)
+    return _canonical_json(content)
+
+
+def _render_part(part: Mapping[str, Any]) -> str:
+    kind = part.get("type")
+    if kind in ("text", "input_text", "output_text"):
+        text = part.get("text")
+        return text if isinstance(text, str) else ""
+    # Images and other media: the canonical JSON of the part, so the same image yields the same
+    # block and a different image breaks the chain, as the engine's multimodal hashes do.
+    return _canonical_json(part)
+
+
+def _escape(text: str) -> str:
+    # Rare: content carrying our separators is escaped so it cannot fake a message boundary.
+    if _MSG in text or _FIELD in text:
+        return text.replace("\\", "\\\\").replace(_MSG, "\\x1e").replace(_FIELD, "\\x1f")
+    return text
+
+
+def render_message(message: Mapping[str, Any]) -> str:
+    role = message.get("role")
+    content = _escape(render_content(message.get("content")))
+    fields = [role if isinstance(role, str) else "", content]
+    for key in ("name", "tool_call_id"):
+        value = message.get(key)
+        if isinstance(value, str):
+            fields.append(f"{key}={value}")
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        fields.append(_canonical_json(tool_calls))
+    return _FIELD.join(fields)
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
+    """Render a chat request's tools and messages; each message ends with a separator."""
+    parts: list[str] = []
+    if tools:
+        parts.append("tools" + _FIELD + _canonical_json(tools) + _MSG)
+    for message in messages:
+        parts.append(render_message(message) + _MSG)
+    return "".join(parts)
+
+
+def render_prompt(prompt: Any) -> str:
+    """Render a completions ``prompt``: text, token ids, or a one-element batch of either."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        # Token ids: four characters per id keeps the chars-per-token estimate honest.
+        return "".join(f"{int(t) & 0xFFFFFFFF:08x}"[4:] for t in prompt)
+    return ""

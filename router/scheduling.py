@@ -1,0 +1,166 @@
+"""Scheduling: gather, then score, then update.
+
+A request's :class:`RoutingRequest` is filled by async *producers* (prefix-index lookup, session
+lookup), then a :class:`SchedulingProfile` runs pure plugins over endpoint snapshots: filters
+narrow the candidates, scorers give each a value in [0, 1], the weighted sum goes to a picker,
+which returns the candidates in order of preference (the first is the pick, the rest are the
+fallbacks for a retry). Index and affinity updates run after the pick, off the hot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from router.endpoints import EndpointSnapshot
+
+log = logging.getLogger("prefixgate.scheduling")
+
+
+@dataclass(slots=True)
+class RoutingRequest:
+    """Per-request state: parsed facts first, then what the producers gathered."""
+
+    request_id: str
+    model: str
+    api: str = "chat"
+    session_id: str | None = None
+    fairness_id: str = "default"
+    priority: int = 0
+    prompt_bytes: int = 0
+    prompt_tokens: int = 0
+    block_bytes: int = 0
+    block_hashes: Sequence[int] = ()
+    # Filled by producers:
+    prefix_hits: dict[str, int] = field(default_factory=dict)
+    affinity_endpoint: str | None = None
+
+    def uncached_tokens(self, endpoint_id: str) -> int:
+        """This request's prompt tokens the endpoint probably has to compute."""
+        if not self.block_hashes or not self.prompt_bytes:
+            return self.prompt_tokens
+        hit_bytes = self.prefix_hits.get(endpoint_id, 0) * self.block_bytes
+        share = min(1.0, hit_bytes / self.prompt_bytes)
+        return max(1, round(self.prompt_tokens * (1.0 - share)))
+
+
+@runtime_checkable
+class Filter(Protocol):
+    def filter(
+        self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
+    ) -> list[EndpointSnapshot]: ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    def score(
+        self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
+    ) -> list[float]:
+        """One value in [0, 1] per endpoint, in the given order; higher is better."""
+        ...
+
+
+@runtime_checkable
+class Picker(Protocol):
+    def pick(
+        self,
+        request: RoutingRequest,
+        endpoints: Sequence[EndpointSnapshot],
+        scores: Sequence[float],
+    ) -> list[EndpointSnapshot]:
+        """The endpoints in order of preference."""
+        ...
+
+
+class Producer(Protocol):
+    """Gathers data into the request before scoring; the only place where I/O may happen."""
+
+    async def produce(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> None:
+        ...
+
+
+class PickObserver(Protocol):
+    """Learns from a pick right after it is made (index and affinity updates).
+
+    Called synchronously so that the next request of a burst already sees this pick; an
+    observer whose store needs I/O (Redis) updates its local view inline and runs the I/O
+    in a background task of its own.
+    """
+
+    def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    name: str
+    scorer: Scorer
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    ranked: list[EndpointSnapshot]
+    scores: dict[str, float]
+    breakdown: dict[str, dict[str, float]]
+
+
+@dataclass(slots=True)
+class SchedulingProfile:
+    name: str
+    picker: Picker
+    scorers: list[WeightedScorer] = field(default_factory=list)
+    filters: list[Filter] = field(default_factory=list)
+
+    def run(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> Decision:
+        candidates = list(endpoints)
+        for flt in self.filters:
+            candidates = flt.filter(request, candidates)
+            if not candidates:
+                return Decision([], {}, {})
+        totals = [0.0] * len(candidates)
+        breakdown: dict[str, dict[str, float]] = {e.id: {} for e in candidates}
+        for ws in self.scorers:
+            values = ws.scorer.score(request, candidates)
+            for i, value in enumerate(values):
+                clipped = min(1.0, max(0.0, value))
+                totals[i] += ws.weight * clipped
+                breakdown[candidates[i].id][ws.name] = clipped
+        ranked = self.picker.pick(request, candidates, totals)
+        scores = {e.id: t for e, t in zip(candidates, totals, strict=True)}
+        return Decision(ranked, scores, breakdown)
+
+
+class Scheduler:
+    """Runs the producers, one profile, then the observers."""
+
+    def __init__(
+        self,
+        profile: SchedulingProfile,
+        producers: Sequence[Producer] = (),
+        observers: Sequence[PickObserver] = (),
+    ) -> None:
+        self.profile = profile
+        self._producers = list(producers)
+        self._observers = list(observers)
+
+    async def gather(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> None:
+        if len(self._producers) == 1:
+            await self._producers[0].produce(request, endpoints)
+        elif self._producers:
+            await asyncio.gather(*(p.produce(request, endpoints) for p in self._producers))
+
+    async def schedule(
+        self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
+    ) -> Decision:
+        await self.gather(request, endpoints)
+        return self.profile.run(request, endpoints)
+
+    def picked(self, request: RoutingRequest, endpoint_id: str) -> None:
+        for observer in self._observers:
+            try:
+                observer.on_pick(request, endpoint_id)
+            except Exception:  # an update must never fail the request it learns from
+                log.exception("pick observer %r failed", observer)

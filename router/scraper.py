@@ -1,0 +1,196 @@
+"""Background health checks and vLLM metric scraping, one task per endpoint.
+
+Scrapes parse only the handful of vLLM series a router needs, line by line, instead of the
+whole exposition: a real vLLM ``/metrics`` page carries hundreds of histogram lines, and a full
+parser run ten times a second per endpoint would eat the event loop the proxy needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import orjson
+
+from router.endpoints import EndpointPool, EndpointState, EngineMetrics
+
+log = logging.getLogger("prefixgate.scraper")
+
+_WANTED = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+}
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_vllm_metrics(text: str, scraped_at: float) -> EngineMetrics:
+    """Sum each wanted series over its label sets (several models or LoRA adapters)."""
+    values: dict[str, float] = {}
+    labels_of_config: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        brace = line.find("{")
+        name_end = brace if brace != -1 else line.find(" ")
+        name = line[:name_end]
+        if name == "vllm:cache_config_info" and brace != -1:
+            labels_of_config = dict(_LABEL.findall(line[brace : line.rfind("}") + 1]))
+            continue
+        field = _WANTED.get(name)
+        if field is None:
+            continue
+        value_part = line[line.rfind("}") + 1 :] if brace != -1 else line[name_end:]
+        tokens = value_part.split()
+        if not tokens:
+            continue
+        try:
+            value = float(tokens[0])
+        except ValueError:
+            continue
+        if name == "vllm:gpu_cache_usage_perc" and "kv_usage" in values:
+            continue  # the current name wins over the deprecated one
+        values[field] = values.get(field, 0.0) + value
+    return EngineMetrics(
+        waiting=values.get("waiting", 0.0),
+        running=values.get("running", 0.0),
+        kv_usage=min(1.0, max(0.0, values.get("kv_usage", 0.0))),
+        block_size=_int_label(labels_of_config, "block_size"),
+        num_gpu_blocks=_int_label(labels_of_config, "num_gpu_blocks"),
+        prefix_hits=values.get("prefix_hits", 0.0),
+        prefix_queries=values.get("prefix_queries", 0.0),
+        scraped_at=scraped_at,
+    )
+
+
+def _int_label(labels: dict[str, str], key: str) -> int | None:
+    raw = labels.get(key)
+    if raw is None:
+        return None
+    try:
+        return int(float(raw))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorSettings:
+    scrape_interval: float = 0.1
+    scrape_timeout: float = 0.5
+    health_interval: float = 2.0
+    health_timeout: float = 1.0
+    unhealthy_threshold: int = 3
+
+
+CapacityCallback = Callable[[str, int, int], None]
+
+
+class EndpointMonitor:
+    """Owns one polling task per endpoint; started and stopped by the app's lifespan."""
+
+    def __init__(
+        self,
+        pool: EndpointPool,
+        client: httpx.AsyncClient,
+        settings: MonitorSettings,
+        on_capacity: CapacityCallback | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._pool = pool
+        self._client = client
+        self._settings = settings
+        self._on_capacity = on_capacity
+        self._clock = clock
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self) -> None:
+        for state in self._pool:
+            self.watch(state)
+
+    def watch(self, state: EndpointState) -> None:
+        if state.endpoint.id not in self._tasks:
+            task = asyncio.create_task(self._run(state), name=f"monitor:{state.endpoint.id}")
+            self._tasks[state.endpoint.id] = task
+
+    async def check_all(self) -> None:
+        """One health round for every endpoint now (start-up, so /ready is true at once)."""
+        await asyncio.gather(*(self._health(s) for s in self._pool))
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, state: EndpointState) -> None:
+        next_health = self._clock() + self._settings.health_interval
+        while True:
+            if self._clock() >= next_health:
+                await self._health(state)
+                next_health = self._clock() + self._settings.health_interval
+            if state.healthy:
+                await self._scrape(state)
+            await asyncio.sleep(self._settings.scrape_interval)
+
+    async def _health(self, state: EndpointState) -> None:
+        url = state.endpoint.url
+        try:
+            resp = await self._client.get(f"{url}/health", timeout=self._settings.health_timeout)
+            ok = resp.status_code == 200
+            if ok and not state.models:
+                await self._discover_models(state)
+        except (httpx.HTTPError, OSError):
+            ok = False
+        self._mark(state, ok)
+
+    async def _discover_models(self, state: EndpointState) -> None:
+        url = state.endpoint.url
+        resp = await self._client.get(f"{url}/v1/models", timeout=self._settings.health_timeout)
+        if resp.status_code != 200:
+            return
+        try:
+            data = orjson.loads(resp.content).get("data", [])
+            state.models.update(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
+        except (orjson.JSONDecodeError, AttributeError, TypeError):
+            log.warning("endpoint %s: unreadable /v1/models", state.endpoint.id)
+
+    async def _scrape(self, state: EndpointState) -> None:
+        url = state.endpoint.url
+        try:
+            resp = await self._client.get(f"{url}/metrics", timeout=self._settings.scrape_timeout)
+        except (httpx.HTTPError, OSError):
+            self._mark(state, False)
+            return
+        if resp.status_code != 200:
+            return  # not every backend exports metrics; health decides liveness
+        previous = state.metrics
+        state.metrics = parse_vllm_metrics(resp.text, self._clock())
+        state.consecutive_failures = 0
+        m = state.metrics
+        capacity_changed = (m.block_size, m.num_gpu_blocks) != (
+            previous.block_size,
+            previous.num_gpu_blocks,
+        )
+        if capacity_changed and m.block_size and m.num_gpu_blocks and self._on_capacity:
+            self._on_capacity(state.endpoint.id, m.block_size, m.num_gpu_blocks)
+
+    def _mark(self, state: EndpointState, ok: bool) -> None:
+        if ok:
+            if not state.healthy:
+                log.info("endpoint %s is healthy", state.endpoint.id)
+            state.healthy = True
+            state.consecutive_failures = 0
+            return
+        state.consecutive_failures += 1
+        if state.healthy and state.consecutive_failures >= self._settings.unhealthy_threshold:
+            log.warning("endpoint %s is unhealthy", state.endpoint.id)
+            state.healthy = False

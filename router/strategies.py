@@ -1,0 +1,47 @@
+"""Built-in strategies: the default profile and the baselines used for comparisons.
+
+Each is plain config (plugins + one profile), exactly what a user could write in YAML, so a
+baseline is never a special code path.
+"""
+
+from __future__ import annotations
+
+from router.config import PluginConfig, PluginRef, ProfileConfig
+
+Strategy = tuple[list[PluginConfig], ProfileConfig]
+
+# Weights: llm-d's defaults for prefix (3), queue (2) and KV utilization (2), plus the gateway's
+# own in-flight count (2) which, unlike scraped metrics, is never stale inside a burst, and
+# session affinity (1) which keeps a session home when its prefix score alone is ambiguous.
+_DEFAULT_WEIGHTS = {
+    "prefix-cache-scorer": 3.0,
+    "queue-scorer": 2.0,
+    "kv-cache-utilization-scorer": 2.0,
+    "inflight-scorer": 2.0,
+    "session-affinity-scorer": 1.0,
+}
+
+
+def _weighted(weights: dict[str, float], picker: str = "max-score-picker") -> Strategy:
+    plugins = [PluginConfig(type=t) for t in weights] + [PluginConfig(type=picker)]
+    refs = [PluginRef(plugin_ref=t, weight=w) for t, w in weights.items()]
+    refs.append(PluginRef(plugin_ref=picker))
+    return plugins, ProfileConfig(name="default", plugins=refs)
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "default": _weighted(_DEFAULT_WEIGHTS),
+    "round-robin": _weighted({}, "round-robin-picker"),
+    "random": _weighted({}, "random-picker"),
+    "least-loaded": _weighted({"inflight-scorer": 1.0}),
+    "prefix-only": _weighted({"prefix-cache-scorer": 1.0}),
+    "session-hash": _weighted({"session-hash-scorer": 1.0}),
+}
+
+
+def strategy(name: str) -> Strategy:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        known = ", ".join(sorted(STRATEGIES))
+        raise ValueError(f"unknown strategy {name!r} (known: {known})") from None

@@ -1,0 +1,136 @@
+"""Passing an upstream response to the client chunk by chunk, and noticing when it leaves.
+
+Starlette only notices a disconnected client when a write fails, and uvicorn drops writes to a
+closed connection silently, so a proxy built on ``StreamingResponse`` keeps the upstream request
+(and the replica's batch slot) alive until the answer ends. :class:`DisconnectWatch` instead
+listens on the ASGI receive channel for the whole request and cancels the request's task the
+moment the client goes, which closes the upstream connection and so aborts the replica's work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+import orjson
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from router.endpoints import Lease
+
+
+class DisconnectWatch:
+    """Cancels the current task when the client disconnects, until :meth:`stop`."""
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._owner = asyncio.current_task()
+        self._watcher: asyncio.Task[None] | None = None
+        self.disconnected = False
+
+    def start(self) -> None:
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected = True
+                if self._owner is not None:
+                    self._owner.cancel()
+                return
+
+    def stop(self) -> None:
+        # Must run before the last body message: once the response is complete, uvicorn's
+        # receive() reports a disconnect at once, which must not cancel the finished request.
+        if self._watcher is not None and not self._watcher.done():
+            self._watcher.cancel()
+        self._watcher = None
+
+    def absorb_cancel(self) -> bool:
+        """After a CancelledError: True (and the cancel undone) if it was ours."""
+        if not self.disconnected:
+            return False
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        return True
+
+
+def sse_error_event(message: str, error_type: str = "upstream_error", code: int = 502) -> bytes:
+    body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+class UpstreamResponse(Response):
+    """Relays an upstream response whose status line and first chunk were already received."""
+
+    def __init__(
+        self,
+        upstream: httpx.Response,
+        first_chunk: bytes,
+        chunks: AsyncIterator[bytes],
+        headers: list[tuple[bytes, bytes]],
+        *,
+        lease: Lease,
+        watch: DisconnectWatch,
+        idle_timeout: float,
+        on_finish: Callable[[str], None],
+    ) -> None:
+        self.status_code = upstream.status_code
+        self.raw_headers = headers
+        self.background = None
+        self._upstream = upstream
+        self._first = first_chunk
+        self._chunks = chunks
+        self._lease = lease
+        self._watch = watch
+        self._idle_timeout = idle_timeout
+        self._on_finish = on_finish
+        content_type = upstream.headers.get("content-type", "")
+        self._sse = content_type.startswith("text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        outcome = "ok"
+        try:
+            outcome = await self._relay(send)
+        except asyncio.CancelledError:
+            if not self._watch.absorb_cancel():
+                raise
+            outcome = "client_disconnect"
+        finally:
+            self._watch.stop()
+            self._lease.release()
+            with contextlib.suppress(Exception):
+                await self._upstream.aclose()
+            self._on_finish(outcome)
+
+    async def _relay(self, send: Send) -> str:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        last = self._first
+        if self._first:
+            await send({"type": "http.response.body", "body": self._first, "more_body": True})
+        outcome = "ok"
+        try:
+            while True:
+                async with asyncio.timeout(self._idle_timeout):
+                    chunk = await anext(self._chunks, None)
+                if chunk is None:
+                    break
+                if chunk:
+                    last = chunk
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (httpx.HTTPError, TimeoutError) as exc:
+            outcome = "stream_error"
+            if self._sse:
+                # Never glue the event to a partial line: close any open event first.
+                lead = b"" if last.endswith(b"\n\n") else b"\n\n"
+                reason = "idle timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
+                event = sse_error_event(f"upstream stream failed: {reason}")
+                await send({"type": "http.response.body", "body": lead + event, "more_body": True})
+        self._watch.stop()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return outcome

@@ -1,0 +1,18 @@
+"""In-flight scorer: the gateway's own count of requests it has sent to each endpoint.
+
+Counted at pick time, so unlike the scraped queue depth it is never stale: it is what keeps a
+burst that arrives between two scrapes from herding onto one endpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from router.endpoints import EndpointSnapshot
+from router.scheduling import RoutingRequest
+from scorers.scale import inverted_min_max
+
+
+class InFlightScorer:
+    def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
+        return inverted_min_max([float(e.in_flight) for e in endpoints])

@@ -1,0 +1,13 @@
+"""KV-cache utilization scorer: ``1 - usage``, so endpoints with KV headroom are preferred."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from router.endpoints import EndpointSnapshot
+from router.scheduling import RoutingRequest
+
+
+class KVCacheUtilizationScorer:
+    def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
+        return [1.0 - min(1.0, max(0.0, e.kv_usage)) for e in endpoints]

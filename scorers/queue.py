@@ -1,0 +1,14 @@
+"""Queue scorer: fewer requests waiting in the engine's queue is better (min-max scaled)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from router.endpoints import EndpointSnapshot
+from router.scheduling import RoutingRequest
+from scorers.scale import inverted_min_max
+
+
+class QueueScorer:
+    def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
+        return inverted_min_max([e.waiting for e in endpoints])

@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from router.affinity import InMemoryAffinityStore
+from router.endpoints import EndpointSnapshot
+from router.pickers import MaxScorePicker, RandomPicker, RoundRobinPicker
+from router.plugins import PluginContext, build_profile, default_registry
+from router.prefix_index import InMemoryPrefixIndex
+from router.producers import AffinityTracker, PrefixTracker
+from router.scheduling import RoutingRequest, Scheduler, SchedulingProfile, WeightedScorer
+from router.strategies import strategy
+from scorers.prefix_cache import PrefixCacheScorer
+from scorers.queue import QueueScorer
+
+
+def snap(eid: str, **kw: Any) -> EndpointSnapshot:
+    base: dict[str, Any] = {
+        "id": eid, "url": f"http://{eid}", "role": "both", "in_flight": 0,
+        "pending_prefill_tokens": 0, "waiting": 0.0, "running": 0.0, "kv_usage": 0.0,
+        "metrics_age": 0.0,
+    }
+    base.update(kw)
+    return EndpointSnapshot(**base)
+
+
+def req(**kw: Any) -> RoutingRequest:
+    return RoutingRequest(request_id="r", model="m", **kw)
+
+
+class OnlyB:
+    def filter(
+        self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
+    ) -> list[EndpointSnapshot]:
+        return [e for e in endpoints if e.id == "b"]
+
+
+def test_weighted_sum_and_breakdown() -> None:
+    profile = SchedulingProfile(
+        "p",
+        MaxScorePicker(random.Random(0)),
+        [WeightedScorer("prefix", PrefixCacheScorer(), 3.0), WeightedScorer("q", QueueScorer(), 2.0)],
+    )
+    request = req(block_hashes=(1, 2), prefix_hits={"a": 2})
+    decision = profile.run(request, [snap("a", waiting=4), snap("b", waiting=0)])
+    assert decision.scores == {"a": 3.0, "b": 2.0}
+    assert [e.id for e in decision.ranked] == ["a", "b"]
+    assert decision.breakdown["b"] == {"prefix": 0.0, "q": 1.0}
+
+
+def test_filters_narrow_and_empty_result() -> None:
+    profile = SchedulingProfile("p", MaxScorePicker(random.Random(0)), [], [OnlyB()])
+    assert [e.id for e in profile.run(req(), [snap("a"), snap("b")]).ranked] == ["b"]
+    assert profile.run(req(), [snap("a")]).ranked == []
+
+
+def test_ties_are_broken_at_random() -> None:
+    picker = MaxScorePicker(random.Random(7))
+    endpoints = [snap(f"e{i}") for i in range(4)]
+    firsts = {picker.pick(req(), endpoints, [1.0] * 4)[0].id for _ in range(200)}
+    assert firsts == {"e0", "e1", "e2", "e3"}
+    assert picker.pick(req(), endpoints, [0.0, 2.0, 1.0, 0.5])[0].id == "e1"
+
+
+def test_round_robin_and_random_pickers() -> None:
+    endpoints = [snap("b"), snap("a"), snap("c")]
+    rr = RoundRobinPicker()
+    assert [rr.pick(req(), endpoints, [0.0] * 3)[0].id for _ in range(4)] == ["a", "b", "c", "a"]
+    rnd = RandomPicker(random.Random(3))
+    assert sorted(e.id for e in rnd.pick(req(), endpoints, [0.0] * 3)) == ["a", "b", "c"]
+    assert rr.pick(req(), [], []) == []
+
+
+async def test_gather_score_update_cycle() -> None:
+    index = InMemoryPrefixIndex()
+    store = InMemoryAffinityStore()
+    prefix, sessions = PrefixTracker(index), AffinityTracker(store)
+    plugins, profile_cfg = strategy("default")
+    profile = build_profile(plugins, profile_cfg, default_registry(), PluginContext(random.Random(0)))
+    scheduler = Scheduler(profile, [prefix, sessions], [prefix, sessions])
+    endpoints = [snap("a"), snap("b"), snap("c")]
+    first = req(session_id="s", block_hashes=(1, 2, 3))
+    decision = await scheduler.schedule(first, endpoints)
+    home = decision.ranked[0].id
+    scheduler.picked(first, home)
+    # The next turn of the session extends the chain: it must go home, via index and affinity.
+    second = req(session_id="s", block_hashes=(1, 2, 3, 4, 5))
+    decision = await scheduler.schedule(second, endpoints)
+    assert second.prefix_hits[home] == 3
+    assert second.affinity_endpoint == home
+    assert decision.ranked[0].id == home
+
+
+async def test_load_pulls_new_sessions_apart() -> None:
+    plugins, profile_cfg = strategy("default")
+    profile = build_profile(plugins, profile_cfg, default_registry(), PluginContext(random.Random(0)))
+    busy, idle = snap("a", in_flight=8, waiting=3), snap("b")
+    assert profile.run(req(block_hashes=(1,)), [busy, idle]).ranked[0].id == "b"
+
+
+def test_uncached_tokens_estimate() -> None:
+    request = req(prompt_bytes=4000, prompt_tokens=1000, block_bytes=1000, block_hashes=(1, 2, 3, 4))
+    request.prefix_hits = {"a": 3}
+    assert request.uncached_tokens("a") == 250
+    assert request.uncached_tokens("b") == 1000
+    assert req(prompt_tokens=7).uncached_tokens("a") == 7

@@ -1,0 +1,97 @@
+"""Table-driven tests for every scorer: pure functions of a request and snapshots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from router.endpoints import EndpointSnapshot
+from router.scheduling import RoutingRequest
+from scorers.inflight import InFlightScorer
+from scorers.kv_cache_utilization import KVCacheUtilizationScorer
+from scorers.prefix_cache import PrefixCacheScorer
+from scorers.queue import QueueScorer
+from scorers.scale import inverted_min_max
+from scorers.session_affinity import SessionAffinityScorer
+from scorers.session_hash import SessionHashScorer
+
+
+def snap(eid: str, **kw: Any) -> EndpointSnapshot:
+    base: dict[str, Any] = {
+        "id": eid, "url": f"http://{eid}", "role": "both", "in_flight": 0,
+        "pending_prefill_tokens": 0, "waiting": 0.0, "running": 0.0, "kv_usage": 0.0,
+        "metrics_age": 0.0,
+    }
+    base.update(kw)
+    return EndpointSnapshot(**base)
+
+
+def req(**kw: Any) -> RoutingRequest:
+    return RoutingRequest(request_id="r", model="m", **kw)
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [([], []), ([3.0], [1.0]), ([2.0, 2.0], [1.0, 1.0]), ([0.0, 5.0, 10.0], [1.0, 0.5, 0.0])],
+)
+def test_inverted_min_max(values: list[float], expected: list[float]) -> None:
+    assert inverted_min_max(values) == expected
+
+
+@pytest.mark.parametrize(
+    ("hashes", "hits", "expected"),
+    [
+        ((), {}, [0.0, 0.0]),
+        ((1, 2, 3, 4), {}, [0.0, 0.0]),
+        ((1, 2, 3, 4), {"a": 4, "b": 1}, [1.0, 0.25]),
+        ((1, 2), {"b": 1}, [0.0, 0.5]),
+    ],
+)
+def test_prefix_cache(hashes: tuple[int, ...], hits: dict[str, int], expected: list[float]) -> None:
+    request = req(block_hashes=hashes, prefix_hits=hits)
+    assert PrefixCacheScorer().score(request, [snap("a"), snap("b")]) == expected
+
+
+@pytest.mark.parametrize(
+    ("waiting", "expected"),
+    [((0, 0), [1.0, 1.0]), ((0, 4), [1.0, 0.0]), ((2, 4, 3), [1.0, 0.0, 0.5])],
+)
+def test_queue(waiting: tuple[float, ...], expected: list[float]) -> None:
+    endpoints = [snap(f"e{i}", waiting=w) for i, w in enumerate(waiting)]
+    assert QueueScorer().score(req(), endpoints) == expected
+
+
+@pytest.mark.parametrize(("usage", "expected"), [(0.0, 1.0), (0.25, 0.75), (1.0, 0.0), (1.7, 0.0)])
+def test_kv_cache_utilization(usage: float, expected: float) -> None:
+    assert KVCacheUtilizationScorer().score(req(), [snap("a", kv_usage=usage)]) == [expected]
+
+
+def test_inflight_counts_are_min_max_scaled() -> None:
+    endpoints = [snap("a", in_flight=1), snap("b", in_flight=3), snap("c", in_flight=5)]
+    assert InFlightScorer().score(req(), endpoints) == [1.0, 0.5, 0.0]
+
+
+@pytest.mark.parametrize(("home", "expected"), [(None, [0.0, 0.0]), ("b", [0.0, 1.0]), ("z", [0.0, 0.0])])
+def test_session_affinity(home: str | None, expected: list[float]) -> None:
+    request = req(session_id="s", affinity_endpoint=home)
+    assert SessionAffinityScorer().score(request, [snap("a"), snap("b")]) == expected
+
+
+def test_session_hash_is_stable_and_spreads() -> None:
+    endpoints = [snap(f"e{i}") for i in range(4)]
+    scorer = SessionHashScorer()
+    homes = set()
+    for s in range(64):
+        scores = scorer.score(req(session_id=f"s{s}"), endpoints)
+        assert sorted(scores) == [0.0, 0.0, 0.0, 1.0]
+        assert scores == scorer.score(req(session_id=f"s{s}"), list(endpoints))
+        homes.add(scores.index(1.0))
+    assert homes == {0, 1, 2, 3}
+    # Removing an endpoint moves only the sessions that lived there (rendezvous hashing).
+    for s in range(64):
+        full = scorer.score(req(session_id=f"s{s}"), endpoints)
+        if full.index(1.0) != 3:
+            fewer = scorer.score(req(session_id=f"s{s}"), endpoints[:3])
+            assert fewer.index(1.0) == full.index(1.0)
+    assert scorer.score(req(), endpoints) == [0.0] * 4
