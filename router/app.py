@@ -31,6 +31,7 @@ from router.proxy import Proxy
 from router.scheduling import Scheduler
 from router.scraper import EndpointMonitor, MonitorSettings
 from router.strategies import strategy
+from router.upstream import UpstreamClient
 
 JSON = "application/json"
 
@@ -92,21 +93,9 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         proxy_cfg = config.proxy
-        limits = httpx.Limits(
-            max_connections=proxy_cfg.max_connections,
-            max_keepalive_connections=proxy_cfg.max_connections,
-        )
-        timeout = httpx.Timeout(
-            connect=proxy_cfg.connect_timeout_seconds,
-            read=max(proxy_cfg.first_byte_timeout_seconds, proxy_cfg.idle_timeout_seconds) + 5,
-            write=60.0,
-            pool=proxy_cfg.connect_timeout_seconds,
-        )
-        # Monitoring gets its own small client, so health checks never queue behind traffic.
-        async with (
-            httpx.AsyncClient(limits=limits, timeout=timeout) as client,
-            httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as monitor_client,
-        ):
+        client = UpstreamClient(proxy_cfg.max_connections, proxy_cfg.connect_timeout_seconds)
+        # Monitoring gets its own client, so health checks never queue behind traffic.
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as monitor_client:
             gateway.proxy.client = client
             hc, ms = config.pool.health_check, config.pool.metrics_scrape
             settings = MonitorSettings(
@@ -126,6 +115,7 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
                 yield
             finally:
                 await monitor.stop()
+                await client.aclose()
                 await gateway.index.aclose()
 
     app = FastAPI(title="prefixgate", version=__version__, lifespan=lifespan)

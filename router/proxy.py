@@ -8,14 +8,12 @@ Once a byte has been relayed the answer is committed to that endpoint.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-import httpx
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
@@ -33,6 +31,7 @@ from router.metrics import GatewayMetrics
 from router.parsing import Api, ParsedRequest, parse_request
 from router.scheduling import RoutingRequest, Scheduler
 from router.streaming import DisconnectWatch, UpstreamResponse
+from router.upstream import UPSTREAM_ERRORS, UpstreamClient, UpstreamReply
 
 log = logging.getLogger("prefixgate.proxy")
 
@@ -63,8 +62,7 @@ _DROP_RESPONSE_HEADERS = frozenset(
 
 @dataclass(slots=True)
 class Attempt:
-    response: httpx.Response
-    chunks: AsyncIterator[bytes]
+    reply: UpstreamReply
     first_chunk: bytes
 
 
@@ -80,7 +78,7 @@ class Proxy:
         self._pool = pool
         self._scheduler = scheduler
         self._metrics = metrics
-        self.client: httpx.AsyncClient | None = None
+        self.client: UpstreamClient | None = None
 
     async def read_body(self, request: Request) -> bytes:
         limit = self._config.server.max_body_bytes
@@ -154,9 +152,13 @@ class Proxy:
             if not handed_over:
                 watch.stop()
 
-    def _upstream_headers(self, request: Request, request_id: str) -> list[tuple[bytes, bytes]]:
-        headers = [(k, v) for k, v in request.headers.raw if k not in _DROP_REQUEST_HEADERS]
-        headers.append((b"x-request-id", request_id.encode()))
+    def _upstream_headers(self, request: Request, request_id: str) -> list[tuple[str, str]]:
+        headers = [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in request.headers.raw
+            if k.lower() not in _DROP_REQUEST_HEADERS
+        ]
+        headers.append(("x-request-id", request_id))
         return headers
 
     async def _forward(
@@ -171,7 +173,7 @@ class Proxy:
         proxy_cfg = self._config.proxy
         headers = self._upstream_headers(request, routing.request_id)
         path = "/v1/chat/completions" if parsed.api == "chat" else "/v1/completions"
-        last_error: Exception | None = None
+        last_error: BaseException | None = None
         attempts = ranked[: proxy_cfg.max_attempts]
         for n, endpoint in enumerate(attempts):
             if n:
@@ -181,7 +183,7 @@ class Proxy:
                 self._observe_pick(routing, endpoint.id)
             try:
                 attempt = await self._attempt(endpoint, path, headers, parsed.body)
-            except (httpx.HTTPError, OSError, TimeoutError) as exc:
+            except UPSTREAM_ERRORS as exc:
                 lease.release()
                 kind = "timeout" if isinstance(exc, TimeoutError) else "transport"
                 self._metrics.upstream_failures.labels(endpoint.id, kind).inc()
@@ -191,12 +193,10 @@ class Proxy:
             except BaseException:
                 lease.release()
                 raise
-            status = attempt.response.status_code
-            if status >= 500 and n + 1 < len(attempts):
+            if attempt.reply.status >= 500 and n + 1 < len(attempts):
                 lease.release()
                 self._metrics.upstream_failures.labels(endpoint.id, "5xx").inc()
-                with contextlib.suppress(Exception):
-                    await attempt.response.aclose()
+                attempt.reply.close()
                 continue
             if n:
                 self._observe_pick(routing, endpoint.id)
@@ -213,22 +213,19 @@ class Proxy:
         self._scheduler.picked(routing, endpoint_id)
 
     async def _attempt(
-        self, endpoint: EndpointSnapshot, path: str, headers: list[tuple[bytes, bytes]], body: bytes
+        self, endpoint: EndpointSnapshot, path: str, headers: list[tuple[str, str]], body: bytes
     ) -> Attempt:
         assert self.client is not None
-        req = self.client.build_request("POST", endpoint.url + path, headers=headers, content=body)
-        response: httpx.Response | None = None
+        reply: UpstreamReply | None = None
         try:
             async with asyncio.timeout(self._config.proxy.first_byte_timeout_seconds):
-                response = await self.client.send(req, stream=True)
-                chunks = response.aiter_raw()
-                first = await anext(chunks, b"")
+                reply = await self.client.post(endpoint.url + path, headers, body)
+                first = await reply.next_chunk()
         except BaseException:
-            if response is not None:
-                with contextlib.suppress(Exception):
-                    await response.aclose()
+            if reply is not None:
+                reply.close()
             raise
-        return Attempt(response, chunks, first)
+        return Attempt(reply, first)
 
     def _relay(
         self,
@@ -239,9 +236,9 @@ class Proxy:
         routing: RoutingRequest,
         api: str,
     ) -> Response:
-        upstream = attempt.response
-        headers = _response_headers(upstream.headers.raw, endpoint.id, routing.request_id)
-        status = str(upstream.status_code)
+        upstream = attempt.reply
+        headers = _response_headers(upstream.raw_headers, endpoint.id, routing.request_id)
+        status = str(upstream.status)
         requests = self._metrics.requests
         disconnects = self._metrics.client_disconnects
         stream_errors = self._metrics.stream_errors
@@ -256,7 +253,6 @@ class Proxy:
         return UpstreamResponse(
             upstream,
             attempt.first_chunk,
-            attempt.chunks,
             headers,
             lease=lease,
             watch=watch,

@@ -10,15 +10,14 @@ moment the client goes, which closes the upstream connection and so aborts the r
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
-import httpx
 import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from router.endpoints import Lease
+from router.upstream import UPSTREAM_ERRORS, UpstreamReply
 
 
 class DisconnectWatch:
@@ -65,13 +64,12 @@ def sse_error_event(message: str, error_type: str = "upstream_error", code: int 
 
 
 class UpstreamResponse(Response):
-    """Relays an upstream response whose status line and first chunk were already received."""
+    """Relays an upstream reply whose status line and first chunk were already received."""
 
     def __init__(
         self,
-        upstream: httpx.Response,
+        upstream: UpstreamReply,
         first_chunk: bytes,
-        chunks: AsyncIterator[bytes],
         headers: list[tuple[bytes, bytes]],
         *,
         lease: Lease,
@@ -79,18 +77,16 @@ class UpstreamResponse(Response):
         idle_timeout: float,
         on_finish: Callable[[str], None],
     ) -> None:
-        self.status_code = upstream.status_code
+        self.status_code = upstream.status
         self.raw_headers = headers
         self.background = None
         self._upstream = upstream
         self._first = first_chunk
-        self._chunks = chunks
         self._lease = lease
         self._watch = watch
         self._idle_timeout = idle_timeout
         self._on_finish = on_finish
-        content_type = upstream.headers.get("content-type", "")
-        self._sse = content_type.startswith("text/event-stream")
+        self._sse = upstream.content_type.startswith("text/event-stream")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         outcome = "ok"
@@ -103,34 +99,39 @@ class UpstreamResponse(Response):
         finally:
             self._watch.stop()
             self._lease.release()
-            with contextlib.suppress(Exception):
-                await self._upstream.aclose()
+            self._upstream.close()
             self._on_finish(outcome)
 
     async def _relay(self, send: Send) -> str:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
         last = self._first
+        outcome = "ok"
         if self._first:
             await send({"type": "http.response.body", "body": self._first, "more_body": True})
-        outcome = "ok"
-        try:
-            while True:
-                async with asyncio.timeout(self._idle_timeout):
-                    chunk = await anext(self._chunks, None)
-                if chunk is None:
-                    break
-                if chunk:
+            try:
+                while True:
+                    async with asyncio.timeout(self._idle_timeout):
+                        chunk = await self._upstream.next_chunk()
+                    if not chunk:
+                        break
                     last = chunk
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (httpx.HTTPError, TimeoutError) as exc:
-            outcome = "stream_error"
-            if self._sse:
-                # Never glue the event to a partial line: close any open event first.
-                lead = b"" if last.endswith(b"\n\n") else b"\n\n"
-                reason = "idle timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
-                event = sse_error_event(f"upstream stream failed: {reason}")
-                await send({"type": "http.response.body", "body": lead + event, "more_body": True})
+            except UPSTREAM_ERRORS as exc:
+                outcome = "stream_error"
+                if self._sse:
+                    await send(
+                        {"type": "http.response.body", "body": _error_event(last, exc),
+                         "more_body": True}
+                    )
         self._watch.stop()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return outcome
+
+
+def _error_event(last: bytes, exc: BaseException) -> bytes:
+    # Never glue the event to a partial line: close any open event first.
+    lead = b"" if last.endswith(b"\n\n") else b"\n\n"
+    reason = "idle timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
+    return lead + sse_error_event(f"upstream stream failed: {reason}")
