@@ -1,0 +1,1 @@
+"""Benchmark tooling for prefixgate: the vLLM replica simulator and load drivers."""

@@ -1,0 +1,8 @@
+"""``python -m benchmarks.sim``: serve simulated vLLM replicas."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Configuration of one simulated vLLM replica."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Defaults follow vLLM's own (block size, seqs, batched tokens) and the 8B-on-H100 latency
+# profile from llm-d-inference-sim (REFERENCE.md section 2).
+DEFAULT_MODEL = "sim-model"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Every knob of a simulated replica; one instance can be shared by many replicas."""
+
+    model: str = DEFAULT_MODEL
+    served_model_names: tuple[str, ...] = ()
+    block_size: int = 16
+    num_gpu_blocks: int = 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 262144
+    itl_ms: float = 12.0
+    prefill_overhead_ms: float = 30.0
+    prefill_ms_per_token: float = 0.2
+    time_factor_under_load: float = 2.0
+    kv_transfer_ms_per_token: float = 0.02
+    speed: float = 1.0
+    zero_latency: bool = False
+    default_max_tokens: int = 64
+    seed: int = 0
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.num_gpu_blocks < 1:
+            raise ValueError("block_size and num_gpu_blocks must be >= 1")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.speed <= 0:
+            raise ValueError("speed must be > 0")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Names the server answers to: the model first, then aliases (as vLLM lists them)."""
+        if self.served_model_names:
+            return self.served_model_names
+        return (self.model,)

@@ -1,0 +1,273 @@
+"""A deterministic stand-in tokenizer and chat template for the simulator.
+
+Nothing is downloaded and nothing depends on Python's salted ``hash()``, so two processes
+(the simulator and a gateway test, say) always agree on token ids.
+
+Chat template (ChatML, as Qwen models use)::
+
+    <|im_start|>system\\n{canonical JSON of tools}<|im_end|>\\n      (only if tools are given)
+    <|im_start|>{role}\\n{content}<|im_end|>\\n                       (each message)
+    <|im_start|>assistant\\n                                        (generation prompt)
+
+Content may be a string or a list of parts: text parts are concatenated, ``image_url`` parts
+become one placeholder special token ``<|image:{16 hex of xxh64(url)}|>``.
+
+Encoding:
+
+1. special tokens (``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``, image placeholders)
+   are split out first and get fixed ids;
+2. the text between them is pre-tokenised by one regex into words with their optional single
+   leading space, digit runs, punctuation runs and whitespace runs (GPT-2 style: a newline
+   never merges with the following word);
+3. pieces longer than four characters are cut into pieces of at most four characters, which
+   gives roughly one token per four characters of English;
+4. the pieces of the generation vocabulary (below) have fixed ids from 140000 up; any other
+   piece's id is ``xxh64(piece) % 140000``. Collisions between two such pieces are harmless
+   for a simulator (two different texts could share a cache block, at a rate of about one
+   piece pair in 140K; decoding such an id gives the piece seen first).
+
+Decoding uses the generation vocabulary plus every piece this tokenizer instance has encoded
+(a bounded memo), so ``decode(encode(text)) == text`` for text seen by the same instance and
+for all generated text in any process.
+
+Generated text is drawn from a vocabulary of short words that are each exactly one
+pre-token (``"the"`` for the first token of a chat reply, ``" the"`` afterwards, and a
+single punctuation mark never followed by another), so ``encode(decode(ids)) == ids`` and a
+reply embedded in the next turn's template tokenizes to exactly the generated ids at that
+position: full blocks of generated tokens hit the prefix cache on the next turn, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import orjson
+import xxhash
+
+PINNED_BASE = 140000
+IM_START_ID = 151644
+IM_END_ID = 151645
+ENDOFTEXT_ID = 151643
+VOCAB_SIZE = 151936
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+ENDOFTEXT = "<|endoftext|>"
+_FIXED_SPECIALS = {IM_START: IM_START_ID, IM_END: IM_END_ID, ENDOFTEXT: ENDOFTEXT_ID}
+
+_SPECIAL_RE = re.compile(r"(<\|im_start\|>|<\|im_end\|>|<\|endoftext\|>|<\|image:[0-9a-f]{16}\|>)")
+_PRETOKEN_RE = re.compile(r"[ ]?[^\W\d_]+|[ ]?\d+|[ ]?(?:[^\w\s]|_)+|\s+(?!\S)|\s+")
+_MAX_PIECE = 4
+_HASH_SEED = 0x5EED
+_MEMO_LIMIT = 1 << 20
+
+_CONSONANTS = "bcdfghjklmnprstvwz"
+_VOWELS = "aeiou"
+_COMMON = (
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "it",
+    "you",
+    "he",
+    "was",
+    "for",
+    "on",
+    "are",
+    "as",
+    "his",
+    "at",
+    "be",
+    "or",
+    "one",
+    "had",
+    "by",
+    "but",
+    "not",
+    "all",
+    "we",
+    "can",
+    "use",
+    "an",
+    "she",
+    "do",
+    "how",
+    "if",
+    "up",
+    "out",
+    "so",
+    "her",
+    "him",
+    "has",
+    "two",
+    "go",
+    "see",
+    "way",
+    "who",
+    "oil",
+    "its",
+    "now",
+    "day",
+    "did",
+    "get",
+    "may",
+)
+_PUNCT = (",", ".")
+
+
+def _piece_id(piece: str) -> int:
+    return xxhash.xxh64_intdigest(piece.encode("utf-8"), _HASH_SEED) % PINNED_BASE
+
+
+def image_placeholder(url: str) -> str:
+    """The special token an image part renders to (stable across processes)."""
+    return f"<|image:{xxhash.xxh64_hexdigest(url.encode('utf-8'), _HASH_SEED)}|>"
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out: list[str] = []
+        for part in content:
+            if not isinstance(part, Mapping):
+                raise ValueError("content parts must be objects")
+            kind = part.get("type")
+            if kind == "text":
+                out.append(str(part.get("text", "")))
+            elif kind == "image_url":
+                image = part.get("image_url")
+                url = image.get("url", "") if isinstance(image, Mapping) else str(image)
+                out.append(image_placeholder(str(url)))
+            else:
+                raise ValueError(f"unsupported content part type: {kind!r}")
+        return "".join(out)
+    raise ValueError("message content must be a string, a list of parts or null")
+
+
+def render_chat(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Any] | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render messages (and tools) with the ChatML template described in the module doc."""
+    parts: list[str] = []
+    if tools:
+        tools_json = orjson.dumps(list(tools), option=orjson.OPT_SORT_KEYS).decode()
+        parts.append(f"{IM_START}system\n{tools_json}{IM_END}\n")
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise ValueError("each message must be an object")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError("each message needs a string 'role'")
+        parts.append(f"{IM_START}{role}\n{_content_text(message.get('content'))}{IM_END}\n")
+    if add_generation_prompt:
+        parts.append(f"{IM_START}assistant\n")
+    return "".join(parts)
+
+
+class Tokenizer:
+    """Deterministic tokenizer; one instance per replica (it keeps a bounded decode memo)."""
+
+    def __init__(self) -> None:
+        words = list(_COMMON)
+        words += [c1 + v + c2 for c1 in _CONSONANTS for v in _VOWELS for c2 in _CONSONANTS]
+        # " " + word must stay one piece of at most four characters.
+        words = [w for w in dict.fromkeys(words) if len(w) < _MAX_PIECE]
+        pinned: dict[str, int] = {}
+        for piece in [*_PUNCT, *(w for word in words for w in (word, " " + word))]:
+            # Generated pieces get their own id range so they can never collide with text.
+            pinned[piece] = PINNED_BASE + len(pinned)
+        self._pinned = pinned
+        self._first_ids = [pinned[w] for w in words if w in pinned]
+        self._word_ids = [pinned[" " + w] for w in words if w in pinned]
+        self._punct_ids = [pinned[p] for p in _PUNCT]
+        self._punct_set = frozenset(self._punct_ids)
+        self._piece_to_id: dict[str, int] = {}
+        self._id_to_piece: dict[int, str] = {}
+        self._reset_memo()
+
+    def _reset_memo(self) -> None:
+        self._piece_to_id = dict(self._pinned)
+        self._id_to_piece = {i: p for p, i in self._pinned.items()}
+        self._id_to_piece.update({i: p for p, i in _FIXED_SPECIALS.items()})
+
+    def _remember(self, piece: str) -> int:
+        token_id = _piece_id(piece)
+        if len(self._piece_to_id) >= _MEMO_LIMIT:
+            # Bounded memory: forget learned pieces, keep the generation vocabulary.
+            self._reset_memo()
+        self._piece_to_id[piece] = token_id
+        self._id_to_piece.setdefault(token_id, piece)
+        return token_id
+
+    def _encode_text(self, text: str, out: list[int]) -> None:
+        memo = self._piece_to_id
+        for pre in _PRETOKEN_RE.findall(text):
+            if len(pre) <= _MAX_PIECE:
+                token_id = memo.get(pre)
+                out.append(token_id if token_id is not None else self._remember(pre))
+                continue
+            for start in range(0, len(pre), _MAX_PIECE):
+                piece = pre[start : start + _MAX_PIECE]
+                token_id = memo.get(piece)
+                out.append(token_id if token_id is not None else self._remember(piece))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens in the text are recognised."""
+        out: list[int] = []
+        for i, segment in enumerate(_SPECIAL_RE.split(text)):
+            if i % 2 == 1:
+                fixed = _FIXED_SPECIALS.get(segment)
+                out.append(fixed if fixed is not None else self._remember(segment))
+            elif segment:
+                self._encode_text(segment, out)
+        return out
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; ids this instance never produced decode as ``<|tok:N|>``."""
+        table = self._id_to_piece
+        return "".join(table.get(i) or f"<|tok:{i}|>" for i in ids)
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None
+    ) -> list[int]:
+        """Prompt ids of a chat request, generation prompt included."""
+        return self.encode(render_chat(messages, tools, add_generation_prompt=True))
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Prompt ids of a completions request (text, or ids passed through)."""
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def generate(self, n: int, seed: int, chat: bool) -> list[int]:
+        """``n`` deterministic output ids for ``seed``; see the module doc for their shape.
+
+        ``chat`` replies start without a leading space (strip-safe); completions continue the
+        prompt text, so their first word carries one.
+        """
+        if n <= 0:
+            return []
+        rng = random.Random(seed)
+        ids = [rng.choice(self._word_ids) for _ in range(n)]
+        if chat:
+            ids[0] = rng.choice(self._first_ids)
+        # A punctuation mark only after a word: two in a row would merge into one pre-token.
+        for i in range(1, n):
+            if rng.random() < 0.08 and ids[i - 1] not in self._punct_set:
+                ids[i] = rng.choice(self._punct_ids)
+        return ids
+
+    def piece(self, token_id: int) -> str:
+        """Text of one token (used for streaming deltas)."""
+        return self._id_to_piece.get(token_id) or f"<|tok:{token_id}|>"
