@@ -1,0 +1,213 @@
+"""The gateway over real sockets, in front of simulated replicas, through the openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+
+from benchmarks.sim.cli import Replica
+from router.server import RunningGateway, running_gateway
+from tests.router.conftest import MODEL, gateway_config
+
+pytestmark = pytest.mark.slow
+
+
+def client(gw: RunningGateway) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+
+
+def replica_ids(replicas: list[Replica]) -> set[str]:
+    return {f"{r.host}:{r.port}" for r in replicas}
+
+
+async def test_chat_non_streaming(gateway: RunningGateway, replicas: list[Replica]) -> None:
+    raw = await client(gateway).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello there"}], max_tokens=5
+    )
+    completion = raw.parse()
+    assert completion.choices[0].message.content
+    assert completion.usage is not None and completion.usage.completion_tokens == 5
+    assert raw.headers["x-gateway-destination-endpoint"] in replica_ids(replicas)
+    assert raw.headers["x-request-id"]
+
+
+async def test_chat_streaming_is_passed_through_chunk_by_chunk(
+    gateway: RunningGateway, replicas: list[Replica]
+) -> None:
+    stream = await client(gateway).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "stream please"}],
+        max_tokens=60,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = []
+    running_at_first_content = None
+    async for chunk in stream:
+        if running_at_first_content is None and chunk.choices and chunk.choices[0].delta.content:
+            # Unbuffered: the first token reaches the client while the replica still generates.
+            running_at_first_content = sum(len(r.engine.running) for r in replicas)
+        chunks.append(chunk)
+    assert running_at_first_content == 1
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) == 60
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 60
+
+
+async def test_completions_stream_and_not(gateway: RunningGateway) -> None:
+    c = client(gateway)
+    done = await c.completions.create(model=MODEL, prompt="once upon a time", max_tokens=4)
+    assert done.choices[0].text
+    stream = await c.completions.create(
+        model=MODEL, prompt=[1, 2, 3, 4], max_tokens=4, stream=True
+    )
+    texts = [chunk.choices[0].text async for chunk in stream if chunk.choices]
+    assert len(texts) == 4
+
+
+async def test_models_health_ready_metrics(gateway: RunningGateway) -> None:
+    models = await client(gateway).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        assert (await http.get("/health")).status_code == 200
+        ready = await http.get("/ready")
+        assert ready.status_code == 200 and ready.json()["healthy_endpoints"] == 4
+        await http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x" * 600}]},
+        )
+        text = (await http.get("/metrics")).text
+    for name in (
+        "prefixgate_requests_total",
+        "prefixgate_routing_decision_seconds_bucket",
+        "prefixgate_endpoint_in_flight",
+        "prefixgate_prefix_match_ratio_bucket",
+    ):
+        assert name in text
+
+
+async def test_unknown_model_is_an_openai_404(gateway: RunningGateway) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        await client(gateway).chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "x"}]
+        )
+    assert info.value.status_code == 404
+    body = info.value.response.json()
+    assert body["error"]["code"] == "model_not_found"
+
+
+async def test_bad_requests_get_openai_errors(gateway: RunningGateway) -> None:
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        bad_json = await http.post("/v1/chat/completions", content=b"{oops")
+        assert bad_json.status_code == 400
+        assert bad_json.json()["error"]["type"] == "invalid_request_error"
+        no_messages = await http.post("/v1/chat/completions", json={"model": MODEL})
+        assert no_messages.status_code == 400
+        assert no_messages.json()["error"]["param"] == "messages"
+        unknown = await http.get("/v1/nothing")
+        assert unknown.status_code == 404 and "error" in unknown.json()
+
+
+async def test_upstream_error_is_passed_through(gateway: RunningGateway) -> None:
+    # The replica rejects a prompt longer than its max_model_len: status and body come back as is.
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        resp = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": [1] * 300_000, "max_tokens": 1}
+        )
+    assert resp.status_code == 400
+    assert resp.headers["content-type"].startswith("application/json")
+    assert "error" in resp.json()
+    assert "x-gateway-destination-endpoint" in resp.headers
+
+
+async def test_body_limit(replicas: list[Replica]) -> None:
+    config = gateway_config([r.url for r in replicas], server={"port": 0, "maxBodyBytes": 2048})
+    async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+        resp = await http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]},
+        )
+    assert resp.status_code == 413
+    assert resp.json()["error"]["code"] == "payload_too_large"
+
+
+async def test_no_healthy_endpoint_is_503_with_reason(unused_tcp_port: int) -> None:
+    config = gateway_config([f"http://127.0.0.1:{unused_tcp_port}"])
+    config = gateway_config(
+        [f"http://127.0.0.1:{unused_tcp_port}"],
+        pool={"endpoints": [{"url": f"http://127.0.0.1:{unused_tcp_port}", "models": [MODEL]}]},
+    )
+    async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+        assert (await http.get("/ready")).status_code == 503
+        resp = await http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+        )
+    assert resp.status_code == 503
+    assert resp.headers["x-gateway-request-dropped-reason"] == "rejected-no-endpoints"
+
+
+async def test_retry_on_5xx_before_first_byte(
+    gateway: RunningGateway, replicas: list[Replica]
+) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        for r in replicas[:3]:
+            faults = await http.post(f"{r.url}/sim/faults", json={"fail_rate": 1.0, "status": 500})
+            assert faults.status_code == 200
+        healthy = f"{replicas[3].host}:{replicas[3].port}"
+        for _ in range(5):
+            resp = await http.post(
+                f"{gateway.url}/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "retry me"}]},
+            )
+            # max_attempts is 3 of 4 endpoints: either it reached the healthy one, or the last
+            # attempt's 5xx is passed through; never a gateway crash.
+            assert resp.status_code in (200, 500)
+            if resp.status_code == 200:
+                assert resp.headers["x-gateway-destination-endpoint"] == healthy
+
+
+async def _wait_for(predicate: Callable[[], bool], seconds: float = 3.0) -> bool:
+    for _ in range(int(seconds / 0.02)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return predicate()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_disconnect_cancels_upstream(
+    gateway: RunningGateway, replicas: list[Replica], stream: bool
+) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "long answer"}],
+        "max_tokens": 5000,
+        "stream": stream,
+    }
+
+    def running() -> int:
+        return sum(len(r.engine.running) for r in replicas)
+
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        if stream:
+            async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+                await anext(resp.aiter_bytes())
+                assert running() == 1
+        else:
+            task = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+            assert await _wait_for(lambda: running() == 1)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    # The client is gone: the replica frees the slot long before 5000 tokens are generated.
+    assert await _wait_for(lambda: running() == 0)
+    assert await _wait_for(lambda: all(s.in_flight == 0 for s in gateway.gateway.pool))
+    assert sum(r.engine.stats.requests_aborted for r in replicas) == 1
