@@ -1,0 +1,106 @@
+"""The ``flowControl:`` section of the gateway config.
+
+Every key has a default so that an empty section (or none at all) gives a working controller:
+one default band, round-robin fairness, llm-d's saturation thresholds. Models reuse the
+gateway's :class:`~router.config.Strict` base, so an unknown or invalid key fails at start-up
+with a message naming it (``flowControl.priorityBands[0].maxRequests: ...``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.alias_generators import to_camel
+
+
+class Strict(BaseModel):
+    """The same base as ``router.config.Strict`` (a test keeps them equal).
+
+    Not imported from there: ``router.config`` imports this module for its ``flowControl``
+    field, and importing it back would be a cycle that fails in either import order.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
+    )
+
+FairnessPolicyName = Literal["round-robin", "fcfs"]
+
+MiB = 1024 * 1024
+
+
+class BandConfig(Strict):
+    """Limits and fairness policy of one priority band."""
+
+    max_requests: int = Field(1000, ge=1)
+    # Queued requests hold their bodies; agent prompts are ~1 MB each.
+    max_bytes: int = Field(256 * MiB, ge=1)
+    fairness_policy: FairnessPolicyName = "round-robin"
+
+
+class PriorityBandConfig(BandConfig):
+    priority: int
+
+
+class ObjectiveConfig(Strict):
+    """An inference objective named by the ``x-gateway-inference-objective`` header."""
+
+    name: str = Field(min_length=1)
+    priority: int = 0
+    # None: the section's defaultRequestTTL.
+    ttl_seconds: float | None = Field(None, gt=0)
+
+
+class SessionBoostConfig(Strict):
+    """Raise the priority of a request that continues a recently served session."""
+
+    enabled: bool = False
+    window_seconds: float = Field(30.0, gt=0)
+    priority_boost: int = Field(1, ge=0)
+    max_sessions: int = Field(100_000, ge=1)
+
+
+class SaturationDetectorConfig(Strict):
+    """Per-endpoint thresholds; the pool is saturated when every endpoint reaches one."""
+
+    queue_depth_threshold: float = Field(5, ge=0)
+    kv_cache_util_threshold: float = Field(0.8, gt=0, le=1)
+    # The gateway's own count, the one signal available before a scrape lands. vLLM runs up
+    # to max_num_seqs (256 by default) at once; beyond that requests only queue in the engine.
+    in_flight_threshold: int = Field(256, ge=1)
+    metrics_staleness_threshold: float = Field(0.2, gt=0)
+
+
+class FlowControlConfig(Strict):
+    enabled: bool = True
+    priority_bands: list[PriorityBandConfig] = Field(default_factory=list)
+    # Requests below every configured band (all of them, when none is configured).
+    default_band: BandConfig = BandConfig()
+    max_requests: int = Field(5000, ge=1)
+    max_bytes: int = Field(1024 * MiB, ge=1)
+    default_request_ttl: float = Field(60.0, gt=0, alias="defaultRequestTTL")
+    objectives: list[ObjectiveConfig] = Field(default_factory=list)
+    session_boost: SessionBoostConfig = SessionBoostConfig()
+    saturation_detector: SaturationDetectorConfig = SaturationDetectorConfig()
+    retry_after_seconds: float = Field(1.0, gt=0)
+    # Metrics move between releases, so queued work is retried on this tick.
+    dispatch_interval_seconds: float = Field(0.02, gt=0, le=5)
+
+    @field_validator("priority_bands")
+    @classmethod
+    def _unique_bands(cls, value: list[PriorityBandConfig]) -> list[PriorityBandConfig]:
+        seen = [b.priority for b in value]
+        dupes = sorted({p for p in seen if seen.count(p) > 1})
+        if dupes:
+            raise ValueError(f"duplicate band priorities: {dupes}")
+        return value
+
+    @field_validator("objectives")
+    @classmethod
+    def _unique_objectives(cls, value: list[ObjectiveConfig]) -> list[ObjectiveConfig]:
+        names = [o.name for o in value]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate objective names: {', '.join(dupes)}")
+        return value

@@ -1,0 +1,393 @@
+"""The flow controller: admit, queue, dispatch and shed requests before scheduling.
+
+A request passes at once (fast path: no task switch, nothing allocated but its ticket) when the
+pool for its model is not saturated and nothing of equal or higher priority is queued for that
+model. Otherwise it waits in its flow's queue until the controller dispatches it: strict
+priority across levels, the band's fairness policy across the flows of a level, FCFS within a
+flow. Dispatching happens whenever a ticket is released and on a short tick while anything is
+queued, since engine metrics move between releases.
+
+Everything runs on the event loop and nothing blocks: no locks are needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+import time
+from bisect import bisect_right
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+from prometheus_client import CollectorRegistry
+
+from flow_control.config import BandConfig, FlowControlConfig
+from flow_control.metrics import FlowControlMetrics
+from flow_control.policies import make_policy
+from flow_control.queues import BandState, FlowQueue, Level, ModelQueue, QueueItem
+from flow_control.request import FlowRequest, Ticket
+from flow_control.resolve import (
+    SESSION_HEADER,
+    ObjectiveResolver,
+    SessionBoost,
+    fairness_id,
+    header_value,
+)
+from flow_control.saturation import SaturationDetector, ThresholdSaturationDetector
+from router.endpoints import EndpointSnapshot
+from router.errors import NoEndpointsError, SaturatedError, TTLExpiredError
+
+log = logging.getLogger("prefixgate.flow_control")
+
+Candidates = Callable[[str], list[EndpointSnapshot]]
+
+
+class FlowController:
+    def __init__(
+        self,
+        config: FlowControlConfig,
+        candidates: Candidates,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
+        detector: SaturationDetector | None = None,
+        max_flow_labels: int = 100,
+    ) -> None:
+        self.config = config
+        self.enabled = config.enabled
+        self._candidates = candidates
+        self._clock = clock
+        self._detector = detector or ThresholdSaturationDetector(config.saturation_detector)
+        self._metrics = FlowControlMetrics(registry or CollectorRegistry(), max_flow_labels)
+        self._objectives = ObjectiveResolver(config)
+        self._boost = SessionBoost(config.session_boost, clock)
+        bands = sorted(config.priority_bands, key=lambda b: b.priority)
+        self._band_priorities = [b.priority for b in bands]
+        self._bands = [self._band(str(b.priority), b.priority, b) for b in bands]
+        self._default_band = self._band("default", None, config.default_band)
+        self._queues: dict[str, ModelQueue] = {}
+        self._issued: dict[str, int] = {}  # tickets not yet released, per model
+        self._deadlines: list[tuple[float, int, QueueItem]] = []
+        self._seq = itertools.count()
+        self._count = 0
+        self._bytes = 0
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._stopped = False
+
+    def _band(self, name: str, priority: int | None, limits: BandConfig) -> BandState:
+        m = self._metrics
+        return BandState(
+            name=name,
+            priority=priority,
+            limits=limits,
+            policy=make_policy(limits.fairness_policy),
+            gauge_requests=m.queue_requests.labels(name),
+            gauge_bytes=m.queue_bytes.labels(name),
+            wait=m.queue_wait.labels(name),
+            fast=m.dispatches.labels(name, "fast"),
+            queued=m.dispatches.labels(name, "queued"),
+        )
+
+    # -- building requests ------------------------------------------------------------------
+
+    def build_request(
+        self,
+        headers: Mapping[str, str],
+        model: str,
+        size: int = 0,
+        session_id: str | None = None,
+        arrival: float | None = None,
+    ) -> FlowRequest:
+        """Resolve fairness id, objective (priority, TTL) and session boost from headers."""
+        objective = self._objectives.resolve(headers)
+        if session_id is None:
+            session_id = header_value(headers, (SESSION_HEADER,))
+        return FlowRequest(
+            model=model,
+            fairness_id=fairness_id(headers),
+            priority=self._boost.apply(objective.priority, session_id),
+            objective=objective.name,
+            session_id=session_id,
+            size=size,
+            arrival=arrival,
+        )
+
+    # -- admission --------------------------------------------------------------------------
+
+    async def admit(self, request: FlowRequest) -> Ticket:
+        """Wait until the request may go upstream; release the returned ticket when done.
+
+        Raises NoEndpointsError (no endpoint at all), SaturatedError (queue limits, or a
+        sheddable request while saturated) and TTLExpiredError (waited past its TTL). When the
+        waiting task is cancelled the request just leaves its queue.
+        """
+        if not self.enabled:
+            return Ticket(request)
+        model = request.model
+        snapshots = self._candidates(model)
+        if not snapshots:
+            self._metrics.rejections.labels("no-endpoints").inc()
+            raise NoEndpointsError(f"no healthy endpoint serves model {model!r}")
+        saturated = self._saturated(model, snapshots)
+        band = self._band_for(request.priority)
+        queue = self._queues.get(model)
+        ahead = queue.max_priority() if queue is not None else None
+        if not saturated and (ahead is None or ahead < request.priority):
+            return self._issue(request, band, 0.0, "fast")
+        if saturated and request.priority < 0:
+            raise self._shed("sheddable", f"pool for model {model!r} is saturated")
+        if self._stopped:
+            raise self._shed("shutdown", "the gateway is shutting down")
+        item = self._enqueue(request, band)
+        if not saturated:
+            self._dispatch_model(model)  # work of equal priority is ahead: policy order decides
+        return await self._wait(item)
+
+    def _band_for(self, priority: int) -> BandState:
+        """The nearest band at or below ``priority``; the default band below them all."""
+        i = bisect_right(self._band_priorities, priority)
+        return self._bands[i - 1] if i else self._default_band
+
+    def _saturated(self, model: str, snapshots: list[EndpointSnapshot]) -> bool:
+        pending = self._issued.get(model, 0)
+        if pending:
+            # Tickets whose request has not leased an endpoint yet are invisible in in_flight.
+            for snapshot in snapshots:
+                pending -= snapshot.in_flight
+        saturated = self._detector.saturated(snapshots, max(0, pending))
+        self._metrics.set_saturated(model, saturated)
+        return saturated
+
+    def _shed(self, reason: str, message: str) -> SaturatedError:
+        self._metrics.rejections.labels(reason).inc()
+        return SaturatedError(message, retry_after=self.config.retry_after_seconds)
+
+    def _issue(
+        self, request: FlowRequest, band: BandState, waited: float, path: Literal["fast", "queued"]
+    ) -> Ticket:
+        model = request.model
+        self._issued[model] = self._issued.get(model, 0) + 1
+        self._boost.served(request.session_id)
+        band.wait.observe(waited)
+        (band.fast if path == "fast" else band.queued).inc()
+        return Ticket(request, waited, self._on_release)
+
+    def _on_release(self, ticket: Ticket) -> None:
+        request = ticket.request
+        left = self._issued.get(request.model, 0) - 1
+        if left > 0:
+            self._issued[request.model] = left
+        else:
+            self._issued.pop(request.model, None)
+        # A turn that just ended is what makes its session live for the next one.
+        self._boost.served(request.session_id)
+        if request.model in self._queues:
+            try:
+                self._dispatch_model(request.model)
+            except Exception:  # a release must never fail the request that ends; tick retries
+                log.exception("flow control dispatch on release failed")
+
+    # -- queues -----------------------------------------------------------------------------
+
+    def _enqueue(self, request: FlowRequest, band: BandState) -> QueueItem:
+        size = max(0, request.size)
+        cfg = self.config
+        if not band.fits(size):
+            raise self._shed("queue-full", f"flow control queue of band {band.name!r} is full")
+        if self._count >= cfg.max_requests or self._bytes + size > cfg.max_bytes:
+            raise self._shed("queue-full", "flow control queues are full")
+        now = self._clock()
+        arrival = request.arrival if request.arrival is not None else now
+        deadline = arrival + self._objectives.ttl(request.objective)
+        queue = self._queues.get(request.model)
+        if queue is None:
+            queue = self._queues[request.model] = ModelQueue()
+        level = queue.levels.get(request.priority)
+        if level is None:
+            level = queue.levels[request.priority] = Level(request.priority, band)
+        flow = level.flows.get(request.fairness_id)
+        if flow is None:
+            gauges = self._metrics.flow_gauges(request.fairness_id, request.priority)
+            flow = FlowQueue(request.fairness_id, request.priority, *gauges)
+            level.flows[request.fairness_id] = flow
+        future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        item = QueueItem(request, next(self._seq), now, deadline, future, level, flow)
+        flow.items[item.seq] = item
+        self._account(item, size, +1)
+        queue.count += 1
+        heapq.heappush(self._deadlines, (deadline, item.seq, item))
+        if len(self._deadlines) > 2 * self._count + 64:
+            # Dispatched and cancelled items stay in the heap until popped: compact it so
+            # that it stays bounded by what is queued.
+            self._deadlines = [e for e in self._deadlines if e[2].queued]
+            heapq.heapify(self._deadlines)
+        if self._wakeup is not None:
+            self._wakeup.set()
+        return item
+
+    def _account(self, item: QueueItem, size: int, sign: int) -> None:
+        flow, band = item.flow, item.level.band
+        flow.bytes += sign * size
+        band.count += sign
+        band.bytes += sign * size
+        self._count += sign
+        self._bytes += sign * size
+        flow.gauge_requests.inc(sign)
+        flow.gauge_bytes.inc(sign * size)
+        band.gauge_requests.inc(sign)
+        band.gauge_bytes.inc(sign * size)
+
+    def _unlink(self, item: QueueItem, rotate: bool) -> None:
+        """Take a queued item out, dropping every structure that empties."""
+        item.queued = False
+        flow, level = item.flow, item.level
+        del flow.items[item.seq]
+        self._account(item, max(0, item.request.size), -1)
+        queue = self._queues[item.request.model]
+        queue.count -= 1
+        if not flow.items:
+            del level.flows[flow.fairness_id]
+        elif rotate:
+            level.band.policy.dispatched(level.flows, flow)
+        if not level.flows:
+            del queue.levels[level.priority]
+        if not queue.levels:
+            del self._queues[item.request.model]
+
+    async def _wait(self, item: QueueItem) -> Ticket:
+        try:
+            return await item.future
+        except asyncio.CancelledError:
+            if item.queued:
+                self._unlink(item, rotate=False)
+                self._metrics.rejections.labels("cancelled").inc()
+            elif (
+                item.future.done()
+                and not item.future.cancelled()
+                and item.future.exception() is None
+            ):
+                # Dispatched just before the cancel arrived: give the slot back.
+                item.future.result().release()
+            raise
+
+    # -- dispatching ------------------------------------------------------------------------
+
+    def dispatch(self) -> int:
+        """Expire what is past its TTL, then dispatch every model's queue while its pool is
+        not saturated. Returns the number dispatched (the tick calls this; so can tests)."""
+        self.expire()
+        return sum(self._dispatch_model(model) for model in list(self._queues))
+
+    def _dispatch_model(self, model: str) -> int:
+        dispatched = 0
+        queue = self._queues.get(model)
+        while queue is not None:
+            snapshots = self._candidates(model)
+            # An empty pool keeps its queue: endpoints may come back before the TTL ends.
+            if not snapshots or self._saturated(model, snapshots):
+                break
+            level = queue.top()
+            item = level.band.policy.select(level.flows).head()
+            self._unlink(item, rotate=True)
+            queue = self._queues.get(model)
+            if item.future.done():  # its task was cancelled and has not run yet
+                self._metrics.rejections.labels("cancelled").inc()
+                continue
+            now = self._clock()
+            if item.deadline <= now:
+                self._fail(item, "ttl-expired")
+                continue
+            waited = max(0.0, now - item.enqueued_at)
+            item.future.set_result(self._issue(item.request, level.band, waited, "queued"))
+            dispatched += 1
+        return dispatched
+
+    def expire(self) -> int:
+        """Reject queued requests whose TTL has passed; returns how many."""
+        now = self._clock()
+        expired = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            item = heapq.heappop(self._deadlines)[2]
+            if item.queued:
+                self._unlink(item, rotate=False)
+                self._fail(item, "ttl-expired")
+                expired += 1
+        return expired
+
+    def _fail(self, item: QueueItem, reason: Literal["ttl-expired", "shutdown"]) -> None:
+        self._metrics.rejections.labels(reason).inc()
+        if item.future.done():
+            return
+        retry_after = self.config.retry_after_seconds
+        if reason == "ttl-expired":
+            ttl = self._objectives.ttl(item.request.objective)
+            error: SaturatedError = TTLExpiredError(
+                f"request waited longer than its TTL of {ttl:g}s in the flow control queue",
+                retry_after=retry_after,
+            )
+        else:
+            error = SaturatedError("the gateway is shutting down", retry_after=retry_after)
+        item.future.set_exception(error)
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the dispatch tick; call from the running loop (the app's lifespan)."""
+        self._stopped = False
+        if self._task is not None or not self.enabled:
+            return
+        self._wakeup = asyncio.Event()
+        if self._count:
+            self._wakeup.set()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="flow-control")
+
+    async def stop(self) -> None:
+        """Stop the tick and reject everything still queued (429, as a shed request)."""
+        self._stopped = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for _, _, item in self._deadlines:
+            if item.queued:
+                self._unlink(item, rotate=False)
+                self._fail(item, "shutdown")
+        self._deadlines.clear()
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        interval = self.config.dispatch_interval_seconds
+        while True:
+            if not self._count:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            await asyncio.sleep(interval)
+            try:
+                self.dispatch()
+            except Exception:  # the tick must survive a faulty candidates() or detector
+                log.exception("flow control dispatch failed")
+
+    # -- introspection ----------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        return self._count
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    def active_flows(self) -> int:
+        """Flows with queued requests (empty flows are dropped at once)."""
+        return sum(
+            len(level.flows) for queue in self._queues.values() for level in queue.levels.values()
+        )
+
+    def outstanding(self, model: str) -> int:
+        """Tickets issued for ``model`` and not yet released."""
+        return self._issued.get(model, 0)

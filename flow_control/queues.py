@@ -1,0 +1,96 @@
+"""The queue structures: model -> priority level -> flow -> items, with band accounting.
+
+A *flow* is (fairness id, priority). Each priority level of a model holds its active flows in
+an ordered dict that the band's fairness policy picks from. Every structure is removed as soon
+as it empties, so memory is bounded by what is queued, never by how many tenants were seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from flow_control.request import FlowRequest, Ticket
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics import Counter, Gauge, Histogram
+
+    from flow_control.config import BandConfig
+    from flow_control.policies import FairnessPolicy
+
+
+@dataclass(slots=True, eq=False)
+class QueueItem:
+    request: FlowRequest
+    seq: int
+    enqueued_at: float
+    deadline: float
+    future: asyncio.Future[Ticket]
+    level: Level
+    flow: FlowQueue
+    queued: bool = True
+
+
+class FlowQueue:
+    """FCFS within a flow; an ordered dict so that a cancelled item leaves in O(1)."""
+
+    __slots__ = ("bytes", "fairness_id", "gauge_bytes", "gauge_requests", "items", "priority")
+
+    def __init__(
+        self, fairness_id: str, priority: int, gauge_requests: Gauge, gauge_bytes: Gauge
+    ) -> None:
+        self.fairness_id = fairness_id
+        self.priority = priority
+        self.items: OrderedDict[int, QueueItem] = OrderedDict()
+        self.bytes = 0
+        self.gauge_requests = gauge_requests
+        self.gauge_bytes = gauge_bytes
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def head(self) -> QueueItem:
+        return next(iter(self.items.values()))
+
+
+@dataclass(slots=True, eq=False)
+class BandState:
+    """A band's limits, policy and live totals (shared by every model's queues)."""
+
+    name: str
+    priority: int | None
+    limits: BandConfig
+    policy: FairnessPolicy
+    gauge_requests: Gauge
+    gauge_bytes: Gauge
+    wait: Histogram
+    fast: Counter
+    queued: Counter
+    count: int = 0
+    bytes: int = 0
+
+    def fits(self, size: int) -> bool:
+        return self.count < self.limits.max_requests and self.bytes + size <= self.limits.max_bytes
+
+
+@dataclass(slots=True, eq=False)
+class Level:
+    """The flows of one priority for one model."""
+
+    priority: int
+    band: BandState
+    flows: OrderedDict[str, FlowQueue] = field(default_factory=OrderedDict)
+
+
+@dataclass(slots=True, eq=False)
+class ModelQueue:
+    levels: dict[int, Level] = field(default_factory=dict)
+    count: int = 0
+
+    def top(self) -> Level:
+        return self.levels[max(self.levels)]
+
+    def max_priority(self) -> int | None:
+        return max(self.levels) if self.levels else None

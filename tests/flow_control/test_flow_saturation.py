@@ -1,0 +1,85 @@
+"""The default saturation detector, table-driven."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flow_control.config import SaturationDetectorConfig
+from flow_control.saturation import SaturationDetector, ThresholdSaturationDetector
+from router.endpoints import EndpointSnapshot
+
+INF = math.inf
+
+
+def snap(
+    in_flight: int = 0, waiting: float = 0.0, kv: float = 0.0, age: float = 0.05, eid: str = "e"
+) -> EndpointSnapshot:
+    return EndpointSnapshot(
+        id=eid,
+        url=f"http://{eid}:8000",
+        role="both",
+        in_flight=in_flight,
+        pending_prefill_tokens=0,
+        waiting=waiting,
+        running=0.0,
+        kv_usage=kv,
+        metrics_age=age,
+    )
+
+
+DETECTOR = ThresholdSaturationDetector(
+    SaturationDetectorConfig(
+        queue_depth_threshold=5,
+        kv_cache_util_threshold=0.8,
+        in_flight_threshold=10,
+        metrics_staleness_threshold=0.2,
+    )
+)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "saturated"),
+    [
+        (snap(), False),
+        (snap(waiting=4), False),
+        (snap(waiting=5), True),
+        (snap(kv=0.79), False),
+        (snap(kv=0.8), True),
+        (snap(in_flight=9), False),
+        (snap(in_flight=10), True),
+        (snap(age=0.2), False),
+        (snap(age=0.21), True),  # stale metrics: cannot see it, treat as full
+        (snap(age=INF), False),  # never scraped: judged on in-flight only
+        (snap(age=INF, waiting=50, kv=1.0), False),
+        (snap(age=INF, in_flight=10), True),
+    ],
+)
+def test_endpoint_thresholds(endpoint: EndpointSnapshot, saturated: bool) -> None:
+    assert DETECTOR.endpoint_saturated(endpoint) is saturated
+    assert DETECTOR.saturated([endpoint]) is saturated
+
+
+@pytest.mark.parametrize(
+    ("endpoints", "pending", "saturated"),
+    [
+        ([], 0, True),  # no endpoint can take anything
+        ([snap(waiting=9), snap(kv=0.9)], 0, True),
+        ([snap(waiting=9), snap(in_flight=3)], 0, False),  # one endpoint with room is enough
+        ([snap(age=1.0), snap(age=INF)], 0, False),
+        ([snap(age=1.0), snap(age=INF, in_flight=10)], 0, True),
+        # Pending (admitted, not yet leased) requests fill the room that is left.
+        ([snap(in_flight=7)], 2, False),
+        ([snap(in_flight=7)], 3, True),
+        ([snap(in_flight=8), snap(in_flight=8, eid="f")], 3, False),
+        ([snap(in_flight=8), snap(in_flight=8, eid="f")], 4, True),
+        ([snap(in_flight=0), snap(waiting=5, eid="f")], 10, True),
+    ],
+)
+def test_pool_saturation(endpoints: list[EndpointSnapshot], pending: int, saturated: bool) -> None:
+    assert DETECTOR.saturated(endpoints, pending) is saturated
+
+
+def test_default_detector_is_a_saturation_detector() -> None:
+    assert isinstance(ThresholdSaturationDetector(), SaturationDetector)
