@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from flow_control.controller import FlowController
 from router import __version__
 from router.affinity import InMemoryAffinityStore
 from router.config import GatewayConfig
@@ -46,6 +47,7 @@ class Gateway:
     affinity: InMemoryAffinityStore
     scheduler: Scheduler
     metrics: GatewayMetrics
+    flow: FlowController
     proxy: Proxy
     monitor: EndpointMonitor | None = None
 
@@ -79,8 +81,9 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     sessions = AffinityTracker(affinity)
     scheduler = Scheduler(profile, producers=[prefix, sessions], observers=[prefix, sessions])
     metrics = GatewayMetrics(pool)
-    proxy = Proxy(config, pool, scheduler, metrics)
-    return Gateway(config, pool, index, affinity, scheduler, metrics, proxy)
+    flow = FlowController(config.flow_control, pool.candidates, registry=metrics.registry)
+    proxy = Proxy(config, pool, scheduler, metrics, flow)
+    return Gateway(config, pool, index, affinity, scheduler, metrics, flow, proxy)
 
 
 def _error_response(error: GatewayError) -> Response:
@@ -111,9 +114,11 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
             gateway.monitor = monitor
             await monitor.check_all()
             monitor.start()
+            gateway.flow.start()
             try:
                 yield
             finally:
+                await gateway.flow.stop()
                 await monitor.stop()
                 await client.aclose()
                 await gateway.index.aclose()

@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from flow_control.config import FlowControlConfig
 from router.endpoints import endpoint_id_from_url
 from router.errors import ConfigError
 from router.hashing import DEFAULT_BLOCK_BYTES
@@ -122,6 +123,7 @@ class GatewayConfig(Strict):
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
     session_affinity: SessionAffinityConfig = SessionAffinityConfig()
     proxy: ProxyConfig = ProxyConfig()
+    flow_control: FlowControlConfig = FlowControlConfig()
     # A built-in strategy (router.strategies), or explicit plugins + schedulingProfiles.
     strategy: str = "default"
     plugins: list[PluginConfig] | None = None

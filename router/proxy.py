@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from flow_control.controller import FlowController
+from flow_control.request import Ticket
 from router.config import GatewayConfig
 from router.endpoints import EndpointPool, EndpointSnapshot, Lease
 from router.errors import (
@@ -73,8 +75,10 @@ class Proxy:
         pool: EndpointPool,
         scheduler: Scheduler,
         metrics: GatewayMetrics,
+        flow: FlowController,
     ) -> None:
         self._config = config
+        self._flow = flow
         self._pool = pool
         self._scheduler = scheduler
         self._metrics = metrics
@@ -122,24 +126,26 @@ class Proxy:
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         body = await self.read_body(request)
         parsed = parse_request(api, body)
-        started = time.perf_counter()
         routing = self.routing_request(parsed, request, request_id)
         if not self._pool.knows_model(parsed.model):
             raise ModelNotFoundError(
                 f"The model `{parsed.model}` does not exist.", param="model"
             )
-        candidates = self._pool.candidates(parsed.model)
-        if not candidates:
-            raise NoEndpointsError(f"no healthy endpoint serves model {parsed.model!r}")
-        decision = await self._scheduler.schedule(routing, candidates)
-        if not decision.ranked:
-            raise NoEndpointsError(f"no endpoint is eligible for model {parsed.model!r}")
-        self._metrics.decision_seconds.observe(time.perf_counter() - started)
+        # Watch from here on: a client leaving while queued or waiting for the first byte
+        # must leave its queue or cancel the upstream request at once.
         watch = DisconnectWatch(request.receive)
         watch.start()
+        ticket: Ticket | None = None
         handed_over = False
         try:
-            response = await self._forward(parsed, routing, decision.ranked, request, watch)
+            flow_request = self._flow.build_request(
+                request.headers, parsed.model, size=len(body), session_id=routing.session_id
+            )
+            ticket = await self._flow.admit(flow_request)
+            routing.fairness_id = flow_request.fairness_id
+            routing.priority = flow_request.priority
+            ranked = await self._schedule(routing)
+            response = await self._forward(parsed, routing, ranked, request, watch, ticket)
             handed_over = True
             return response
         except asyncio.CancelledError:
@@ -151,6 +157,19 @@ class Proxy:
         finally:
             if not handed_over:
                 watch.stop()
+                if ticket is not None:
+                    ticket.release()
+
+    async def _schedule(self, routing: RoutingRequest) -> list[EndpointSnapshot]:
+        started = time.perf_counter()
+        candidates = self._pool.candidates(routing.model)
+        if not candidates:
+            raise NoEndpointsError(f"no healthy endpoint serves model {routing.model!r}")
+        decision = await self._scheduler.schedule(routing, candidates)
+        if not decision.ranked:
+            raise NoEndpointsError(f"no endpoint is eligible for model {routing.model!r}")
+        self._metrics.decision_seconds.observe(time.perf_counter() - started)
+        return decision.ranked
 
     def _upstream_headers(self, request: Request, request_id: str) -> list[tuple[str, str]]:
         headers = [
@@ -168,6 +187,7 @@ class Proxy:
         ranked: list[EndpointSnapshot],
         request: Request,
         watch: DisconnectWatch,
+        ticket: Ticket,
     ) -> Response:
         assert self.client is not None, "the lifespan owns the client"
         proxy_cfg = self._config.proxy
@@ -201,7 +221,7 @@ class Proxy:
             if n:
                 self._observe_pick(routing, endpoint.id)
             lease.first_byte()
-            return self._relay(attempt, endpoint, lease, watch, routing, parsed.api)
+            return self._relay(attempt, endpoint, lease, watch, routing, parsed.api, ticket)
         if isinstance(last_error, TimeoutError):
             raise UpstreamTimeoutError("no endpoint answered within the first-byte timeout")
         raise UpstreamError(f"no endpoint could be reached ({type(last_error).__name__})")
@@ -235,6 +255,7 @@ class Proxy:
         watch: DisconnectWatch,
         routing: RoutingRequest,
         api: str,
+        ticket: Ticket,
     ) -> Response:
         upstream = attempt.reply
         headers = _response_headers(upstream.raw_headers, endpoint.id, routing.request_id)
@@ -244,6 +265,7 @@ class Proxy:
         stream_errors = self._metrics.stream_errors
 
         def finish(outcome: str) -> None:
+            ticket.release()
             requests.labels(endpoint.id, status, api).inc()
             if outcome == "client_disconnect":
                 disconnects.inc()

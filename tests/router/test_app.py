@@ -65,9 +65,7 @@ async def test_completions_stream_and_not(gateway: RunningGateway) -> None:
     c = client(gateway)
     done = await c.completions.create(model=MODEL, prompt="once upon a time", max_tokens=4)
     assert done.choices[0].text
-    stream = await c.completions.create(
-        model=MODEL, prompt=[1, 2, 3, 4], max_tokens=4, stream=True
-    )
+    stream = await c.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=4, stream=True)
     texts = [chunk.choices[0].text async for chunk in stream if chunk.choices]
     assert len(texts) == 4
 

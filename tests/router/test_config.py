@@ -48,7 +48,10 @@ def test_example_loads(tmp_path: Path) -> None:
         ({"pool": {"endpointz": []}}, "pool.endpointz: unknown key"),
         ({"pool": {"endpoints": [{"url": "ftp://x"}]}}, "pool.endpoints[0].url"),
         ({"pool": {"endpoints": [{"url": "http://a:1", "role": "x"}]}}, "pool.endpoints[0].role"),
-        ({"pool": {"metricsScrape": {"intervalSeconds": -1}}}, "pool.metricsScrape.intervalSeconds"),
+        (
+            {"pool": {"metricsScrape": {"intervalSeconds": -1}}},
+            "pool.metricsScrape.intervalSeconds",
+        ),
         ({"prefixIndex": {"blockBytes": 3}}, "prefixIndex.blockBytes"),
         ({"strategy": "nope"}, "strategy"),
         ({"plugins": []}, "schedulingProfiles go together"),

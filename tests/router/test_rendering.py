@@ -30,7 +30,9 @@ def test_content_parts() -> None:
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert render_content(parts) == "ab"
     image = [{"type": "image_url", "image_url": {"url": "data:x"}}]
-    assert render_content(image) != render_content([{"type": "image_url", "image_url": {"url": "y"}}])
+    assert render_content(image) != render_content(
+        [{"type": "image_url", "image_url": {"url": "y"}}]
+    )
     assert render_content(None) == ""
 
 

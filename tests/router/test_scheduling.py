@@ -18,8 +18,14 @@ from scorers.queue import QueueScorer
 
 def snap(eid: str, **kw: Any) -> EndpointSnapshot:
     base: dict[str, Any] = {
-        "id": eid, "url": f"http://{eid}", "role": "both", "in_flight": 0,
-        "pending_prefill_tokens": 0, "waiting": 0.0, "running": 0.0, "kv_usage": 0.0,
+        "id": eid,
+        "url": f"http://{eid}",
+        "role": "both",
+        "in_flight": 0,
+        "pending_prefill_tokens": 0,
+        "waiting": 0.0,
+        "running": 0.0,
+        "kv_usage": 0.0,
         "metrics_age": 0.0,
     }
     base.update(kw)
@@ -41,7 +47,10 @@ def test_weighted_sum_and_breakdown() -> None:
     profile = SchedulingProfile(
         "p",
         MaxScorePicker(random.Random(0)),
-        [WeightedScorer("prefix", PrefixCacheScorer(), 3.0), WeightedScorer("q", QueueScorer(), 2.0)],
+        [
+            WeightedScorer("prefix", PrefixCacheScorer(), 3.0),
+            WeightedScorer("q", QueueScorer(), 2.0),
+        ],
     )
     request = req(block_hashes=(1, 2), prefix_hits={"a": 2})
     decision = profile.run(request, [snap("a", waiting=4), snap("b", waiting=0)])
@@ -78,7 +87,9 @@ async def test_gather_score_update_cycle() -> None:
     store = InMemoryAffinityStore()
     prefix, sessions = PrefixTracker(index), AffinityTracker(store)
     plugins, profile_cfg = strategy("default")
-    profile = build_profile(plugins, profile_cfg, default_registry(), PluginContext(random.Random(0)))
+    profile = build_profile(
+        plugins, profile_cfg, default_registry(), PluginContext(random.Random(0))
+    )
     scheduler = Scheduler(profile, [prefix, sessions], [prefix, sessions])
     endpoints = [snap("a"), snap("b"), snap("c")]
     first = req(session_id="s", block_hashes=(1, 2, 3))
@@ -95,13 +106,17 @@ async def test_gather_score_update_cycle() -> None:
 
 async def test_load_pulls_new_sessions_apart() -> None:
     plugins, profile_cfg = strategy("default")
-    profile = build_profile(plugins, profile_cfg, default_registry(), PluginContext(random.Random(0)))
+    profile = build_profile(
+        plugins, profile_cfg, default_registry(), PluginContext(random.Random(0))
+    )
     busy, idle = snap("a", in_flight=8, waiting=3), snap("b")
     assert profile.run(req(block_hashes=(1,)), [busy, idle]).ranked[0].id == "b"
 
 
 def test_uncached_tokens_estimate() -> None:
-    request = req(prompt_bytes=4000, prompt_tokens=1000, block_bytes=1000, block_hashes=(1, 2, 3, 4))
+    request = req(
+        prompt_bytes=4000, prompt_tokens=1000, block_bytes=1000, block_hashes=(1, 2, 3, 4)
+    )
     request.prefix_hits = {"a": 3}
     assert request.uncached_tokens("a") == 250
     assert request.uncached_tokens("b") == 1000

@@ -19,8 +19,14 @@ from scorers.session_hash import SessionHashScorer
 
 def snap(eid: str, **kw: Any) -> EndpointSnapshot:
     base: dict[str, Any] = {
-        "id": eid, "url": f"http://{eid}", "role": "both", "in_flight": 0,
-        "pending_prefill_tokens": 0, "waiting": 0.0, "running": 0.0, "kv_usage": 0.0,
+        "id": eid,
+        "url": f"http://{eid}",
+        "role": "both",
+        "in_flight": 0,
+        "pending_prefill_tokens": 0,
+        "waiting": 0.0,
+        "running": 0.0,
+        "kv_usage": 0.0,
         "metrics_age": 0.0,
     }
     base.update(kw)
@@ -72,7 +78,9 @@ def test_inflight_counts_are_min_max_scaled() -> None:
     assert InFlightScorer().score(req(), endpoints) == [1.0, 0.5, 0.0]
 
 
-@pytest.mark.parametrize(("home", "expected"), [(None, [0.0, 0.0]), ("b", [0.0, 1.0]), ("z", [0.0, 0.0])])
+@pytest.mark.parametrize(
+    ("home", "expected"), [(None, [0.0, 0.0]), ("b", [0.0, 1.0]), ("z", [0.0, 0.0])]
+)
 def test_session_affinity(home: str | None, expected: list[float]) -> None:
     request = req(session_id="s", affinity_endpoint=home)
     assert SessionAffinityScorer().score(request, [snap("a"), snap("b")]) == expected
