@@ -29,6 +29,7 @@ from router.plugins import PluginContext, PluginRegistry, build_profile, default
 from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex, PrefixIndex
 from router.producers import AffinityTracker, PrefixTracker
 from router.proxy import Proxy
+from router.routing import Router
 from router.scheduling import Scheduler
 from router.scraper import EndpointMonitor, MonitorSettings
 from router.strategies import strategy
@@ -48,6 +49,7 @@ class Gateway:
     scheduler: Scheduler
     metrics: GatewayMetrics
     flow: FlowController
+    router: Router
     proxy: Proxy
     monitor: EndpointMonitor | None = None
 
@@ -82,8 +84,9 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     scheduler = Scheduler(profile, producers=[prefix, sessions], observers=[prefix, sessions])
     metrics = GatewayMetrics(pool)
     flow = FlowController(config.flow_control, pool.candidates, registry=metrics.registry)
-    proxy = Proxy(config, pool, scheduler, metrics, flow)
-    return Gateway(config, pool, index, affinity, scheduler, metrics, flow, proxy)
+    router = Router(config, pool, scheduler, flow, metrics)
+    proxy = Proxy(config, router, metrics)
+    return Gateway(config, pool, index, affinity, scheduler, metrics, flow, router, proxy)
 
 
 def _error_response(error: GatewayError) -> Response:

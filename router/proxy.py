@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,30 +16,21 @@ from dataclasses import dataclass
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from flow_control.controller import FlowController
 from flow_control.request import Ticket
 from router.config import GatewayConfig
-from router.endpoints import EndpointPool, EndpointSnapshot, Lease
-from router.errors import (
-    ModelNotFoundError,
-    NoEndpointsError,
-    PayloadTooLargeError,
-    UpstreamError,
-    UpstreamTimeoutError,
-)
-from router.hashing import block_hashes, estimate_tokens
+from router.endpoints import EndpointSnapshot, Lease
+from router.errors import PayloadTooLargeError, UpstreamError, UpstreamTimeoutError
 from router.metrics import GatewayMetrics
 from router.parsing import Api, ParsedRequest, parse_request
-from router.scheduling import RoutingRequest, Scheduler
+from router.routing import Router
+from router.scheduling import RoutingRequest
 from router.streaming import DisconnectWatch, UpstreamResponse
 from router.upstream import UPSTREAM_ERRORS, UpstreamClient, UpstreamReply
 
 log = logging.getLogger("prefixgate.proxy")
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
-SESSION_HEADER = "x-session-id"
 REQUEST_ID_HEADER = "x-request-id"
-FAIRNESS_HEADERS = ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
 
 # Headers a client may never set for the upstream: hop-by-hop ones, and the gateway's own
 # routing headers (a client-chosen destination or prefiller would be an SSRF hole).
@@ -72,15 +62,11 @@ class Proxy:
     def __init__(
         self,
         config: GatewayConfig,
-        pool: EndpointPool,
-        scheduler: Scheduler,
+        router: Router,
         metrics: GatewayMetrics,
-        flow: FlowController,
     ) -> None:
         self._config = config
-        self._flow = flow
-        self._pool = pool
-        self._scheduler = scheduler
+        self._router = router
         self._metrics = metrics
         self.client: UpstreamClient | None = None
 
@@ -101,36 +87,11 @@ class Proxy:
             raise asyncio.CancelledError from None
         return b"".join(chunks)
 
-    def routing_request(
-        self, parsed: ParsedRequest, request: Request, request_id: str
-    ) -> RoutingRequest:
-        index = self._config.prefix_index
-        data = parsed.rendered.encode("utf-8", "surrogatepass")
-        headers = request.headers
-        fairness = next((headers[h] for h in FAIRNESS_HEADERS if h in headers), "default")
-        return RoutingRequest(
-            request_id=request_id,
-            model=parsed.model,
-            api=parsed.api,
-            session_id=headers.get(SESSION_HEADER) or None,
-            fairness_id=fairness,
-            prompt_bytes=len(data),
-            prompt_tokens=estimate_tokens(len(data)),
-            block_bytes=index.block_bytes,
-            block_hashes=block_hashes(
-                parsed.rendered, index.block_bytes, parsed.model, index.max_blocks_per_request
-            ),
-        )
-
     async def handle(self, request: Request, api: Api) -> Response:
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         body = await self.read_body(request)
         parsed = parse_request(api, body)
-        routing = self.routing_request(parsed, request, request_id)
-        if not self._pool.knows_model(parsed.model):
-            raise ModelNotFoundError(
-                f"The model `{parsed.model}` does not exist.", param="model"
-            )
+        routing = self._router.routing_request(parsed, request.headers, request_id)
         # Watch from here on: a client leaving while queued or waiting for the first byte
         # must leave its queue or cancel the upstream request at once.
         watch = DisconnectWatch(request.receive)
@@ -138,13 +99,8 @@ class Proxy:
         ticket: Ticket | None = None
         handed_over = False
         try:
-            flow_request = self._flow.build_request(
-                request.headers, parsed.model, size=len(body), session_id=routing.session_id
-            )
-            ticket = await self._flow.admit(flow_request)
-            routing.fairness_id = flow_request.fairness_id
-            routing.priority = flow_request.priority
-            ranked = await self._schedule(routing)
+            ticket = await self._router.admit(routing, request.headers, len(body))
+            ranked = await self._router.rank(routing)
             response = await self._forward(parsed, routing, ranked, request, watch, ticket)
             handed_over = True
             return response
@@ -159,17 +115,6 @@ class Proxy:
                 watch.stop()
                 if ticket is not None:
                     ticket.release()
-
-    async def _schedule(self, routing: RoutingRequest) -> list[EndpointSnapshot]:
-        started = time.perf_counter()
-        candidates = self._pool.candidates(routing.model)
-        if not candidates:
-            raise NoEndpointsError(f"no healthy endpoint serves model {routing.model!r}")
-        decision = await self._scheduler.schedule(routing, candidates)
-        if not decision.ranked:
-            raise NoEndpointsError(f"no endpoint is eligible for model {routing.model!r}")
-        self._metrics.decision_seconds.observe(time.perf_counter() - started)
-        return decision.ranked
 
     def _upstream_headers(self, request: Request, request_id: str) -> list[tuple[str, str]]:
         headers = [
@@ -198,9 +143,9 @@ class Proxy:
         for n, endpoint in enumerate(attempts):
             if n:
                 self._metrics.retries.inc()
-            lease = self._pool.lease(endpoint.id, routing.uncached_tokens(endpoint.id))
+            lease = self._router.lease(routing, endpoint.id)
             if n == 0:
-                self._observe_pick(routing, endpoint.id)
+                self._router.picked(routing, endpoint.id)
             try:
                 attempt = await self._attempt(endpoint, path, headers, parsed.body)
             except UPSTREAM_ERRORS as exc:
@@ -219,18 +164,12 @@ class Proxy:
                 attempt.reply.close()
                 continue
             if n:
-                self._observe_pick(routing, endpoint.id)
+                self._router.picked(routing, endpoint.id)
             lease.first_byte()
             return self._relay(attempt, endpoint, lease, watch, routing, parsed.api, ticket)
         if isinstance(last_error, TimeoutError):
             raise UpstreamTimeoutError("no endpoint answered within the first-byte timeout")
         raise UpstreamError(f"no endpoint could be reached ({type(last_error).__name__})")
-
-    def _observe_pick(self, routing: RoutingRequest, endpoint_id: str) -> None:
-        if routing.block_hashes:
-            ratio = routing.prefix_hits.get(endpoint_id, 0) / len(routing.block_hashes)
-            self._metrics.prefix_match_ratio.observe(ratio)
-        self._scheduler.picked(routing, endpoint_id)
 
     async def _attempt(
         self, endpoint: EndpointSnapshot, path: str, headers: list[tuple[str, str]], body: bytes

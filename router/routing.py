@@ -1,0 +1,94 @@
+"""From a parsed request to a ranked list of endpoints: admission, then scheduling.
+
+Shared by every front door (the HTTP proxy, the Envoy ext_proc endpoint picker), so that flow
+control, the prefix index and affinity behave the same whichever way a request arrives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from flow_control.controller import FlowController
+from flow_control.request import Ticket
+from router.config import GatewayConfig
+from router.endpoints import EndpointPool, EndpointSnapshot, Lease
+from router.errors import ModelNotFoundError, NoEndpointsError
+from router.hashing import block_hashes, estimate_tokens
+from router.metrics import GatewayMetrics
+from router.parsing import ParsedRequest
+from router.scheduling import RoutingRequest, Scheduler
+
+SESSION_HEADER = "x-session-id"
+
+
+class Router:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        pool: EndpointPool,
+        scheduler: Scheduler,
+        flow: FlowController,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._config = config
+        self._pool = pool
+        self._scheduler = scheduler
+        self._flow = flow
+        self._metrics = metrics
+
+    def routing_request(
+        self, parsed: ParsedRequest, headers: Mapping[str, str], request_id: str
+    ) -> RoutingRequest:
+        """Hash the rendered prompt into the block chain the index is keyed by."""
+        if not self._pool.knows_model(parsed.model):
+            raise ModelNotFoundError(f"The model `{parsed.model}` does not exist.", param="model")
+        index = self._config.prefix_index
+        data = parsed.rendered.encode("utf-8", "surrogatepass")
+        return RoutingRequest(
+            request_id=request_id,
+            model=parsed.model,
+            api=parsed.api,
+            session_id=headers.get(SESSION_HEADER) or None,
+            prompt_bytes=len(data),
+            prompt_tokens=estimate_tokens(len(data)),
+            block_bytes=index.block_bytes,
+            block_hashes=block_hashes(
+                parsed.rendered, index.block_bytes, parsed.model, index.max_blocks_per_request
+            ),
+        )
+
+    async def admit(
+        self, routing: RoutingRequest, headers: Mapping[str, str], size: int
+    ) -> Ticket:
+        """Wait for flow control to let the request through (or raise why it was shed)."""
+        flow_request = self._flow.build_request(
+            headers, routing.model, size=size, session_id=routing.session_id
+        )
+        ticket = await self._flow.admit(flow_request)
+        routing.fairness_id = flow_request.fairness_id
+        routing.priority = flow_request.priority
+        return ticket
+
+    async def rank(self, routing: RoutingRequest) -> list[EndpointSnapshot]:
+        """The candidates in order of preference: the pick first, then the fallbacks."""
+        started = time.perf_counter()
+        candidates = self._pool.candidates(routing.model)
+        if not candidates:
+            raise NoEndpointsError(f"no healthy endpoint serves model {routing.model!r}")
+        decision = await self._scheduler.schedule(routing, candidates)
+        if not decision.ranked:
+            raise NoEndpointsError(f"no endpoint is eligible for model {routing.model!r}")
+        self._metrics.decision_seconds.observe(time.perf_counter() - started)
+        return decision.ranked
+
+    def lease(self, routing: RoutingRequest, endpoint_id: str) -> Lease:
+        """Count the request against the endpoint until the lease is released."""
+        return self._pool.lease(endpoint_id, routing.uncached_tokens(endpoint_id))
+
+    def picked(self, routing: RoutingRequest, endpoint_id: str) -> None:
+        """Learn from the pick: prefix index and affinity updates, match-ratio metric."""
+        if routing.block_hashes:
+            ratio = routing.prefix_hits.get(endpoint_id, 0) / len(routing.block_hashes)
+            self._metrics.prefix_match_ratio.observe(ratio)
+        self._scheduler.picked(routing, endpoint_id)
