@@ -1,0 +1,374 @@
+"""The prefix index shared through Redis, so that several gateway replicas route as one.
+
+Every replica keeps an :class:`InMemoryPrefixIndex` warm and answers from it whenever Redis is
+slow or down (fail-open); Redis only ever adds what the other replicas learned. One lookup is
+one round trip (a Lua script walks the chain server-side); one record is at most one round trip,
+shipped after the pick by a background task with a bounded, coalescing queue.
+
+Data layout, all under one hash tag ``{pg:<namespace>}`` (or ``{pg:<namespace>:<partition>}``)
+so that every key a script touches lives in one Redis Cluster slot:
+
+- ``<tag>:h``  one hash: field = the block hash as 8 raw bytes, value = a bitmap of the endpoint
+  slots that hold it (trailing zero bytes stripped, so one byte for up to 8 endpoints).
+- ``<tag>:s``  one hash: endpoint id -> its slot number (lowest free slot, freed by a purge).
+- ``<tag>:l:<endpoint>``  a sorted set per endpoint: member = block hash, score = a per-endpoint
+  touch counter. The LRU: a record touches its chain last block first, so eviction (ZPOPMIN
+  past the capacity) frees a chain from its tail, exactly like the in-memory index.
+
+Measured on Redis 7.0 (``python -m benchmarks.index_bench`` prints it): about 61 bytes per block
+in the holder hash plus about 113 bytes per (endpoint, block) LRU entry. The bound for the
+defaults (31,250 blocks per endpoint) is therefore 31,250 * (113 + 61) = 5.4 MB per endpoint when
+no two endpoints share blocks: ~44 MB for 8 endpoints, ~350 MB for 64. Keys also carry a TTL
+(a day by default, refreshed by every record) so that an abandoned namespace disappears.
+
+One slot per namespace (no ``partition``) is the default: the caller hands over hashes only, and
+the chain seed already separates models. The trade-off is that one namespace lives on one Cluster
+node; give each large pool or model its own namespace or ``partition`` to spread the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from redis.exceptions import NoScriptError
+
+from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex
+from router.redis_state import (
+    CircuitBreaker,
+    LuaScript,
+    RedisLink,
+    RedisMetrics,
+    Unavailable,
+    UpdateQueue,
+    default_metrics,
+    eval_script,
+    key_tag,
+)
+
+DEFAULT_KEY_TTL_SECONDS = 86_400.0
+_CHUNK = 1024  # hashes per HMGET/ZADD inside a script: well under Lua's unpack() limit
+
+# Shared by the scripts below. A holder bitmap is a string, one bit per endpoint slot; it stays
+# canonical (no trailing zero bytes) so that equal holder sets are equal strings, which lets the
+# walk skip the per-endpoint test while consecutive blocks have the same holders.
+_PRELUDE = """
+local CHUNK = @CHUNK@
+local sub, band = string.sub, bit.band
+local function slot_of(slots, ep, create)
+  local s = redis.call('HGET', slots, ep)
+  if s then return tonumber(s) end
+  if not create then return nil end
+  local used = {}
+  for _, v in ipairs(redis.call('HVALS', slots)) do used[tonumber(v)] = true end
+  local i = 0
+  while used[i] do i = i + 1 end
+  redis.call('HSET', slots, ep, i)
+  return i
+end
+local function with_bit(v, byte, mask)
+  v = v or ''
+  if #v < byte then v = v .. string.rep('\\0', byte - #v) end
+  local b = string.byte(v, byte)
+  if bit.band(b, mask) ~= 0 then return nil end
+  return string.sub(v, 1, byte - 1) .. string.char(bit.bor(b, mask)) .. string.sub(v, byte + 1)
+end
+local function without_bit(v, byte, mask)
+  if not v or #v < byte then return nil end
+  local b = string.byte(v, byte)
+  if bit.band(b, mask) == 0 then return nil end
+  v = string.sub(v, 1, byte - 1) .. string.char(b - mask) .. string.sub(v, byte + 1)
+  local e = #v
+  while e > 0 and string.byte(v, e) == 0 do e = e - 1 end
+  return string.sub(v, 1, e)
+end
+local function drop(holders, members, byte, mask)
+  if #members == 0 then return end
+  local vals = redis.call('HMGET', holders, unpack(members))
+  local set, del = {}, {}
+  for k = 1, #members do
+    local nv = without_bit(vals[k], byte, mask)
+    if nv == '' then del[#del + 1] = members[k]
+    elseif nv then set[#set + 1] = members[k]; set[#set + 1] = nv end
+  end
+  if #set > 0 then redis.call('HSET', holders, unpack(set)) end
+  if #del > 0 then redis.call('HDEL', holders, unpack(del)) end
+end
+local function pop_oldest(holders, lru, slot, count)
+  while count > 0 do
+    local c = math.min(count, CHUNK)
+    local popped = redis.call('ZPOPMIN', lru, c)
+    if #popped == 0 then return end
+    local members = {}
+    for k = 1, #popped, 2 do members[#members + 1] = popped[k] end
+    if slot then drop(holders, members, math.floor(slot / 8) + 1, 2 ^ (slot % 8)) end
+    count = count - c
+  end
+end
+""".replace("@CHUNK@", str(_CHUNK))
+
+# KEYS: holders, slots. ARGV: packed hashes, then the candidate endpoint ids.
+# Returns the consecutive match length per candidate, in ARGV order.
+_MATCH = LuaScript(_PRELUDE + """
+local holders, blob = KEYS[1], ARGV[1]
+local n, m = #blob / 8, #ARGV - 1
+local res, bytes, masks, active, nactive = {}, {}, {}, {}, 0
+for j = 1, m do res[j] = 0 end
+if m == 0 or n == 0 then return res end
+local sl = redis.call('HMGET', KEYS[2], unpack(ARGV, 2))
+for j = 1, m do
+  if sl[j] then
+    local s = tonumber(sl[j])
+    bytes[j], masks[j] = math.floor(s / 8) + 1, 2 ^ (s % 8)
+    nactive = nactive + 1; active[nactive] = j
+  end
+end
+local i, prev = 0, nil
+while i < n and nactive > 0 do
+  local c = math.min(CHUNK, n - i)
+  local f = {}
+  for k = 1, c do local o = (i + k - 1) * 8; f[k] = sub(blob, o + 1, o + 8) end
+  local vals = redis.call('HMGET', holders, unpack(f))
+  for k = 1, c do
+    local v = vals[k]
+    if v ~= prev then
+      local keep, nxt = 0, {}
+      for a = 1, nactive do
+        local j = active[a]
+        local b = v and string.byte(v, bytes[j])
+        if b and band(b, masks[j]) ~= 0 then keep = keep + 1; nxt[keep] = j
+        else res[j] = i + k - 1 end
+      end
+      active, nactive, prev = nxt, keep, v
+      if nactive == 0 then break end
+    end
+  end
+  i = i + c
+end
+for a = 1, nactive do res[active[a]] = n end
+return res
+""")
+
+# KEYS: holders, slots, this endpoint's LRU. ARGV: endpoint, capacity, ttl ms, refresh-all flag,
+# LRU key prefix, packed hashes (possibly empty: then it only trims to the capacity).
+_RECORD = LuaScript(_PRELUDE + """
+local holders, slots, lru = KEYS[1], KEYS[2], KEYS[3]
+local ep, cap, ttl, blob = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[6]
+local n = #blob / 8
+local slot = slot_of(slots, ep, n > 0)
+if n > 0 then
+  local byte, mask = math.floor(slot / 8) + 1, 2 ^ (slot % 8)
+  local top = redis.call('ZREVRANGE', lru, 0, 0, 'WITHSCORES')
+  local score = top[2] and tonumber(top[2]) or 0
+  local i = n
+  while i >= 1 do
+    local lo = math.max(1, i - CHUNK + 1)
+    local f, z = {}, {}
+    for k = i, lo, -1 do
+      local h = sub(blob, k * 8 - 7, k * 8)
+      score = score + 1
+      f[#f + 1] = h; z[#z + 1] = score; z[#z + 1] = h
+    end
+    redis.call('ZADD', lru, unpack(z))
+    local vals = redis.call('HMGET', holders, unpack(f))
+    local set = {}
+    for k = 1, #f do
+      local nv = with_bit(vals[k], byte, mask)
+      if nv then set[#set + 1] = f[k]; set[#set + 1] = nv end
+    end
+    if #set > 0 then redis.call('HSET', holders, unpack(set)) end
+    i = lo - 1
+  end
+end
+pop_oldest(holders, lru, slot, redis.call('ZCARD', lru) - cap)
+redis.call('PEXPIRE', holders, ttl)
+redis.call('PEXPIRE', slots, ttl)
+redis.call('PEXPIRE', lru, ttl)
+if ARGV[4] == '1' then
+  -- LRU keys are derived from the slots hash; they share the hash tag, so the same Cluster slot.
+  for _, e in ipairs(redis.call('HKEYS', slots)) do redis.call('PEXPIRE', ARGV[5] .. e, ttl) end
+end
+return 0
+""")
+
+# KEYS: holders, slots, the endpoint's LRU. ARGV: endpoint, chunk. Purges one chunk of the
+# endpoint's entries, frees its slot when none are left; returns how many are left.
+_FORGET = LuaScript(_PRELUDE + """
+local slot = slot_of(KEYS[2], ARGV[1], false)
+pop_oldest(KEYS[1], KEYS[3], slot, tonumber(ARGV[2]))
+local left = redis.call('ZCARD', KEYS[3])
+if left == 0 then redis.call('HDEL', KEYS[2], ARGV[1]) end
+return left
+""")
+
+_Op = tuple[str, str, bytes]  # (kind: record | trim | forget, endpoint id, packed hashes)
+_Call = tuple[LuaScript, list[str], list[Any]]
+_MASK64 = (1 << 64) - 1
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    """Block hashes as 8 little-endian bytes each: one compact argument, not one per block."""
+    try:
+        return struct.pack(f"<{len(hashes)}Q", *hashes)
+    except struct.error:
+        return struct.pack(f"<{len(hashes)}Q", *(h & _MASK64 for h in hashes))
+
+
+async def _yield_or_cancel(task: asyncio.Future[Any]) -> None:
+    try:
+        await asyncio.sleep(0)
+    except BaseException:
+        task.cancel()
+        raise
+
+
+class RedisPrefixIndex:
+    """A :class:`PrefixIndex` shared through Redis, fail-open to a local in-memory index."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "prefixgate",
+        partition: str | None = None,
+        default_capacity: int = DEFAULT_CAPACITY_BLOCKS,
+        timeout_ms: float = 5.0,
+        write_timeout_ms: float = 100.0,
+        key_ttl_seconds: float = DEFAULT_KEY_TTL_SECONDS,
+        metrics: RedisMetrics | None = None,
+        registry: CollectorRegistry | None = None,
+        breaker: CircuitBreaker | None = None,
+        max_pending: int = 1024,
+        max_pending_bytes: int = 16 << 20,
+        forget_chunk: int = 1000,
+        flush_timeout: float = 0.5,
+    ) -> None:
+        tag = key_tag(namespace, partition)
+        self.local = InMemoryPrefixIndex(default_capacity)
+        self._holders, self._slots, self._lru_prefix = tag + ":h", tag + ":s", tag + ":l:"
+        if metrics is None and registry is not None:
+            metrics = RedisMetrics(registry)
+        self.metrics = default_metrics(metrics)
+        self._link = RedisLink(
+            url, component="index", metrics=self.metrics, timeout_ms=timeout_ms, breaker=breaker
+        )
+        self._write_budget = write_timeout_ms / 1000.0
+        self._ttl_ms = max(1, int(key_ttl_seconds * 1000))
+        self._refresh_every = key_ttl_seconds / 10
+        self._refreshed_at = -float("inf")
+        self._forget_chunk = max(1, forget_chunk)
+        self._flush_timeout = flush_timeout
+        # Value: the capacity at enqueue time, so a later set_capacity cannot rewrite history.
+        self._queue: UpdateQueue[_Op, int] = UpdateQueue(
+            self._ship, op="index_update", link=self._link, max_items=max_pending,
+            max_cost=max_pending_bytes, max_batch=16, max_batch_cost=32 << 10,
+            cost=lambda op, _: len(op[2]) + 64,
+        )
+
+    @property
+    def link(self) -> RedisLink:
+        return self._link
+
+    async def match(self, hashes: Sequence[int], endpoint_ids: Collection[str]) -> dict[str, int]:
+        start = time.perf_counter()
+        ids = list(endpoint_ids)
+        remote_task = None
+        if hashes and ids:
+            if self._link.breaker.retry_in() > 0:
+                self.metrics.fallbacks.labels("index_match", "circuit_open").inc()
+            else:
+                remote_task = asyncio.ensure_future(self._match_remote(hashes, ids))
+                # Let it put the request on the wire, then walk locally while Redis works.
+                await _yield_or_cancel(remote_task)
+        result = self.local.match_now(hashes, ids)
+        if remote_task is not None:
+            remote = await remote_task
+            if remote is not None:
+                for endpoint_id, length in zip(ids, remote, strict=True):
+                    # Our own records may still be on their way; never report less than we know.
+                    result[endpoint_id] = max(result[endpoint_id], int(length))
+        self.metrics.lookups.inc()
+        if any(result.values()):
+            self.metrics.lookup_hits.inc()
+        self.metrics.lookup_seconds.observe(time.perf_counter() - start)
+        return result
+
+    async def _match_remote(self, hashes: Sequence[int], ids: list[str]) -> list[Any] | None:
+        keys = [self._holders, self._slots]
+        args: list[Any] = [pack_hashes(hashes), *ids]
+        try:
+            remote: list[Any] = await self._link.call(
+                "index_match", lambda c: eval_script(c, _MATCH, keys, args)
+            )
+        except Unavailable as exc:
+            self.metrics.fallbacks.labels("index_match", exc.reason).inc()
+            return None
+        return remote
+
+    def record(self, endpoint_id: str, hashes: Sequence[int]) -> None:
+        if not hashes:
+            return
+        self.local.record(endpoint_id, hashes)
+        op = ("record", endpoint_id, pack_hashes(hashes))
+        self._queue.put(op, self.local.capacity(endpoint_id))
+
+    async def forget_endpoint(self, endpoint_id: str) -> None:
+        self.local.forget_now(endpoint_id)
+        self._queue.discard_if(lambda op: op[1] == endpoint_id)
+        self._queue.put(("forget", endpoint_id, b""), 0)
+
+    def set_capacity(self, endpoint_id: str, blocks: int) -> None:
+        self.local.set_capacity(endpoint_id, blocks)
+        self._queue.put(("trim", endpoint_id, b""), self.local.capacity(endpoint_id))
+
+    async def flush(self) -> None:
+        """Wait until the updates queued so far are in Redis (or given up on)."""
+        await self._queue.flush()
+
+    async def aclose(self) -> None:
+        await self._queue.aclose(self._flush_timeout)
+        await self._link.aclose()
+
+    def _script_args(self, op: _Op, capacity: int, refresh: bool) -> _Call:
+        kind, endpoint_id, blob = op
+        keys = [self._holders, self._slots, self._lru_prefix + endpoint_id]
+        if kind == "forget":
+            return _FORGET, keys, [endpoint_id, self._forget_chunk]
+        flag = "1" if refresh else "0"
+        return _RECORD, keys, [endpoint_id, capacity, self._ttl_ms, flag, self._lru_prefix, blob]
+
+    async def _ship(self, batch: list[tuple[_Op, int]]) -> None:
+        """One pipelined round trip for a batch of updates; purges continue chunk by chunk."""
+        refresh = time.monotonic() - self._refreshed_at > self._refresh_every
+        calls = [self._script_args(op, capacity, refresh) for op, capacity in batch]
+
+        async def run(client: Any) -> list[Any]:
+            results = await self._pipeline(client, calls)
+            if any(isinstance(r, NoScriptError) for r in results):
+                await client.script_load(_RECORD.source)
+                await client.script_load(_FORGET.source)
+                results = await self._pipeline(client, calls)
+            return results
+
+        results = await self._link.call("index_update", run, self._write_budget)
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            self.metrics.errors.labels("index_update", "error").inc(len(failed))
+            self.metrics.dropped.labels("index_update", "error").inc(len(failed))
+        if refresh and not failed:
+            self._refreshed_at = time.monotonic()
+        for (op, capacity), result in zip(batch, results, strict=True):
+            if op[0] == "forget" and isinstance(result, int) and result > 0:
+                self._queue.put(op, capacity)  # bounded work per call: the rest in a later batch
+
+    @staticmethod
+    async def _pipeline(client: Any, calls: list[_Call]) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for script, keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+        return results

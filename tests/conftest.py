@@ -1,0 +1,23 @@
+"""Fixtures shared by all test directories."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from tests.redis_server import namespace_for, redis_server_url
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A Redis server URL (see tests/redis_server.py); skips the test when none can be had."""
+    with redis_server_url() as url:
+        yield url
+
+
+@pytest.fixture
+async def redis_namespace(redis_url: str) -> AsyncIterator[str]:
+    """A namespace unique to the test; its keys are deleted afterwards."""
+    async with namespace_for(redis_url) as namespace:
+        yield namespace

@@ -1,0 +1,117 @@
+"""A Redis server for the tests: ``REDIS_URL``, else 127.0.0.1:6379, else a private one.
+
+The private server is ``redis-server`` on a free port without persistence, started once per test
+session and killed at its end. When none can be had the Redis tests skip with the reason, except
+under CI (env ``CI`` set), where a missing Redis is a failure: ``.ci/run`` must provide one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import NoReturn
+
+import pytest
+import redis
+import redis.asyncio
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+START_TIMEOUT = 5.0
+
+
+def answers(url: str, timeout: float = 0.5) -> bool:
+    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def private_server() -> Iterator[str]:
+    """``redis-server`` on a free loopback port for as long as the context lasts."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("no REDIS_URL, nothing on 127.0.0.1:6379 and no redis-server binary")
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    with tempfile.TemporaryDirectory(prefix="prefixgate-redis-") as workdir:
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", workdir]
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + START_TIMEOUT
+            while not answers(url, 0.2):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {port} did not start")
+                time.sleep(0.05)
+            yield url
+        finally:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def redis_server_url() -> Iterator[str]:
+    """Yield a Redis URL for the session; skip (or fail under CI) when there is none."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        if not answers(url):
+            _unavailable(f"REDIS_URL={url} does not answer PING")
+        yield url
+        return
+    if answers(DEFAULT_URL):
+        yield DEFAULT_URL
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            url = stack.enter_context(private_server())
+        except RuntimeError as exc:
+            _unavailable(str(exc))
+        yield url
+
+
+def _unavailable(reason: str) -> NoReturn:
+    if os.environ.get("CI"):
+        pytest.fail(f"Redis needed under CI: {reason}", pytrace=False)
+    pytest.skip(f"Redis tests need a Redis server: {reason}")
+
+
+def unique_namespace() -> str:
+    return "t" + uuid.uuid4().hex[:16]
+
+
+async def delete_namespace(url: str, namespace: str) -> None:
+    """Remove every key a test made under ``namespace`` (its id is unique, so the glob is safe)."""
+    client = redis.asyncio.Redis.from_url(url)
+    try:
+        keys = [k async for k in client.scan_iter(match=f"*pg:{namespace}*", count=1000)]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def namespace_for(url: str) -> AsyncIterator[str]:
+    namespace = unique_namespace()
+    try:
+        yield namespace
+    finally:
+        await delete_namespace(url, namespace)

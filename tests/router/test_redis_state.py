@@ -1,0 +1,196 @@
+"""Shared state through a real Redis: session affinity and in-flight counts across replicas,
+plus the circuit breaker and update queue they rely on."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.redis_state import (
+    CircuitBreaker,
+    RedisAffinityStore,
+    RedisMetrics,
+    SharedInFlight,
+)
+
+pytestmark = pytest.mark.redis
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def dead_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"redis://127.0.0.1:{sock.getsockname()[1]}/0"
+
+
+@pytest.fixture
+async def closing() -> AsyncIterator[list[Any]]:
+    """Objects to close at the end of the test, whatever happens."""
+    objs: list[Any] = []
+    yield objs
+    for obj in objs:
+        await obj.aclose()
+
+
+# --- circuit breaker --------------------------------------------------------------------------
+
+
+def test_breaker_opens_after_threshold_and_probes_once() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(threshold=2, initial_seconds=1.0, max_seconds=3.0, clock=clock)
+    breaker.failure()
+    assert breaker.allow() and not breaker.is_open
+    breaker.failure()
+    assert breaker.is_open and not breaker.allow()
+    clock.now += 1.0
+    assert breaker.allow()  # the probe
+    assert not breaker.allow()  # everyone else waits for its outcome
+    breaker.failure()
+    assert breaker.retry_in() == pytest.approx(2.0)  # the interval grows
+    clock.now += 2.0
+    assert breaker.allow()
+    breaker.failure()
+    assert breaker.retry_in() == pytest.approx(3.0)  # up to the cap
+    clock.now += 3.0
+    assert breaker.allow()
+    breaker.success()
+    assert not breaker.is_open and breaker.allow() and breaker.retry_in() == 0
+
+
+# --- session affinity -------------------------------------------------------------------------
+
+
+def affinity(
+    url: str, namespace: str, closing: list[Any], **kwargs: Any
+) -> RedisAffinityStore:
+    store = RedisAffinityStore(url, namespace=namespace, **kwargs)
+    closing.append(store)
+    return store
+
+
+async def test_affinity_is_shared_between_gateways(
+    redis_url: str, redis_namespace: str, closing: list[Any]
+) -> None:
+    one = affinity(redis_url, redis_namespace, closing)
+    two = affinity(redis_url, redis_namespace, closing)
+    one.set("s1", "10.0.0.1:8000")
+    assert await one.get("s1") == "10.0.0.1:8000"  # at once, before shipping
+    await one.flush()
+    assert await two.get("s1") == "10.0.0.1:8000"
+    assert two.local.get_now("s1") == "10.0.0.1:8000"  # warmed for a later outage
+    two.set("s1", "10.0.0.2:8000")
+    await two.flush()
+    assert await one.get("s1") == "10.0.0.2:8000"
+    assert await one.get("unknown") is None
+
+
+async def test_affinity_expires_in_redis(
+    redis_url: str, redis_namespace: str, closing: list[Any]
+) -> None:
+    one = affinity(redis_url, redis_namespace, closing, ttl_seconds=0.15)
+    one.set("s1", "a:1")
+    await one.flush()
+    await asyncio.sleep(0.25)
+    assert await affinity(redis_url, redis_namespace, closing).get("s1") is None
+    assert await one.get("s1") is None
+
+
+async def test_affinity_fails_open_to_local(redis_namespace: str, closing: list[Any]) -> None:
+    registry = CollectorRegistry()
+    store = affinity(dead_url(), redis_namespace, closing, metrics=RedisMetrics(registry))
+    store.set("s1", "a:1")
+    await store.flush()
+    assert await store.get("s1") == "a:1"
+    assert await store.get("s2") is None
+    fallbacks = sum(
+        registry.get_sample_value(
+            "prefixgate_redis_fallbacks_total", {"op": "affinity_get", "reason": reason}
+        )
+        or 0
+        for reason in ("error", "circuit_open")
+    )
+    assert fallbacks == 2
+    await store.forget_endpoint("a:1")
+    assert await store.get("s1") is None
+
+
+# --- in-flight counts -------------------------------------------------------------------------
+
+
+def inflight(
+    url: str, namespace: str, closing: list[Any], counts: dict[str, int], **kwargs: Any
+) -> SharedInFlight:
+    shared = SharedInFlight(url, lambda: counts, namespace=namespace, **kwargs)
+    closing.append(shared)
+    return shared
+
+
+async def test_in_flight_counts_are_summed_over_other_gateways(
+    redis_url: str, redis_namespace: str, closing: list[Any]
+) -> None:
+    counts_a, counts_b, counts_c = {"e1": 3, "e2": 1}, {"e1": 2, "e3": 0}, {"e2": 5}
+    a = inflight(redis_url, redis_namespace, closing, counts_a, gateway_id="a")
+    b = inflight(redis_url, redis_namespace, closing, counts_b, gateway_id="b")
+    c = inflight(redis_url, redis_namespace, closing, counts_c, gateway_id="c")
+    for shared in (a, b, c, a, b):
+        assert await shared.sync_once()
+    assert a.remote_counts() == {"e1": 2, "e2": 5}  # its own counts are not included
+    assert b.remote_in_flight("e1") == 3 and b.remote_in_flight("e2") == 6
+    assert a.remote_in_flight("e3") == 0 and a.remote_in_flight("unknown") == 0
+
+
+async def test_crashed_gateway_counts_expire(
+    redis_url: str, redis_namespace: str, closing: list[Any]
+) -> None:
+    crashed = inflight(redis_url, redis_namespace, closing, {"e1": 4}, expiry=0.2)
+    alive = inflight(redis_url, redis_namespace, closing, {}, expiry=0.2)
+    assert await crashed.sync_once()
+    assert await alive.sync_once()
+    assert alive.remote_in_flight("e1") == 4
+    await asyncio.sleep(0.3)  # the crashed one never publishes again
+    assert await alive.sync_once()
+    assert alive.remote_in_flight("e1") == 0
+
+
+async def test_periodic_publishing_and_clean_leave(
+    redis_url: str, redis_namespace: str, closing: list[Any]
+) -> None:
+    counts = {"e1": 1}
+    publisher = SharedInFlight(redis_url, lambda: counts, namespace=redis_namespace, interval=0.01)
+    reader = inflight(redis_url, redis_namespace, closing, {})
+    publisher.start()
+    counts["e1"] = 7
+
+    async def until(predicate: Callable[[], bool]) -> None:
+        async with asyncio.timeout(2):
+            while not predicate():
+                await asyncio.sleep(0.01)
+                await reader.sync_once()
+
+    await until(lambda: reader.remote_in_flight("e1") == 7)
+    await publisher.aclose()
+    await reader.sync_once()
+    assert reader.remote_in_flight("e1") == 0
+
+
+async def test_stale_remote_counts_read_as_zero(redis_namespace: str, closing: list[Any]) -> None:
+    clock = FakeClock()
+    shared = inflight(dead_url(), redis_namespace, closing, {"e1": 1}, clock=clock, expiry=1.0)
+    shared._remote, shared._read_at = {"e1": 3}, clock.now
+    assert shared.remote_in_flight("e1") == 3
+    assert not await shared.sync_once()  # Redis is down: the old read stands until it is stale
+    assert shared.remote_in_flight("e1") == 3
+    clock.now += 1.5
+    assert shared.remote_in_flight("e1") == 0 and shared.remote_counts() == {}
