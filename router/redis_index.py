@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry
 from redis.exceptions import NoScriptError
 
 from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex
-from router.redis_state import (
+from router.redis_link import (
     CircuitBreaker,
     LuaScript,
     RedisLink,

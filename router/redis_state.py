@@ -1,8 +1,6 @@
-"""State shared by gateway replicas through Redis, and the guard every Redis call goes through.
+"""State shared by gateway replicas through Redis (every call goes through
+:class:`router.redis_link.RedisLink`, so a sick Redis means local fallback, never a wait).
 
-- :class:`RedisLink`: one connection pool with a time budget per call, a circuit breaker and
-  rate-limited logging. Callers get :class:`Unavailable` instead of waiting on a sick Redis, and
-  fall back to their local view (fail-open).
 - :class:`RedisAffinityStore`: the session affinity store (``AffinityStore``) shared by replicas.
 - :class:`SharedInFlight`: each replica publishes its own in-flight counts per endpoint and reads
   the sum of the others', so that replicas do not herd onto the endpoint each thinks is idle.
@@ -12,378 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import logging
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any
 
-import xxhash
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.affinity import InMemoryAffinityStore
-
-T = TypeVar("T")
-Clock = Callable[[], float]
-log = logging.getLogger("prefixgate.redis")
-
-_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05)
-
-
-def key_tag(namespace: str, partition: str | None = None) -> str:
-    """The Cluster hash tag shared by every key a script touches (one slot per tag)."""
-    if not namespace or any(c in namespace for c in "{} "):
-        raise ValueError(f"namespace must be non-empty without braces or spaces: {namespace!r}")
-    if partition is None:
-        return "{pg:" + namespace + "}"
-    return "{pg:" + namespace + ":" + xxhash.xxh64_hexdigest(partition.encode()) + "}"
-
-
-class RedisMetrics:
-    """The Redis backend's metrics, on the registry it is given (never the global one)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
-        self.lookups = Counter("prefixgate_index_lookups", "Prefix index lookups.", registry=r)
-        self.lookup_hits = Counter(
-            "prefixgate_index_lookup_hits", "Lookups where some endpoint matched.", registry=r
-        )
-        self.lookup_seconds = Histogram(
-            "prefixgate_index_lookup_seconds",
-            "Prefix index lookup latency, Redis round trip or fallback included.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.errors = Counter(
-            "prefixgate_redis_errors",
-            "Redis calls that failed, by operation and kind (error, timeout).",
-            ["op", "kind"],
-            registry=r,
-        )
-        self.fallbacks = Counter(
-            "prefixgate_redis_fallbacks",
-            "Reads answered from the local view instead of Redis, by operation and reason.",
-            ["op", "reason"],
-            registry=r,
-        )
-        self.dropped = Counter(
-            "prefixgate_redis_dropped_updates",
-            "Updates never applied in Redis (queue overflow or failed shipment).",
-            ["op", "reason"],
-            registry=r,
-        )
-        self.circuit_open = Gauge(
-            "prefixgate_redis_circuit_open",
-            "1 while calls to Redis are skipped after repeated failures.",
-            ["component"],
-            registry=r,
-        )
-
-
-class Unavailable(Exception):
-    """Redis could not answer within budget; ``reason`` is timeout, error or circuit_open."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class CircuitBreaker:
-    """Skip Redis for a growing interval after ``threshold`` consecutive failures.
-
-    Once the interval has passed a single probe call goes through (the others keep skipping
-    until it reports), so a dead Redis costs one budget per interval, not one per request.
-    """
-
-    def __init__(
-        self,
-        threshold: int = 3,
-        initial_seconds: float = 0.2,
-        max_seconds: float = 5.0,
-        clock: Clock = time.monotonic,
-    ) -> None:
-        self._threshold = max(1, threshold)
-        self._initial = initial_seconds
-        self._max = max_seconds
-        self._clock = clock
-        self._failures = 0
-        self._interval = initial_seconds
-        self._open_until: float | None = None
-
-    @property
-    def is_open(self) -> bool:
-        return self._open_until is not None
-
-    def retry_in(self) -> float:
-        if self._open_until is None:
-            return 0.0
-        return max(0.0, self._open_until - self._clock())
-
-    def allow(self) -> bool:
-        if self._open_until is None:
-            return True
-        now = self._clock()
-        if now < self._open_until:
-            return False
-        self._open_until = now + self._interval
-        return True
-
-    def success(self) -> None:
-        self._failures = 0
-        self._interval = self._initial
-        self._open_until = None
-
-    def failure(self) -> None:
-        now = self._clock()
-        if self._open_until is not None:
-            self._interval = min(self._interval * 2, self._max)
-            self._open_until = now + self._interval
-            return
-        self._failures += 1
-        if self._failures >= self._threshold:
-            self._open_until = now + self._interval
-
-
-@dataclass(frozen=True, slots=True)
-class LuaScript:
-    source: str
-
-    @property
-    def sha(self) -> str:
-        return hashlib.sha1(self.source.encode()).hexdigest()
-
-
-async def eval_script(
-    client: Redis, script: LuaScript, keys: Sequence[str], args: Sequence[Any]
-) -> Any:
-    """EVALSHA, falling back to EVAL (which caches the script) when the server lost it."""
-    try:
-        return await client.evalsha(script.sha, len(keys), *keys, *args)
-    except NoScriptError:
-        return await client.eval(script.source, len(keys), *keys, *args)
-
-
-class RedisLink:
-    """A Redis connection pool whose every call is budgeted, breaker-guarded and counted."""
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        component: str,
-        metrics: RedisMetrics,
-        timeout_ms: float = 5.0,
-        breaker: CircuitBreaker | None = None,
-        log_interval: float = 10.0,
-        max_connections: int = 64,
-    ) -> None:
-        self.timeout = timeout_ms / 1000.0
-        self.component = component
-        self.metrics = metrics
-        self.breaker = breaker or CircuitBreaker()
-        # No client-side retries: the budget is the caller's, and the breaker does the waiting.
-        self.client: Redis = Redis.from_url(
-            url,
-            socket_connect_timeout=max(self.timeout, 0.05),
-            socket_timeout=1.0,
-            retry=Retry(NoBackoff(), 0),
-            max_connections=max_connections,
-        )
-        self._log_interval = log_interval
-        self._last_log = -float("inf")
-        self._suppressed = 0
-        self._closed = False
-
-    async def call(
-        self, op: str, fn: Callable[[Redis], Awaitable[T]], budget: float | None = None
-    ) -> T:
-        if self._closed or not self.breaker.allow():
-            raise Unavailable("circuit_open")
-        try:
-            async with asyncio.timeout(self.timeout if budget is None else budget):
-                result = await fn(self.client)
-        except (TimeoutError, RedisTimeoutError) as exc:
-            self._failed(op, "timeout", exc)
-            raise Unavailable("timeout") from exc
-        except (RedisError, OSError) as exc:
-            self._failed(op, "error", exc)
-            raise Unavailable("error") from exc
-        if self.breaker.is_open:
-            log.info("redis %s: reachable again", self.component)
-        self.breaker.success()
-        self.metrics.circuit_open.labels(self.component).set(0)
-        return result
-
-    def _failed(self, op: str, kind: str, exc: BaseException) -> None:
-        self.metrics.errors.labels(op, kind).inc()
-        self.breaker.failure()
-        self.metrics.circuit_open.labels(self.component).set(1 if self.breaker.is_open else 0)
-        now = time.monotonic()
-        if now - self._last_log < self._log_interval:
-            self._suppressed += 1
-            return
-        log.warning(
-            "redis %s: %s %s (%s); using local state (%d similar failures not logged)",
-            self.component, op, kind, str(exc) or type(exc).__name__, self._suppressed,
-        )
-        self._last_log = now
-        self._suppressed = 0
-
-    async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            await self.client.aclose()
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def default_metrics(metrics: RedisMetrics | None) -> RedisMetrics:
-    return metrics if metrics is not None else RedisMetrics(CollectorRegistry())
-
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class UpdateQueue(Generic[K, V]):
-    """Pending updates, coalesced by key and bounded, shipped by one task the queue owns.
-
-    A burst never spawns more than that one task; when Redis cannot keep up the oldest updates
-    are dropped (and counted), since the newest say most about what the endpoints hold now.
-    """
-
-    def __init__(
-        self,
-        ship: Callable[[list[tuple[K, V]]], Awaitable[None]],
-        *,
-        op: str,
-        link: RedisLink,
-        max_items: int = 1024,
-        max_cost: int = 16 << 20,
-        max_batch: int = 32,
-        max_batch_cost: int | None = None,
-        cost: Callable[[K, V], int] = lambda k, v: 1,
-    ) -> None:
-        self._ship = ship
-        self._op = op
-        self._link = link
-        self._max_items = max(1, max_items)
-        self._max_cost = max_cost
-        self._max_batch = max(1, max_batch)
-        self._max_batch_cost = max_batch_cost
-        self._cost = cost
-        self._items: OrderedDict[K, V] = OrderedDict()
-        self._total_cost = 0
-        self._busy = False
-        self._wakeup = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._task: asyncio.Task[None] | None = None
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._items
-
-    def put(self, key: K, value: V) -> None:
-        old = self._items.pop(key, None)
-        if old is not None:
-            self._total_cost -= self._cost(key, old)
-        self._items[key] = value
-        self._idle.clear()
-        self._total_cost += self._cost(key, value)
-        while len(self._items) > 1 and (
-            len(self._items) > self._max_items or self._total_cost > self._max_cost
-        ):
-            k, v = self._items.popitem(last=False)
-            self._total_cost -= self._cost(k, v)
-            self._link.metrics.dropped.labels(self._op, "overflow").inc()
-        self._kick()
-
-    def discard_if(self, predicate: Callable[[K], bool]) -> None:
-        for key in [k for k in self._items if predicate(k)]:
-            self._total_cost -= self._cost(key, self._items.pop(key))
-        if not self._items and not self._busy:
-            self._idle.set()
-
-    def _kick(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return  # shipped once a loop runs: the next put or flush starts the task
-        if self._task is None or self._task.done():
-            self._task = loop.create_task(self._run(), name=f"prefixgate-{self._op}")
-        self._wakeup.set()
-
-    def _take(self) -> list[tuple[K, V]]:
-        # A pipeline runs without interruption on the server: bound it so lookups of other
-        # gateways do not queue behind it for long.
-        batch: list[tuple[K, V]] = []
-        batch_cost = 0
-        limit = self._max_batch_cost
-        while self._items and len(batch) < self._max_batch:
-            k, v = next(iter(self._items.items()))
-            cost = self._cost(k, v)
-            if batch and limit is not None and batch_cost + cost > limit:
-                break
-            del self._items[k]
-            self._total_cost -= cost
-            batch_cost += cost
-            batch.append((k, v))
-        return batch
-
-    async def _run(self) -> None:
-        while True:
-            if not self._items:
-                self._idle.set()
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            wait = self._link.breaker.retry_in()
-            if wait > 0:
-                await asyncio.sleep(wait)
-                continue
-            batch = self._take()
-            self._busy = True
-            try:
-                await self._ship(batch)
-            except Unavailable as exc:
-                self._link.metrics.dropped.labels(self._op, exc.reason).inc(len(batch))
-            except Exception:
-                log.exception("redis %s: shipping failed", self._op)
-                self._link.metrics.dropped.labels(self._op, "bug").inc(len(batch))
-            finally:
-                self._busy = False
-
-    async def flush(self) -> None:
-        """Wait until everything queued so far has been shipped (or given up on)."""
-        self._kick()
-        await self._idle.wait()
-
-    async def aclose(self, grace: float) -> None:
-        try:
-            async with asyncio.timeout(grace):
-                await self.flush()
-        except TimeoutError:
-            self._link.metrics.dropped.labels(self._op, "closing").inc(len(self._items))
-            self._items.clear()
-            self._idle.set()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+from router.redis_link import (
+    CircuitBreaker,
+    Clock,
+    LuaScript,
+    RedisLink,
+    RedisMetrics,
+    Unavailable,
+    UpdateQueue,
+    as_text,
+    default_metrics,
+    eval_script,
+    key_tag,
+)
 
 
 class RedisAffinityStore:
@@ -432,7 +79,7 @@ class RedisAffinityStore:
             return local
         if raw is None:
             return local
-        endpoint = _text(raw)
+        endpoint = as_text(raw)
         if endpoint != local:
             self.local.set(session_id, endpoint)  # so a Redis outage falls back to the latest
         return endpoint
@@ -553,7 +200,7 @@ class SharedInFlight:
             self._link.metrics.fallbacks.labels("inflight_sync", exc.reason).inc()
             return False
         it = iter(flat)
-        self._remote = {_text(k): int(v) for k, v in zip(it, it, strict=True)}
+        self._remote = {as_text(k): int(v) for k, v in zip(it, it, strict=True)}
         self._read_at = self._clock()
         return True
 

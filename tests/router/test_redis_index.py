@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 import router.redis_index as redis_index
 from router.prefix_index import InMemoryPrefixIndex, PrefixIndex
 from router.redis_index import RedisPrefixIndex, pack_hashes
-from router.redis_state import CircuitBreaker, LuaScript, eval_script, key_tag
+from router.redis_link import CircuitBreaker, LuaScript, eval_script, key_tag
 
 pytestmark = pytest.mark.redis
 
@@ -47,6 +47,10 @@ async def make_index(redis_url: str, redis_namespace: str) -> AsyncIterator[Fact
 
     def make(url: str | None = None, **kwargs: Any) -> RedisPrefixIndex:
         kwargs.setdefault("namespace", redis_namespace)
+        # Semantics tests must not depend on the machine's load: a generous budget unless the
+        # test is about the budget itself (those pass their own timeout_ms).
+        kwargs.setdefault("timeout_ms", 2000.0)
+        kwargs.setdefault("write_timeout_ms", 2000.0)
         index = RedisPrefixIndex(url or redis_url, **kwargs)
         made.append(index)
         return index

@@ -11,12 +11,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.redis_state import (
-    CircuitBreaker,
-    RedisAffinityStore,
-    RedisMetrics,
-    SharedInFlight,
-)
+from router.redis_link import CircuitBreaker, RedisMetrics
+from router.redis_state import RedisAffinityStore, SharedInFlight
 
 pytestmark = pytest.mark.redis
 
@@ -75,6 +71,8 @@ def test_breaker_opens_after_threshold_and_probes_once() -> None:
 def affinity(
     url: str, namespace: str, closing: list[Any], **kwargs: Any
 ) -> RedisAffinityStore:
+    kwargs.setdefault("timeout_ms", 2000.0)  # semantics, not budgets: immune to machine load
+    kwargs.setdefault("write_timeout_ms", 2000.0)
     store = RedisAffinityStore(url, namespace=namespace, **kwargs)
     closing.append(store)
     return store
@@ -132,6 +130,7 @@ async def test_affinity_fails_open_to_local(redis_namespace: str, closing: list[
 def inflight(
     url: str, namespace: str, closing: list[Any], counts: dict[str, int], **kwargs: Any
 ) -> SharedInFlight:
+    kwargs.setdefault("timeout_ms", 2000.0)
     shared = SharedInFlight(url, lambda: counts, namespace=namespace, **kwargs)
     closing.append(shared)
     return shared
@@ -168,7 +167,9 @@ async def test_periodic_publishing_and_clean_leave(
     redis_url: str, redis_namespace: str, closing: list[Any]
 ) -> None:
     counts = {"e1": 1}
-    publisher = SharedInFlight(redis_url, lambda: counts, namespace=redis_namespace, interval=0.01)
+    publisher = SharedInFlight(
+        redis_url, lambda: counts, namespace=redis_namespace, interval=0.01, timeout_ms=2000.0
+    )
     reader = inflight(redis_url, redis_namespace, closing, {})
     publisher.start()
     counts["e1"] = 7
