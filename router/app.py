@@ -19,19 +19,18 @@ from starlette.responses import Response
 
 from flow_control.controller import FlowController
 from router import __version__
-from router.affinity import InMemoryAffinityStore
 from router.config import GatewayConfig
 from router.endpoints import Endpoint, EndpointPool
 from router.errors import BadRequestError, GatewayError
 from router.hashing import BYTES_PER_TOKEN
 from router.metrics import GatewayMetrics
 from router.plugins import PluginContext, PluginRegistry, build_profile, default_registry
-from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex, PrefixIndex
 from router.producers import AffinityTracker, PrefixTracker
 from router.proxy import Proxy
 from router.routing import Router
 from router.scheduling import Scheduler
 from router.scraper import EndpointMonitor, MonitorSettings
+from router.stores import Stores, build_stores
 from router.strategies import strategy
 from router.upstream import UpstreamClient
 
@@ -44,8 +43,7 @@ class Gateway:
 
     config: GatewayConfig
     pool: EndpointPool
-    index: PrefixIndex
-    affinity: InMemoryAffinityStore
+    stores: Stores
     scheduler: Scheduler
     metrics: GatewayMetrics
     flow: FlowController
@@ -59,7 +57,7 @@ class Gateway:
             return
         capacity_bytes = block_size * num_gpu_blocks * BYTES_PER_TOKEN
         blocks = int(capacity_bytes // self.config.prefix_index.block_bytes)
-        self.index.set_capacity(endpoint_id, blocks)
+        self.stores.index.set_capacity(endpoint_id, blocks)
 
 
 def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None) -> Gateway:
@@ -68,25 +66,22 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     pool = EndpointPool(
         Endpoint.from_url(e.url, e.role, e.models) for e in config.pool.endpoints
     )
-    index_cfg = config.prefix_index
-    index = InMemoryPrefixIndex(index_cfg.capacity_blocks or DEFAULT_CAPACITY_BLOCKS)
-    affinity = InMemoryAffinityStore(
-        config.session_affinity.ttl_seconds, config.session_affinity.max_sessions
-    )
+    metrics = GatewayMetrics(pool)
+    stores = build_stores(config, pool, metrics.registry)
     if config.plugins is None:
         plugins, profile_cfg = strategy(config.strategy)
     else:
         assert config.scheduling_profiles  # enforced by the config model
         plugins, profile_cfg = config.plugins, config.scheduling_profiles[0]
     profile = build_profile(plugins, profile_cfg, registry, PluginContext(rng))
-    prefix = PrefixTracker(index)
-    sessions = AffinityTracker(affinity)
+    prefix = PrefixTracker(stores.index)
+    sessions = AffinityTracker(stores.affinity)
     scheduler = Scheduler(profile, producers=[prefix, sessions], observers=[prefix, sessions])
-    metrics = GatewayMetrics(pool)
-    flow = FlowController(config.flow_control, pool.candidates, registry=metrics.registry)
-    router = Router(config, pool, scheduler, flow, metrics)
+    candidates = stores.candidates(pool)
+    flow = FlowController(config.flow_control, candidates, registry=metrics.registry)
+    router = Router(config, pool, candidates, scheduler, flow, metrics)
     proxy = Proxy(config, router, metrics)
-    return Gateway(config, pool, index, affinity, scheduler, metrics, flow, router, proxy)
+    return Gateway(config, pool, stores, scheduler, metrics, flow, router, proxy)
 
 
 def _error_response(error: GatewayError) -> Response:
@@ -118,13 +113,14 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
             await monitor.check_all()
             monitor.start()
             gateway.flow.start()
+            gateway.stores.start()
             try:
                 yield
             finally:
                 await gateway.flow.stop()
                 await monitor.stop()
                 await client.aclose()
-                await gateway.index.aclose()
+                await gateway.stores.aclose()
 
     app = FastAPI(title="prefixgate", version=__version__, lifespan=lifespan)
     app.state.gateway = gateway

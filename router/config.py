@@ -73,6 +73,14 @@ class PrefixIndexConfig(Strict):
     namespace: str = "prefixgate"
     timeout_ms: float = Field(5.0, gt=0)
 
+    @model_validator(mode="after")
+    def _redis_url(self) -> PrefixIndexConfig:
+        if self.backend == "redis" and not self.url:
+            raise ValueError("url: the redis backend needs url: redis://host:port/db")
+        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("url: must be redis://, rediss:// or unix://")
+        return self
+
 
 class SessionAffinityConfig(Strict):
     ttl_seconds: float = Field(600.0, gt=0)

@@ -7,7 +7,7 @@ control, the prefix index and affinity behave the same whichever way a request a
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from flow_control.controller import FlowController
 from flow_control.request import Ticket
@@ -27,12 +27,14 @@ class Router:
         self,
         config: GatewayConfig,
         pool: EndpointPool,
+        candidates: Callable[[str], list[EndpointSnapshot]],
         scheduler: Scheduler,
         flow: FlowController,
         metrics: GatewayMetrics,
     ) -> None:
         self._config = config
         self._pool = pool
+        self._candidates = candidates
         self._scheduler = scheduler
         self._flow = flow
         self._metrics = metrics
@@ -73,7 +75,7 @@ class Router:
     async def rank(self, routing: RoutingRequest) -> list[EndpointSnapshot]:
         """The candidates in order of preference: the pick first, then the fallbacks."""
         started = time.perf_counter()
-        candidates = self._pool.candidates(routing.model)
+        candidates = self._candidates(routing.model)
         if not candidates:
             raise NoEndpointsError(f"no healthy endpoint serves model {routing.model!r}")
         decision = await self._scheduler.schedule(routing, candidates)

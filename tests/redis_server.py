@@ -7,6 +7,7 @@ under CI (env ``CI`` set), where a missing Redis is a failure: ``.ci/run`` must 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -17,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import NoReturn
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -115,3 +117,59 @@ async def namespace_for(url: str) -> AsyncIterator[str]:
         yield namespace
     finally:
         await delete_namespace(url, namespace)
+
+
+class FlakyProxy:
+    """A TCP proxy to Redis that can turn into a black hole: accepts, reads, never answers."""
+
+    def __init__(self, target: str) -> None:
+        parts = urlsplit(target)
+        self._host, self._port = parts.hostname or "127.0.0.1", parts.port or 6379
+        self._open = asyncio.Event()
+        self._open.set()
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def forwarding(self) -> bool:
+        return self._open.is_set()
+
+    @forwarding.setter
+    def forwarding(self, value: bool) -> None:
+        if value:
+            self._open.set()
+        else:
+            self._open.clear()
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"redis://127.0.0.1:{port}/0"
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        if not self.forwarding:
+            while await reader.read(65536):
+                pass
+            return
+        up_reader, up_writer = await asyncio.open_connection(self._host, self._port)
+        self._writers.add(up_writer)
+        pumps = [self._pump(reader, up_writer), self._pump(up_reader, writer)]
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self._open.wait()  # hold the bytes meanwhile: Redis looks hung
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def close(self) -> None:
+        for writer in self._writers:
+            writer.close()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()

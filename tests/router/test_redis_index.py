@@ -10,7 +10,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 import redis.asyncio
@@ -20,6 +19,7 @@ import router.redis_index as redis_index
 from router.prefix_index import InMemoryPrefixIndex, PrefixIndex
 from router.redis_index import RedisPrefixIndex, pack_hashes
 from router.redis_link import CircuitBreaker, LuaScript, eval_script, key_tag
+from tests.redis_server import FlakyProxy
 
 pytestmark = pytest.mark.redis
 
@@ -241,62 +241,6 @@ def test_record_without_a_running_loop_stays_local() -> None:
 
 
 # --- fail-open -------------------------------------------------------------------------------
-
-
-class FlakyProxy:
-    """A TCP proxy to Redis that can turn into a black hole: accepts, reads, never answers."""
-
-    def __init__(self, target: str) -> None:
-        parts = urlsplit(target)
-        self._host, self._port = parts.hostname or "127.0.0.1", parts.port or 6379
-        self._open = asyncio.Event()
-        self._open.set()
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._writers: set[asyncio.StreamWriter] = set()
-
-    @property
-    def forwarding(self) -> bool:
-        return self._open.is_set()
-
-    @forwarding.setter
-    def forwarding(self, value: bool) -> None:
-        if value:
-            self._open.set()
-        else:
-            self._open.clear()
-
-    async def start(self) -> str:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        port = self._server.sockets[0].getsockname()[1]
-        return f"redis://127.0.0.1:{port}/0"
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        if not self.forwarding:
-            while await reader.read(65536):
-                pass
-            return
-        up_reader, up_writer = await asyncio.open_connection(self._host, self._port)
-        self._writers.add(up_writer)
-        pumps = [self._pump(reader, up_writer), self._pump(up_reader, writer)]
-        await asyncio.gather(*pumps, return_exceptions=True)
-
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                await self._open.wait()  # hold the bytes meanwhile: Redis looks hung
-                writer.write(data)
-                await writer.drain()
-        finally:
-            writer.close()
-
-    async def close(self) -> None:
-        for writer in self._writers:
-            writer.close()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
 
 
 @pytest.fixture

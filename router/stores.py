@@ -1,0 +1,87 @@
+"""What the gateway remembers between requests: the prefix index, session affinity and, with
+several gateway replicas, their shared in-flight counts. Built from ``prefixIndex`` config:
+in memory by default, in Redis (shared by every replica) with ``backend: redis``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from router.affinity import AffinityStore, InMemoryAffinityStore
+from router.config import GatewayConfig
+from router.endpoints import EndpointPool, EndpointSnapshot
+from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex, PrefixIndex
+from router.redis_index import RedisPrefixIndex
+from router.redis_link import RedisMetrics
+from router.redis_state import RedisAffinityStore, SharedInFlight
+
+Candidates = Callable[[str], list[EndpointSnapshot]]
+
+
+@dataclass(slots=True)
+class Stores:
+    index: PrefixIndex
+    affinity: AffinityStore
+    shared_in_flight: SharedInFlight | None = None
+
+    def candidates(self, pool: EndpointPool) -> Candidates:
+        """The pool's candidates, with the other gateway replicas' in-flight counts added."""
+        shared = self.shared_in_flight
+        if shared is None:
+            return pool.candidates
+
+        def with_remote(model: str) -> list[EndpointSnapshot]:
+            return [
+                dataclasses.replace(s, in_flight=s.in_flight + shared.remote_in_flight(s.id))
+                for s in pool.candidates(model)
+            ]
+
+        return with_remote
+
+    def start(self) -> None:
+        if self.shared_in_flight is not None:
+            self.shared_in_flight.start()
+
+    async def aclose(self) -> None:
+        if self.shared_in_flight is not None:
+            await self.shared_in_flight.aclose()
+        closer = getattr(self.affinity, "aclose", None)
+        if closer is not None:
+            await closer()
+        await self.index.aclose()
+
+
+def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorRegistry) -> Stores:
+    cfg = config.prefix_index
+    sessions = config.session_affinity
+    capacity = cfg.capacity_blocks or DEFAULT_CAPACITY_BLOCKS
+    if cfg.backend == "memory" or cfg.url is None:
+        return Stores(
+            InMemoryPrefixIndex(capacity),
+            InMemoryAffinityStore(sessions.ttl_seconds, sessions.max_sessions),
+        )
+    metrics = RedisMetrics(registry)
+    url, namespace, budget = cfg.url, cfg.namespace, cfg.timeout_ms
+    index = RedisPrefixIndex(
+        url, namespace=namespace, timeout_ms=budget, metrics=metrics, default_capacity=capacity
+    )
+    affinity = RedisAffinityStore(
+        url,
+        namespace=namespace,
+        timeout_ms=budget,
+        metrics=metrics,
+        ttl_seconds=sessions.ttl_seconds,
+        max_sessions=sessions.max_sessions,
+    )
+    shared = SharedInFlight(
+        url,
+        lambda: {s.endpoint.id: s.in_flight for s in pool},
+        namespace=namespace,
+        timeout_ms=budget,
+        metrics=metrics,
+    )
+    return Stores(index, affinity, shared)

@@ -1,0 +1,169 @@
+"""Several gateways sharing one Redis route as one; a Redis outage loses no request.
+
+The gateways are separate app instances in this process: nothing is shared between them but
+Redis (no module state), so each behaves like its own replica behind a load balancer. Each
+session's turns are spread across the gateways at random, as a load balancer would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from benchmarks.driver import cache_stats
+from benchmarks.reuse import ReuseTracker
+from benchmarks.sim.cli import start_replicas
+from benchmarks.sim.config import SimConfig
+from benchmarks.sim.tokenizer import Tokenizer
+from benchmarks.workloads import MultiSessionWorkload, multi_session_chat
+from router.server import RunningGateway, running_gateway
+from tests.redis_server import FlakyProxy
+from tests.router.conftest import MODEL, gateway_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+
+def workload() -> MultiSessionWorkload:
+    return multi_session_chat(
+        sessions=20,
+        turns=10,
+        system_tokens=300,
+        user_tokens=300,
+        max_tokens=50,
+        concurrency=10,
+        seed=5,
+    )
+
+
+@dataclass
+class Outcome:
+    requests: int = 0
+    failed: int = 0
+    reuse: ReuseTracker | None = None
+
+
+async def spread(
+    urls: list[str],
+    wl: MultiSessionWorkload,
+    seed: int,
+    between: Callable[[int], Any] | None = None,
+) -> Outcome:
+    """Every turn of every session to a gateway picked at random."""
+    rng = random.Random(seed)
+    tokenizer, outcome = Tokenizer(), Outcome(reuse=ReuseTracker())
+    gate = asyncio.Semaphore(wl.concurrency)
+    async with httpx.AsyncClient(timeout=60) as http:
+
+        async def session(s: Any) -> None:
+            async with gate:
+                messages: list[dict[str, Any]] = [{"role": "system", "content": s.system}]
+                for text in s.user_turns:
+                    messages.append({"role": "user", "content": text})
+                    prompt = tokenizer.encode_chat(messages)
+                    resp = await http.post(
+                        f"{rng.choice(urls)}/v1/chat/completions",
+                        json={"model": MODEL, "messages": messages, "max_tokens": s.max_tokens},
+                        headers={"x-session-id": s.session_id},
+                    )
+                    outcome.requests += 1
+                    if between is not None:
+                        await between(outcome.requests)
+                    if resp.status_code != 200:
+                        outcome.failed += 1
+                        return
+                    answer = resp.json()["choices"][0]["message"]["content"]
+                    assert outcome.reuse is not None
+                    outcome.reuse.observe(prompt, tokenizer.encode(answer))
+                    messages.append({"role": "assistant", "content": answer})
+
+        async with asyncio.timeout(120):
+            await asyncio.gather(*(session(s) for s in wl.sessions))
+    return outcome
+
+
+@contextlib.asynccontextmanager
+async def gateways(urls: list[str], n: int, index: dict[str, Any]) -> AsyncIterator[list[str]]:
+    async with contextlib.AsyncExitStack() as stack:
+        running: list[RunningGateway] = []
+        for _ in range(n):
+            config = gateway_config(urls, prefixIndex=index)
+            running.append(await stack.enter_async_context(running_gateway(config)))
+        yield [g.url for g in running]
+
+
+async def captured(n_gateways: int, index: dict[str, Any]) -> float:
+    """Share of the workload's reusable tokens served from the replicas' caches."""
+    async with start_replicas(4, SimConfig(num_gpu_blocks=768, speed=50.0)) as replicas:
+        urls = [r.url for r in replicas]
+        async with gateways(urls, n_gateways, index) as gw_urls:
+            outcome = await spread(gw_urls, workload(), seed=11)
+        stats = await cache_stats(urls)
+    assert outcome.failed == 0 and outcome.reuse is not None
+    return sum(s.hits for s in stats.values()) / outcome.reuse.reusable_tokens
+
+
+async def test_gateways_sharing_redis_route_as_one(redis_url: str, redis_namespace: str) -> None:
+    redis_index = {"backend": "redis", "url": redis_url, "namespace": redis_namespace}
+    single = await captured(1, {})
+    shared = await captured(3, {**redis_index, "timeoutMs": 50})
+    separate = await captured(3, {})
+    print(
+        f"captured reuse: 1 gateway {single:.3f}, 3 on Redis {shared:.3f}, 3 apart {separate:.3f}"
+    )
+    assert shared >= single - 0.05
+    assert shared >= separate + 0.15
+
+
+CLOSED = 'prefixgate_redis_circuit_open{component="index"} 0.0'
+
+
+async def until_recovered(gateway: str, seconds: float = 20.0) -> str:
+    """Keep routing requests until the index's circuit breaker has closed again (bounded)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "probe " * 80}]}
+    async with httpx.AsyncClient(base_url=gateway, timeout=30) as http:
+        for _ in range(int(seconds / 0.2)):
+            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+            text = (await http.get("/metrics")).text
+            if CLOSED in text:
+                break
+            await asyncio.sleep(0.2)
+    return text
+
+
+async def test_redis_outage_fails_no_request(redis_url: str, redis_namespace: str) -> None:
+    flaky = FlakyProxy(redis_url)
+    url = await flaky.start()
+    index = {"backend": "redis", "url": url, "namespace": redis_namespace, "timeoutMs": 20}
+
+    async def outage(done: int) -> None:
+        # Redis hangs for the middle third of the run, then comes back.
+        if done == 60:
+            flaky.forwarding = False
+        elif done == 130:
+            flaky.forwarding = True
+
+    try:
+        async with start_replicas(4, SimConfig(num_gpu_blocks=768, speed=50.0)) as replicas:
+            urls = [r.url for r in replicas]
+            async with gateways(urls, 2, index) as gw_urls:
+                outcome = await spread(gw_urls, workload(), seed=3, between=outage)
+                text = await until_recovered(gw_urls[0])
+    finally:
+        flaky.forwarding = True
+        await flaky.close()
+    assert outcome.requests == 200
+    assert outcome.failed == 0
+    fallbacks = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("prefixgate_redis_fallbacks_total")
+    )
+    assert fallbacks > 0, "the outage must have been noticed (and survived)"
+    assert CLOSED in text, "the index must use Redis again once it is back"
