@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from router.calibration import Calibrator
 from router.config import PluginConfig, ProfileConfig, Strict, format_validation_error
 from router.errors import ConfigError
 from router.pickers import MaxScorePicker, RandomPicker, RoundRobinPicker
@@ -24,6 +25,7 @@ from scorers.prefix_cache import PrefixCacheScorer
 from scorers.queue import QueueScorer
 from scorers.session_affinity import SessionAffinityScorer
 from scorers.session_hash import SessionHashScorer
+from scorers.ttft_cost import TTFTCostParameters, TTFTCostScorer
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,7 @@ class PluginContext:
     """Shared services a factory may hand to its plugin."""
 
     rng: random.Random
+    calibrator: Calibrator = field(default_factory=Calibrator)
 
 
 Factory = Callable[[Mapping[str, Any], PluginContext], object]
@@ -91,6 +94,10 @@ def _seeded(cls: Callable[[random.Random], object]) -> Factory:
     return factory
 
 
+def _ttft_cost(raw: Mapping[str, Any], context: PluginContext) -> object:
+    return TTFTCostScorer(context.calibrator, parameters(TTFTCostParameters, raw))
+
+
 def default_registry() -> PluginRegistry:
     registry = PluginRegistry()
     registry.register("prefix-cache-scorer", _simple(PrefixCacheScorer))
@@ -99,6 +106,7 @@ def default_registry() -> PluginRegistry:
     registry.register("inflight-scorer", _simple(InFlightScorer))
     registry.register("session-affinity-scorer", _simple(SessionAffinityScorer))
     registry.register("session-hash-scorer", _simple(SessionHashScorer))
+    registry.register("ttft-cost-scorer", _ttft_cost)
     registry.register("max-score-picker", _seeded(MaxScorePicker))
     registry.register("random-picker", _seeded(RandomPicker))
     registry.register("round-robin-picker", _simple(RoundRobinPicker))

@@ -36,6 +36,8 @@ STRATEGIES: dict[str, Strategy] = {
     "least-loaded": _weighted({"inflight-scorer": 1.0}),
     "prefix-only": _weighted({"prefix-cache-scorer": 1.0}),
     "session-hash": _weighted({"session-hash-scorer": 1.0}),
+    # Predicted time to first token in one common unit (scorers/ttft_cost.py).
+    "ttft-cost": _weighted({"ttft-cost-scorer": 1.0}),
 }
 
 

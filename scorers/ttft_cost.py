@@ -1,0 +1,92 @@
+"""TTFT-cost scorer: every endpoint priced in one common unit, the predicted time to first token.
+
+    predicted TTFT(e) = overhead(e) + per_token(e) * (prefill queued on e + this request's
+                        uncached tokens on e) + per_running * requests running on e
+                        + a KV-admission penalty when e's cache cannot take the request
+                        - a small bonus for the endpoint that holds the session
+
+The prefill queued on an endpoint is what the gateway itself sent there that has not produced a
+first byte yet (``pending_prefill_tokens``), plus, for requests waiting in the replica that the
+gateway did not send, a prior per request. ``overhead`` and ``per_token`` come from the
+:class:`~router.calibration.Calibrator`, learned online per endpoint.
+
+Unlike min-max scaled scores, magnitudes survive: a 50,000-token miss costs a thousand times a
+50-token miss, so a session stays where its context lives until the queue there costs more than
+recomputing the context elsewhere ("sticky until saturated"), and new sessions and sub-agent
+bursts spread by cost. The score is ``cheapest cost / cost``: 1 for the best endpoint, and the
+ratio keeps its meaning when mixed with other weighted scorers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pydantic import Field
+
+from router.calibration import Calibrator
+from router.config import Strict
+from router.endpoints import EndpointSnapshot
+from router.scheduling import RoutingRequest
+
+
+class TTFTCostParameters(Strict):
+    # Uncached tokens assumed for each request waiting in a replica that this gateway did not
+    # send (another gateway's, or one sent before a restart).
+    foreign_request_tokens: int = Field(512, ge=0)
+    # Seconds each running request adds: steps shared with decodes are slower for everyone.
+    seconds_per_running: float = Field(0.001, ge=0)
+    # KV use above which admission of new blocks is expected to wait (or preempt).
+    kv_headroom: float = Field(0.95, gt=0, le=1)
+    # Penalty once the request's blocks would overflow the headroom by 10% of the cache.
+    kv_penalty_seconds: float = Field(2.0, ge=0)
+    # A nudge towards the endpoint that served the session last, for near ties.
+    affinity_bonus_seconds: float = Field(0.005, ge=0)
+
+
+@dataclass(frozen=True, slots=True)
+class CostTerms:
+    endpoint: str
+    queued_tokens: float
+    uncached_tokens: int
+    prefill_s: float
+    load_s: float
+    kv_penalty_s: float
+    affinity_bonus_s: float
+
+    @property
+    def total_s(self) -> float:
+        return max(1e-6, self.prefill_s + self.load_s + self.kv_penalty_s - self.affinity_bonus_s)
+
+
+class TTFTCostScorer:
+    def __init__(self, calibrator: Calibrator, params: TTFTCostParameters | None = None) -> None:
+        self._calibrator = calibrator
+        self._p = params or TTFTCostParameters()
+
+    def terms(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> CostTerms:
+        p = self._p
+        uncached = request.uncached_tokens(endpoint.id)
+        foreign = max(0.0, endpoint.waiting - endpoint.in_flight) * p.foreign_request_tokens
+        queued = endpoint.pending_prefill_tokens + foreign
+        prefill = self._calibrator.predict(endpoint.id, queued + uncached)
+        load = p.seconds_per_running * max(float(endpoint.in_flight), endpoint.running)
+        bonus = p.affinity_bonus_seconds if request.affinity_endpoint == endpoint.id else 0.0
+        penalty = self._kv_penalty(endpoint, uncached)
+        return CostTerms(endpoint.id, queued, uncached, prefill, load, penalty, bonus)
+
+    def _kv_penalty(self, endpoint: EndpointSnapshot, uncached: int) -> float:
+        if not endpoint.num_gpu_blocks or not endpoint.block_size:
+            return 0.0
+        capacity = endpoint.num_gpu_blocks * endpoint.block_size
+        overflow = endpoint.kv_usage + uncached / capacity - self._p.kv_headroom
+        if overflow <= 0:
+            return 0.0
+        return self._p.kv_penalty_seconds * min(1.0, overflow * 10)
+
+    def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
+        costs = [self.terms(request, e).total_s for e in endpoints]
+        if not costs:
+            return []
+        best = min(costs)
+        return [best / c for c in costs]

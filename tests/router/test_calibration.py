@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from router.calibration import Calibrator, CostPriors
+
+
+def test_priors_until_samples_arrive() -> None:
+    calibrator = Calibrator(CostPriors(overhead_s=0.03, per_token_s=0.0002))
+    assert calibrator.cost("a") == (0.03, 0.0002)
+    assert calibrator.predict("a", 1000) == pytest.approx(0.23)
+
+
+def test_learns_a_slower_endpoint_and_exports_it() -> None:
+    registry = CollectorRegistry()
+    calibrator = Calibrator(registry=registry)
+    rng = random.Random(1)
+    for _ in range(300):
+        tokens = rng.uniform(100, 20_000)
+        # Twice the prior per token, 50 ms overhead, a little noise.
+        calibrator.observe("slow", tokens, 0.05 + 0.0004 * tokens + rng.gauss(0, 0.005))
+    overhead, per_token = calibrator.cost("slow")
+    assert per_token == pytest.approx(0.0004, rel=0.05)
+    assert overhead == pytest.approx(0.05, abs=0.01)
+    assert calibrator.cost("other") == (CostPriors().overhead_s, CostPriors().per_token_s)
+    text = generate_latest(registry).decode()
+    assert 'prefixgate_calibrated_prefill_seconds_per_token{endpoint="slow"}' in text
+
+
+def test_outliers_are_clipped_and_the_fit_bounded() -> None:
+    calibrator = Calibrator()
+    rng = random.Random(2)
+    for i in range(200):
+        tokens = rng.uniform(100, 10_000)
+        stall = 120.0 if i % 50 == 0 else 0.0  # a rare two-minute stall must not wreck the fit
+        calibrator.observe("a", tokens, 0.03 + 0.0002 * tokens + stall)
+    _, per_token = calibrator.cost("a")
+    assert per_token == pytest.approx(0.0002, rel=0.25)
+    for _ in range(50):
+        calibrator.observe("b", 1000, 0.0)  # impossible speed: the fit stays within bounds
+    overhead, per_token = calibrator.cost("b")
+    assert overhead >= 0.0 and per_token >= CostPriors().per_token_s / 100
+
+
+def test_recent_samples_win() -> None:
+    calibrator = Calibrator()
+    rng = random.Random(3)
+    for _ in range(200):
+        tokens = rng.uniform(100, 10_000)
+        calibrator.observe("a", tokens, 0.03 + 0.0002 * tokens)
+    for _ in range(300):  # the replica got three times slower
+        tokens = rng.uniform(100, 10_000)
+        calibrator.observe("a", tokens, 0.03 + 0.0006 * tokens)
+    assert calibrator.cost("a")[1] == pytest.approx(0.0006, rel=0.1)
+
+
+def test_constant_token_counts_keep_the_prior_slope_and_garbage_is_ignored() -> None:
+    calibrator = Calibrator()
+    for _ in range(100):
+        calibrator.observe("a", 500, 0.2)
+    overhead, per_token = calibrator.cost("a")
+    assert per_token == CostPriors().per_token_s
+    assert overhead + per_token * 500 == pytest.approx(0.2, rel=0.05)
+    calibrator.observe("a", float("nan"), 1.0)
+    calibrator.observe("a", 10, -1.0)
+    assert calibrator.cost("a") == (overhead, per_token)
+    calibrator.forget("a")
+    assert calibrator.cost("a") == (CostPriors().overhead_s, CostPriors().per_token_s)

@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from router.calibration import Calibrator
+from router.endpoints import EndpointSnapshot
+from router.scheduling import RoutingRequest
+from scorers.ttft_cost import TTFTCostParameters, TTFTCostScorer
+
+
+def snap(eid: str, **kw: Any) -> EndpointSnapshot:
+    base: dict[str, Any] = {
+        "id": eid,
+        "url": f"http://{eid}",
+        "role": "both",
+        "in_flight": 0,
+        "pending_prefill_tokens": 0,
+        "waiting": 0.0,
+        "running": 0.0,
+        "kv_usage": 0.0,
+        "metrics_age": 0.0,
+        "block_size": 16,
+        "num_gpu_blocks": 10_000,
+    }
+    base.update(kw)
+    return EndpointSnapshot(**base)
+
+
+def req(tokens: int = 10_000, hits: dict[str, int] | None = None, **kw: Any) -> RoutingRequest:
+    blocks = tokens * 4 // 256
+    return RoutingRequest(
+        request_id="r",
+        model="m",
+        prompt_tokens=tokens,
+        prompt_bytes=tokens * 4,
+        block_bytes=256,
+        block_hashes=tuple(range(blocks)),
+        prefix_hits=hits or {},
+        **kw,
+    )
+
+
+def scorer(**params: Any) -> TTFTCostScorer:
+    return TTFTCostScorer(Calibrator(), TTFTCostParameters(**params))
+
+
+def test_cache_hit_wins_when_queues_are_equal() -> None:
+    s = scorer()
+    scores = s.score(req(hits={"home": 150}), [snap("home"), snap("other")])
+    assert scores[0] == 1.0 and scores[1] < 0.2
+
+
+def test_magnitudes_survive_a_small_miss_is_not_a_large_miss() -> None:
+    s = scorer()
+    small = s.terms(req(tokens=50), snap("a")).total_s
+    large = s.terms(req(tokens=50_000), snap("a")).total_s
+    assert large > 100 * (small - 0.03)
+
+
+def test_sticky_until_the_home_queue_costs_more_than_moving() -> None:
+    s = scorer()
+    request = req(tokens=10_000, hits={"home": 150})  # ~96% cached at home
+    # A modest queue at home: staying is still cheaper than recomputing 10K tokens.
+    assert s.score(request, [snap("home", pending_prefill_tokens=3_000), snap("b")])[0] == 1.0
+    # A long queue at home: moving wins.
+    assert s.score(request, [snap("home", pending_prefill_tokens=40_000), snap("b")])[1] == 1.0
+
+
+def test_new_work_spreads_by_load_and_foreign_queues_count() -> None:
+    s = scorer()
+    scores = s.score(req(tokens=500), [snap("a", in_flight=30), snap("b", in_flight=2)])
+    assert scores[1] == 1.0 > scores[0]
+    # Requests waiting in a replica that this gateway did not send are priced with a prior.
+    terms = s.terms(req(tokens=500), snap("a", waiting=10, in_flight=2))
+    assert terms.queued_tokens == 8 * 512
+
+
+@pytest.mark.parametrize(("usage", "penalised"), [(0.5, False), (0.93, True), (0.99, True)])
+def test_kv_admission_penalty(usage: float, penalised: bool) -> None:
+    terms = scorer().terms(req(tokens=8_000), snap("a", kv_usage=usage))
+    assert (terms.kv_penalty_s > 0) is penalised
+    unknown = scorer().terms(req(tokens=8_000), snap("a", kv_usage=0.99, num_gpu_blocks=None))
+    assert unknown.kv_penalty_s == 0
+
+
+def test_affinity_breaks_near_ties_and_calibration_is_used() -> None:
+    s = scorer()
+    scores = s.score(req(tokens=500, affinity_endpoint="b"), [snap("a"), snap("b")])
+    assert scores[1] == 1.0 > scores[0]
+    calibrator = Calibrator()
+    for tokens in range(1_000, 20_000, 500):
+        calibrator.observe("slow", tokens, 0.03 + 0.002 * tokens)  # ten times slower
+    slow_aware = TTFTCostScorer(calibrator)
+    scores = slow_aware.score(req(tokens=5_000, hits={"slow": 40}), [snap("slow"), snap("fast")])
+    assert scores[1] == 1.0
+    assert s.score(req(), []) == []
