@@ -3,7 +3,8 @@
 Every replica keeps an :class:`InMemoryPrefixIndex` warm and answers from it whenever Redis is
 slow or down (fail-open); Redis only ever adds what the other replicas learned. One lookup is
 one round trip (a Lua script walks the chain server-side); one record is at most one round trip,
-shipped after the pick by a background task with a bounded, coalescing queue.
+shipped after the pick by a background task with a bounded, coalescing queue. The lookup is a
+binary search over the chain (see ``_MATCH``), so its cost grows with the log of the prompt.
 
 Data layout, all under one hash tag ``{pg:<namespace>}`` (or ``{pg:<namespace>:<partition>}``)
 so that every key a script touches lives in one Redis Cluster slot:
@@ -113,10 +114,17 @@ end
 
 # KEYS: holders, slots. ARGV: packed hashes, then the candidate endpoint ids.
 # Returns the consecutive match length per candidate, in ARGV order.
+#
+# A binary search, not a walk: the blocks an endpoint holds of one chain are always a prefix of
+# it. Every record touches a whole chain from its first block, last block first, and eviction
+# takes the least recently touched, so a block is never touched less recently than any block
+# after it in a chain. So each endpoint's match length is where "held" turns to "not held", and
+# the search partitions the candidates at each probe: O(log n) lookups for endpoints that agree,
+# about 12 for a 200K-token prompt instead of 3,000.
 _MATCH = LuaScript(_PRELUDE + """
 local holders, blob = KEYS[1], ARGV[1]
 local n, m = #blob / 8, #ARGV - 1
-local res, bytes, masks, active, nactive = {}, {}, {}, {}, 0
+local res, bytes, masks, cands = {}, {}, {}, {}
 for j = 1, m do res[j] = 0 end
 if m == 0 or n == 0 then return res end
 local sl = redis.call('HMGET', KEYS[2], unpack(ARGV, 2))
@@ -124,32 +132,37 @@ for j = 1, m do
   if sl[j] then
     local s = tonumber(sl[j])
     bytes[j], masks[j] = math.floor(s / 8) + 1, 2 ^ (s % 8)
-    nactive = nactive + 1; active[nactive] = j
+    cands[#cands + 1] = j
   end
 end
-local i, prev = 0, nil
-while i < n and nactive > 0 do
-  local c = math.min(CHUNK, n - i)
-  local f = {}
-  for k = 1, c do local o = (i + k - 1) * 8; f[k] = sub(blob, o + 1, o + 8) end
-  local vals = redis.call('HMGET', holders, unpack(f))
-  for k = 1, c do
-    local v = vals[k]
-    if v ~= prev then
-      local keep, nxt = 0, {}
-      for a = 1, nactive do
-        local j = active[a]
-        local b = v and string.byte(v, bytes[j])
-        if b and band(b, masks[j]) ~= 0 then keep = keep + 1; nxt[keep] = j
-        else res[j] = i + k - 1 end
-      end
-      active, nactive, prev = nxt, keep, v
-      if nactive == 0 then break end
-    end
+local seen = {}
+local function holders_of(i)
+  local v = seen[i]
+  if v == nil then
+    local o = (i - 1) * 8
+    v = redis.call('HGET', holders, sub(blob, o + 1, o + 8)) or false
+    seen[i] = v
   end
-  i = i + c
+  return v
 end
-for a = 1, nactive do res[active[a]] = n end
+-- Every endpoint in set has its match length in [lo, hi].
+local function search(lo, hi, set)
+  if #set == 0 then return end
+  if lo == hi then
+    for _, j in ipairs(set) do res[j] = lo end
+    return
+  end
+  local mid = math.floor((lo + hi + 1) / 2)
+  local v = holders_of(mid)
+  local yes, no = {}, {}
+  for _, j in ipairs(set) do
+    local b = v and string.byte(v, bytes[j])
+    if b and band(b, masks[j]) ~= 0 then yes[#yes + 1] = j else no[#no + 1] = j end
+  end
+  search(mid, hi, yes)
+  search(lo, mid - 1, no)
+end
+search(0, n, cands)
 return res
 """)
 
