@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--zero-latency", action="store_true", help="answer at once (gateway overhead runs)")
     add("--default-max-tokens", type=int, default=d.default_max_tokens)
     add("--seed", type=int, default=d.seed)
+    add("--kv-events-port", type=int, default=None,
+        help="publish KV events (ZMQ PUB) here; replica i uses this port + i")
+    add("--kv-events-replay-port", type=int, default=None,
+        help="answer KV event replay requests here (+ i per replica)")
+    add("--kv-events-encoding", choices=["array", "map"], default=d.kv_events_encoding,
+        help="vLLM's tagged arrays (older) or maps with a 'type' key (newer)")
     add("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
 
 
@@ -81,6 +87,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         default_max_tokens=args.default_max_tokens,
         seed=args.seed,
         log_level=args.log_level,
+        kv_events_port=getattr(args, "kv_events_port", None),
+        kv_events_replay_port=getattr(args, "kv_events_replay_port", None),
+        kv_events_encoding=getattr(args, "kv_events_encoding", "array"),
     )
 
 
@@ -110,6 +119,17 @@ class Replica:
     def engine(self) -> Engine:
         return self.sim.engine
 
+    @property
+    def kv_events_address(self) -> str | None:
+        """``tcp://host:port`` of the replica's KV events publisher, if it has one."""
+        publisher = self.sim.kv_publisher
+        return publisher.address if publisher is not None else None
+
+    @property
+    def kv_events_replay_address(self) -> str | None:
+        publisher = self.sim.kv_publisher
+        return publisher.replay_address if publisher is not None else None
+
 
 def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -123,7 +143,20 @@ def _bind(host: str, port: int) -> socket.socket:
 async def _serve(config: SimConfig, host: str, port: int, index: int) -> Replica:
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
-    app = create_app(config, host=host, port=bound, engine_id=f"sim-{index}-{bound}")
+    # Fixed event ports are consecutive per replica; 0 stays ephemeral for every replica.
+    kv_port = config.kv_events_port
+    replay_port = config.kv_events_replay_port
+    app = create_app(
+        config,
+        host=host,
+        port=bound,
+        engine_id=f"sim-{index}-{bound}",
+        kv_events_port=kv_port + index if kv_port else kv_port,
+        kv_events_replay_port=replay_port + index if replay_port else replay_port,
+    )
+    publisher = app.state.sim.kv_publisher
+    if publisher is not None:
+        publisher.start()
     uconfig = uvicorn.Config(
         app,
         lifespan="off",
@@ -143,6 +176,9 @@ async def _stop(replicas: list[Replica]) -> None:
         replica.server.should_exit = True
     # Aborting requests ends open streams, so uvicorn's graceful shutdown finishes quickly.
     await asyncio.gather(*(r.engine.stop() for r in replicas))
+    for replica in replicas:
+        if replica.sim.kv_publisher is not None:
+            await replica.sim.kv_publisher.aclose()
     for replica in replicas:
         try:
             await asyncio.wait_for(asyncio.shield(replica.task), SHUTDOWN_TIMEOUT_S)

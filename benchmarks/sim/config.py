@@ -30,6 +30,10 @@ class SimConfig:
     default_max_tokens: int = 64
     seed: int = 0
     log_level: str = "warning"
+    # KV events (ZMQ PUB) as vLLM's --kv-events-config: None = off, 0 = an ephemeral port.
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
+    kv_events_encoding: str = "array"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_gpu_blocks < 1:
@@ -40,6 +44,8 @@ class SimConfig:
             raise ValueError("speed must be > 0")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.kv_events_encoding not in ("array", "map"):
+            raise ValueError("kv_events_encoding must be 'array' or 'map'")
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -32,14 +32,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .clock import SimClock
 from .config import SimConfig
 from .kv_cache import KVCache, extend_block_hashes
+from .kv_events import KVEvent
 from .request import SimRequest, Status
 from .tokenizer import Tokenizer
+
+
+class KVEventSink(Protocol):
+    """Receives each step's KV events (the ZMQ publisher implements it)."""
+
+    def publish(self, events: Sequence[KVEvent]) -> None: ...
 
 
 class LatencyObserver(Protocol):
@@ -83,12 +91,16 @@ class Engine:
         engine_id: str = "sim-engine",
         observer: LatencyObserver | None = None,
         tokenizer: Tokenizer | None = None,
+        kv_events: KVEventSink | None = None,
     ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.observer = observer
         self.tokenizer = tokenizer or Tokenizer()
         self.kv = KVCache(config.num_gpu_blocks, config.block_size)
+        self.kv_events = kv_events
+        if kv_events is not None:
+            self.kv.enable_events()
         self.stats = EngineStats()
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -134,7 +146,13 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget cached prefixes; False while requests hold blocks (as vLLM)."""
-        return self.kv.reset()
+        done = self.kv.reset()
+        self._publish_events()
+        return done
+
+    def _publish_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.take_events())
 
     async def stop(self) -> None:
         """Stop the engine task and abort everything still queued or running."""
@@ -188,10 +206,11 @@ class Engine:
             extend_block_hashes(
                 req.block_hashes, req.all_tokens, self.kv.block_size, req.cache_salt
             )
-            self.kv.cache_blocks(req.blocks, req.block_hashes, 0, full)
+            self.kv.cache_blocks(req.blocks, req.block_hashes, 0, full, req.all_tokens)
             req.transfer_block_ids = list(req.blocks)
             self.kv.free(req.blocks)
             req.blocks = []
+        self._publish_events()
         req.status = Status.FINISHED
         self.stats.prompt_tokens += req.num_prompt_tokens
         self.stats.generation_tokens += len(req.output)
@@ -223,11 +242,15 @@ class Engine:
                 self._resync()
             plan = self._schedule()
             if not plan.decodes and not plan.prefills:
+                self._publish_events()
                 await self._idle_until(plan.next_ready)
                 continue
             await self.clock.run_step(plan.duration_s)
             self.stats.steps += 1
             self._apply(plan)
+            # One batch per step, as vLLM publishes: evictions made while scheduling the
+            # step come first, then the blocks it filled.
+            self._publish_events()
 
     async def _idle_until(self, ready: float | None) -> None:
         """Nothing to compute: wait for an arrival or the next KV transfer to land."""
@@ -379,7 +402,9 @@ class Engine:
             extend_block_hashes(
                 req.block_hashes, req.all_tokens, self.kv.block_size, req.cache_salt
             )
-            self.kv.cache_blocks(req.blocks, req.block_hashes, req.num_registered, full)
+            self.kv.cache_blocks(
+                req.blocks, req.block_hashes, req.num_registered, full, req.all_tokens
+            )
             req.num_registered = full
 
     def _emit(self, req: SimRequest) -> None:

@@ -13,6 +13,9 @@
   Allocation takes the head of the free queue and drops its hash; a cache hit on a free
   block takes it out of the queue.
 - ``usage`` is the fraction of blocks held by running requests (vLLM's kv_cache_usage_perc).
+- With events enabled, the cache records vLLM's KV events as they happen: ``BlockStored`` when
+  full blocks become findable, ``BlockRemoved`` when a cached block is evicted for reuse, and
+  ``AllBlocksCleared`` on a reset; the engine publishes them once per step (``take_events``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import xxhash
+
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 ROOT_HASH_SEED = 0x9E3779B97F4A7C15
 
@@ -62,6 +67,41 @@ class KVCache:
         self._cached: dict[int, int] = {}
         self.queries = 0
         self.hits = 0
+        self._events: list[KVEvent] | None = None
+
+    # -- KV events ----------------------------------------------------------------------
+
+    def enable_events(self) -> None:
+        """Start recording KV events (off by default: nobody may be listening)."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def _stored(self, hashes: Sequence[int], tokens: Sequence[int], start: int, end: int) -> None:
+        assert self._events is not None
+        size = self.block_size
+        self._events.append(
+            BlockStored(
+                block_hashes=list(hashes[start:end]),
+                parent_block_hash=hashes[start - 1] if start > 0 else None,
+                token_ids=list(tokens[start * size : end * size]),
+                block_size=size,
+            )
+        )
+
+    def _removed(self, block_hash: int) -> None:
+        assert self._events is not None
+        last = self._events[-1] if self._events else None
+        if isinstance(last, BlockRemoved):
+            last.block_hashes.append(block_hash)
+        else:
+            self._events.append(BlockRemoved([block_hash]))
 
     # -- lookup and allocation -------------------------------------------------------------
 
@@ -116,24 +156,46 @@ class KVCache:
         if old is not None:
             if self._cached.get(old) == block:
                 del self._cached[old]
+                if self._events is not None:
+                    self._removed(old)
             self._hash[block] = None
         self._ref[block] = 1
         return block
 
     def cache_blocks(
-        self, blocks: Sequence[int], hashes: Sequence[int], start: int, end: int
+        self,
+        blocks: Sequence[int],
+        hashes: Sequence[int],
+        start: int,
+        end: int,
+        tokens: Sequence[int] = (),
     ) -> None:
-        """Mark ``blocks[start:end]`` as holding the full blocks with ``hashes[start:end]``."""
+        """Mark ``blocks[start:end]`` as holding the full blocks with ``hashes[start:end]``.
+
+        ``tokens`` (the request's tokens) go into the ``BlockStored`` events when enabled: one
+        event per run of consecutive blocks that became findable.
+        """
+        run = -1
         for i in range(start, end):
             block = blocks[i]
-            if self._hash[block] is not None:
+            fresh = False
+            if self._hash[block] is None:
+                block_hash = hashes[i]
+                # A second copy of a cached block (two requests computed the same prefix at
+                # once) stays anonymous; the first copy is the one lookups find.
+                if block_hash not in self._cached:
+                    self._cached[block_hash] = block
+                    self._hash[block] = block_hash
+                    fresh = True
+            if self._events is None:
                 continue
-            block_hash = hashes[i]
-            # A second copy of a cached block (two requests computed the same prefix at
-            # once) stays anonymous; the first copy is the one lookups find.
-            if block_hash not in self._cached:
-                self._cached[block_hash] = block
-                self._hash[block] = block_hash
+            if fresh and run < 0:
+                run = i
+            elif not fresh and run >= 0:
+                self._stored(hashes, tokens, run, i)
+                run = -1
+        if run >= 0:
+            self._stored(hashes, tokens, run, end)
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block, queueing the unreferenced ones tail first."""
@@ -184,4 +246,6 @@ class KVCache:
             return False
         self._cached.clear()
         self._hash = [None] * self.num_blocks
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
         return True

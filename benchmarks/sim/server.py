@@ -25,6 +25,7 @@ from starlette.routing import Route
 from . import protocol as p
 from .config import SimConfig
 from .engine import Engine
+from .kv_events import KVEventPublisher
 from .metrics import CONTENT_TYPE, SimMetrics
 from .request import SimRequest
 from .responses import GenerationResponse, HangResponse, error_response, json_response
@@ -46,13 +47,34 @@ class SimServer:
     """Routes of one replica; holds its engine, metrics and fault settings."""
 
     def __init__(
-        self, config: SimConfig, host: str = "127.0.0.1", port: int = 0, engine_id: str = ""
+        self,
+        config: SimConfig,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        engine_id: str = "",
+        kv_events_port: int | None = None,
+        kv_events_replay_port: int | None = None,
     ) -> None:
         self.config = config
         self.host = host
         self.port = port
         self.metrics = SimMetrics(config.model_names[0])
-        self.engine = Engine(config, engine_id or f"sim-{uuid.uuid4().hex[:12]}", self.metrics)
+        self.kv_publisher: KVEventPublisher | None = None
+        if kv_events_port is not None:
+            endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            self.kv_publisher = KVEventPublisher(
+                host,
+                kv_events_port,
+                topic=f"kv@{endpoint}@{config.model_names[0]}",
+                encoding="map" if config.kv_events_encoding == "map" else "array",
+                replay_port=kv_events_replay_port,
+            )
+        self.engine = Engine(
+            config,
+            engine_id or f"sim-{uuid.uuid4().hex[:12]}",
+            self.metrics,
+            kv_events=self.kv_publisher,
+        )
         self.metrics.attach(self.engine)
         self.faults = Faults()
         self._fault_rng = random.Random(config.seed)
@@ -293,13 +315,20 @@ class SimServer:
 
 
 def create_app(
-    config: SimConfig, *, host: str = "127.0.0.1", port: int = 0, engine_id: str = ""
+    config: SimConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    engine_id: str = "",
+    kv_events_port: int | None = None,
+    kv_events_replay_port: int | None = None,
 ) -> Starlette:
     """A Starlette app for one replica; its ``SimServer`` is at ``app.state.sim``.
 
-    ``host``/``port`` are what the replica advertises in ``kv_transfer_params``.
+    ``host``/``port`` are what the replica advertises in ``kv_transfer_params`` and in its KV
+    events topic; ``kv_events_port`` (0 = ephemeral) turns the events publisher on.
     """
-    sim = SimServer(config, host, port, engine_id)
+    sim = SimServer(config, host, port, engine_id, kv_events_port, kv_events_replay_port)
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         # Only a simulator bug lands here; answer in the OpenAI shape all the same.

@@ -1,0 +1,253 @@
+"""Connects precise prefix routing to the scheduler: tokenize, look up, speculate, predict.
+
+:class:`PreciseTracker` is a scheduler producer and pick observer. ``RoutingRequest`` carries no
+request body, so :class:`PreciseRouter` (the :class:`Router` every front door uses) hands the
+parsed body to the tracker, which keeps per-request state in a bounded side table keyed by the
+request id: the prompt's block keys, the match per endpoint, and what was predicted at the pick
+(for :mod:`router.prediction`). Entries leave the table when the prediction is read, or as the
+oldest once the table is full (requests shed before they were routed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from router.config import GatewayConfig
+from router.endpoints import EndpointSnapshot
+from router.kv_events import EventSource, KVEventsManager, SubscriberSettings, derive_sources
+from router.parsing import ParsedRequest
+from router.precise_config import TokenizerConfig
+from router.precise_index import PreciseIndex, block_keys
+from router.routing import Router
+from router.scheduling import RoutingRequest
+from router.tokenizers import (
+    CachingTokenizer,
+    RemoteTokenizer,
+    TokenizeInput,
+    Tokenizer,
+    huggingface_tokenizer,
+    sim_tokenizer,
+)
+
+SCORER_TYPE = "precise-prefix-cache-scorer"
+DEFAULT_MAX_REQUESTS = 4096
+log = logging.getLogger("prefixgate.precise")
+# Hashing ~2K blocks costs about a millisecond: past that it goes to a thread.
+_THREAD_ABOVE_TOKENS = 32_768
+
+
+@dataclass(slots=True)
+class PreciseState:
+    """One request's precise-routing facts (see the module doc)."""
+
+    source: TokenizeInput | None
+    num_tokens: int = 0
+    keys: list[int] = field(default_factory=list)
+    # Leading blocks per endpoint: at scoring (what routing used), and at the pick, with and
+    # without speculative entries (what the index predicts the replica will hit).
+    hits: dict[str, int] = field(default_factory=dict)
+    confirmed: dict[str, int] = field(default_factory=dict)
+    expected: dict[str, int] = field(default_factory=dict)
+    trusted: frozenset[str] = frozenset()
+    picked_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PreciseSettings:
+    block_size: int = 16
+    speculative_ttl_seconds: float = 2.0
+    max_blocks_per_request: int = 32_768
+    max_requests: int = DEFAULT_MAX_REQUESTS
+
+
+class PreciseTracker:
+    """Producer + pick observer for the precise index (see the module doc)."""
+
+    def __init__(
+        self,
+        index: PreciseIndex,
+        tokenizer: Tokenizer,
+        settings: PreciseSettings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.index = index
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self._clock = clock
+        self._states: OrderedDict[str, PreciseState] = OrderedDict()
+
+    def attach(self, request_id: str, parsed: ParsedRequest) -> None:
+        source = TokenizeInput(parsed.api, parsed.model, parsed.payload, len(parsed.body))
+        self._states[request_id] = PreciseState(source)
+        self._states.move_to_end(request_id)
+        while len(self._states) > self.settings.max_requests:
+            self._states.popitem(last=False)
+
+    def state(self, request_id: str) -> PreciseState | None:
+        return self._states.get(request_id)
+
+    def finish(self, request_id: str) -> PreciseState | None:
+        """The request's state, removed from the table (read once, when its usage is known)."""
+        return self._states.pop(request_id, None)
+
+    async def _keys(self, tokens: list[int]) -> list[int]:
+        s = self.settings
+        if len(tokens) < _THREAD_ABOVE_TOKENS:
+            return block_keys(tokens, s.block_size, max_blocks=s.max_blocks_per_request)
+        return await asyncio.to_thread(
+            block_keys, tokens, s.block_size, max_blocks=s.max_blocks_per_request
+        )
+
+    async def produce(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> None:
+        state = self._states.get(request.request_id)
+        if state is None or state.source is None or not endpoints:
+            return
+        source, state.source = state.source, None  # the body is not needed past this point
+        tokens = await self.tokenizer.tokenize(source, endpoints)
+        if tokens is None:
+            return
+        state.num_tokens = len(tokens)
+        state.keys = await self._keys(tokens)
+        state.trusted = frozenset(e.id for e in endpoints if self.index.trusted(e.id))
+
+    def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
+        state = self._states.get(request.request_id)
+        if state is None:
+            return
+        state.picked_at = self._clock()
+        if state.keys:
+            # What the replica should hit, before this pick's own speculation.
+            state.confirmed.update(
+                self.index.match(state.keys, [endpoint_id], speculative=False)
+            )
+            state.expected.update(self.index.match(state.keys, [endpoint_id]))
+            self.index.speculate(endpoint_id, state.keys, self.settings.speculative_ttl_seconds)
+
+    def scores(
+        self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
+    ) -> list[float] | None:
+        """Per endpoint the held share of the prompt's blocks; None without precise data.
+
+        Endpoints whose event stream is not trusted get the approximate index's share.
+        """
+        state = self._states.get(request.request_id)
+        if state is None or not state.keys:
+            return None
+        # Matched here, not in produce: scoring, picking and on_pick run without a suspension
+        # point in between, so each request of a burst sees the picks made before it.
+        trusted = [e.id for e in endpoints if e.id in state.trusted]
+        state.hits = self.index.match(state.keys, trusted)
+        total = len(state.keys)
+        approx_total = len(request.block_hashes)
+        out = []
+        for e in endpoints:
+            if e.id in state.trusted:
+                out.append(state.hits.get(e.id, 0) / total)
+            elif approx_total:
+                out.append(request.prefix_hits.get(e.id, 0) / approx_total)
+            else:
+                out.append(0.0)
+        return out
+
+
+class PreciseRouter(Router):
+    """The shared :class:`Router`, plus handing each parsed body to the precise tracker."""
+
+    def __init__(self, *args: Any, tracker: PreciseTracker, **kwargs: Any) -> None:
+        # Router's own arguments pass through untouched, whatever they become.
+        super().__init__(*args, **kwargs)
+        self.tracker = tracker
+
+    def routing_request(
+        self, parsed: ParsedRequest, headers: Mapping[str, str], request_id: str
+    ) -> RoutingRequest:
+        routing = super().routing_request(parsed, headers, request_id)
+        self.tracker.attach(routing.request_id, parsed)
+        return routing
+
+
+def precise_enabled(config: GatewayConfig, plugin_types: Iterable[str]) -> bool:
+    """On when configured so, or (by default) when a precise scorer is in use."""
+    enabled = config.precise_prefix.enabled
+    if enabled is not None:
+        return enabled
+    return SCORER_TYPE in set(plugin_types)
+
+
+def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
+    inner: Tokenizer
+    if cfg.type == "sim":
+        inner = sim_tokenizer(cfg.thread_above_bytes)
+    elif cfg.type == "huggingface":
+        assert cfg.path is not None  # enforced by the config model
+        inner = huggingface_tokenizer(
+            cfg.path, cfg.chat_template, cfg.add_special_tokens, cfg.thread_above_bytes
+        )
+    else:
+        inner = RemoteTokenizer(cfg.timeout_ms / 1000.0)
+    return CachingTokenizer(inner, cfg.timeout_ms / 1000.0, cfg.cache_entries)
+
+
+class PreciseRuntime:
+    """Everything precise routing owns: index, tokenizer, tracker, and the event subscribers."""
+
+    def __init__(self, config: GatewayConfig, registry: CollectorRegistry) -> None:
+        pp = config.precise_prefix
+        self._config = config
+        self._registry = registry
+        self.index = PreciseIndex(pp.block_size, pp.max_blocks_per_endpoint)
+        self.tracker = PreciseTracker(
+            self.index,
+            build_tokenizer(pp.tokenizer),
+            PreciseSettings(
+                pp.block_size, pp.speculative_ttl_seconds, pp.max_blocks_per_request
+            ),
+        )
+        self.events: KVEventsManager | None = None
+
+    def sources(self, endpoint_urls: Mapping[str, str]) -> list[EventSource]:
+        ev = self._config.precise_prefix.kv_events
+        return derive_sources(
+            endpoint_urls,
+            {eid: e.address for eid, e in ev.endpoints.items()},
+            {eid: e.replay_address for eid, e in ev.endpoints.items() if e.replay_address},
+            ev.port, ev.port_offset, ev.replay_port, ev.replay_port_offset,
+        )
+
+    def start(self, endpoint_urls: Mapping[str, str]) -> None:
+        """Subscribe to every endpoint that has an events address (needs a running loop)."""
+        ev = self._config.precise_prefix.kv_events
+        settings = SubscriberSettings(
+            topic=ev.topic,
+            silence_seconds=ev.silence_seconds,
+            resync_seconds=ev.resync_seconds,
+            replay_timeout_seconds=ev.replay_timeout_seconds,
+        )
+        sources = self.sources(endpoint_urls)
+        if not sources:
+            log.warning("precise prefix routing has no KV events address for any endpoint; "
+                        "every endpoint is scored from the approximate index")
+        self.events = KVEventsManager(self.index, sources, settings, self._registry)
+        self.events.start()
+
+    def expect_events(self, endpoint_id: str, since: float) -> None:
+        if self.events is not None:
+            self.events.expect_events(endpoint_id, since)
+
+    def set_capacity(self, endpoint_id: str, num_gpu_blocks: int) -> None:
+        # A consistent stream never holds more than the cache's blocks; a little slack.
+        self.index.set_capacity(endpoint_id, num_gpu_blocks + 64)
+
+    async def stop(self) -> None:
+        if self.events is not None:
+            await self.events.stop()
+            self.events = None
+        await self.tracker.tokenizer.aclose()

@@ -1,0 +1,38 @@
+"""Precise prefix-cache scorer: the share of the request's token blocks each replica holds.
+
+The blocks come from the replicas' own KV events (router.precise_index), matched as the longest
+consecutive run of the request's block keys, speculative entries of recent picks included. An
+endpoint whose event stream is not trusted, or a request that could not be tokenized, is scored
+exactly like ``prefix-cache-scorer`` (the approximate index), so the scorer degrades, never fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from router.endpoints import EndpointSnapshot
+from router.scheduling import RoutingRequest
+
+
+class PreciseScores(Protocol):
+    """What the scorer reads (router.precise_routing.PreciseTracker provides it)."""
+
+    def scores(
+        self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
+    ) -> list[float] | None: ...
+
+
+class PrecisePrefixCacheScorer:
+    def __init__(self, source: PreciseScores | None) -> None:
+        self._source = source
+
+    def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
+        precise = self._source.scores(request, endpoints) if self._source is not None else None
+        if precise is not None:
+            return precise
+        total = len(request.block_hashes)
+        if total == 0:
+            return [0.0] * len(endpoints)
+        hits = request.prefix_hits
+        return [hits.get(e.id, 0) / total for e in endpoints]

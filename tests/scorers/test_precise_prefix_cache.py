@@ -1,0 +1,208 @@
+"""Precise prefix routing end to end: the scorer, speculation in bursts, routing by the replicas'
+real caches after eviction, and the prediction error of both indexes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+
+from benchmarks.sim.cli import Replica, start_replicas
+from benchmarks.sim.config import SimConfig
+from router.app import build_gateway
+from router.config import parse_config
+from router.endpoints import EndpointSnapshot, endpoint_id_from_url
+from router.errors import ConfigError
+from router.parsing import parse_request
+from router.precise_routing import PreciseRouter
+from router.prediction import PredictionTracker, find_usage
+from router.scheduling import RoutingRequest
+from router.server import RunningGateway, running_gateway
+from scorers.precise_prefix_cache import PrecisePrefixCacheScorer
+from tests.router.conftest import MODEL, gateway_config
+from tests.router.test_kv_events import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def snap(eid: str) -> EndpointSnapshot:
+    return EndpointSnapshot(
+        id=eid, url=f"http://{eid}", role="both", in_flight=0, pending_prefill_tokens=0,
+        waiting=0, running=0, kv_usage=0, metrics_age=0,
+    )
+
+
+class FixedScores:
+    def __init__(self, values: list[float] | None) -> None:
+        self.values = values
+
+    def scores(
+        self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
+    ) -> list[float] | None:
+        return self.values
+
+
+def test_scorer_uses_precise_scores_else_the_approximate_share() -> None:
+    request = RoutingRequest("r", MODEL, block_hashes=[1, 2, 3, 4], prefix_hits={"a": 2})
+    endpoints = [snap("a"), snap("b")]
+    assert PrecisePrefixCacheScorer(FixedScores([0.25, 1.0])).score(request, endpoints) == [
+        0.25, 1.0
+    ]
+    assert PrecisePrefixCacheScorer(FixedScores(None)).score(request, endpoints) == [0.5, 0.0]
+    assert PrecisePrefixCacheScorer(None).score(RoutingRequest("r", MODEL), endpoints) == [0, 0]
+
+
+def eid(replica: Replica) -> str:
+    return endpoint_id_from_url(replica.url)
+
+
+@asynccontextmanager
+async def precise_fleet(
+    n: int, speculative_ttl: float = 5.0, **sim: Any
+) -> AsyncIterator[tuple[list[Replica], RunningGateway]]:
+    config = SimConfig(speed=50.0, kv_events_port=0, kv_events_replay_port=0, **sim)
+    async with start_replicas(n, config) as replicas:
+        endpoints = {
+            eid(r): {"address": r.kv_events_address, "replayAddress": r.kv_events_replay_address}
+            for r in replicas
+        }
+        cfg = gateway_config(
+            [r.url for r in replicas],
+            plugins=[{"type": "precise-prefix-cache-scorer"}, {"type": "max-score-picker"}],
+            schedulingProfiles=[{
+                "name": "p",
+                "plugins": [{"pluginRef": "precise-prefix-cache-scorer", "weight": 1},
+                            {"pluginRef": "max-score-picker"}],
+            }],
+            precisePrefix={
+                "speculativeTtlSeconds": speculative_ttl,
+                "tokenizer": {"type": "sim"},
+                "kvEvents": {"endpoints": endpoints, "resyncSeconds": 0.5},
+            },
+        )
+        async with running_gateway(cfg) as gw:
+            precise = gw.gateway.precise
+            assert precise is not None
+            async with asyncio.timeout(10):
+                while not all(precise.index.trusted(eid(r)) for r in replicas):
+                    for r in replicas:  # probe until every subscription is live
+                        assert r.sim.kv_publisher is not None
+                        r.sim.kv_publisher.publish([])
+                        r.engine.reset_prefix_cache()
+                    await asyncio.sleep(0.05)
+            yield replicas, gw
+
+
+def chat(text: str, max_tokens: int = 4) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens}
+
+
+async def test_a_burst_follows_the_first_pick_before_any_event_arrives() -> None:
+    async with precise_fleet(4) as (_, gw), httpx.AsyncClient(timeout=20) as client:
+        prompt = chat("shared system prompt for the burst " * 60)
+        replies = await asyncio.gather(
+            *(client.post(gw.url + "/v1/chat/completions", json=prompt) for _ in range(6))
+        )
+        assert {r.status_code for r in replies} == {200}
+        assert len({r.headers["x-gateway-destination-endpoint"] for r in replies}) == 1
+
+
+async def test_routes_by_the_real_cache_after_eviction() -> None:
+    ttl = 0.2
+    async with precise_fleet(2, ttl, num_gpu_blocks=64) as (replicas, gw), httpx.AsyncClient(
+        timeout=20
+    ) as client:
+        history = "the long history of conversation x " * 40  # ~ 20 blocks
+        first = await client.post(gw.url + "/v1/chat/completions", json=chat(history))
+        home = first.headers["x-gateway-destination-endpoint"]
+        other = next(r for r in replicas if eid(r) != home)
+        home_rep = next(r for r in replicas if eid(r) == home)
+        # Behind the gateway's back: the home replica evicts the history under pressure and
+        # the other replica computes it.
+        for i in range(6):
+            filler = chat(f"unrelated filler number {i} " * 40)
+            await client.post(home_rep.url + "/v1/chat/completions", json=filler)
+        await client.post(other.url + "/v1/chat/completions", json=chat(history))
+        precise = gw.gateway.precise
+        assert precise is not None
+        await wait_for(lambda: all(
+            precise.index.engine_hashes(eid(r)) == set(r.engine.kv.cached_hashes())
+            for r in replicas
+        ))
+        await asyncio.sleep(ttl)  # the first pick's speculative entries have expired
+        again = await client.post(gw.url + "/v1/chat/completions", json=chat(history))
+        assert again.headers["x-gateway-destination-endpoint"] == eid(other)
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_prediction_error_for_both_indexes() -> None:
+    async with precise_fleet(2) as (_replicas, gw), httpx.AsyncClient(timeout=20) as client:
+        gateway = gw.gateway
+        prediction = gateway.prediction
+        assert prediction is not None
+        text = "a conversation that grows turn by turn " * 20
+        for turn in range(4):
+            body = orjson.dumps(chat(text))
+            parsed = parse_request("chat", body)
+            routing = gateway.router.routing_request(parsed, {}, f"req-{turn}")
+            ranked = await gateway.router.rank(routing)
+            gateway.router.picked(routing, ranked[0].id)
+            reply = await client.post(ranked[0].url + "/v1/chat/completions", content=body)
+            usage = find_usage(reply.content)
+            prediction.observe(ranked[0].id, routing, usage)
+            answer = reply.json()["choices"][0]["message"]["content"]
+            text += answer + " and then the user says more words " * 5
+            await asyncio.sleep(0.2)  # the think gap: events arrive before the next turn
+        precise = prediction.summary["precise"]
+        assert precise.count == 4
+        assert precise.within_one_block == 4
+        assert prediction.summary["approximate"].count == 4
+        metrics = gateway.metrics.render().decode()
+        assert 'prefixgate_prefix_prediction_within_one_block_ratio{mode="precise"} 1.0' in metrics
+
+
+def test_find_usage_in_json_and_sse() -> None:
+    usage = {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert find_usage(orjson.dumps({"usage": usage})) == usage
+    sse = b'data: {"choices":[{"delta":{}}]}\n\ndata: {"choices":[],"usage":' + orjson.dumps(
+        usage) + b"}\n\ndata: [DONE]\n\n"
+    assert find_usage(sse) == usage
+    assert find_usage(b"data: [DONE]\n\n") is None
+
+
+def test_prediction_without_usage_or_precise_state() -> None:
+    tracker = PredictionTracker(CollectorRegistry(), block_size=16)
+    routing = RoutingRequest("r", MODEL, prompt_bytes=1000, block_bytes=256,
+                             block_hashes=[1, 2, 3], prefix_hits={"a": 2})
+    tracker.observe("a", routing, None)
+    assert tracker.summary["approximate"].count == 0
+    usage = {"prompt_tokens": 250, "prompt_tokens_details": {"cached_tokens": 128}}
+    tracker.observe("a", routing, usage)
+    # 2 of 3.9 blocks' worth of bytes -> 51% of 250 tokens = 128 -> exactly right.
+    assert tracker.summary["approximate"].within_one_block == 1
+
+
+def test_precise_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match="tokenizer"):
+        parse_config({"precisePrefix": {"tokenizer": {"type": "huggingface"}}})
+    with pytest.raises(ConfigError, match="port"):
+        parse_config({"precisePrefix": {"kvEvents": {"port": 5557, "portOffset": 1}}})
+    with pytest.raises(ConfigError, match="unknown key"):
+        parse_config({"precisePrefix": {"kvEvent": {}}})
+
+
+def test_precise_strategy_turns_precise_routing_on() -> None:
+    pool = {"endpoints": [{"url": "http://127.0.0.1:9"}]}
+    precise = build_gateway(parse_config({"pool": pool, "strategy": "precise"}))
+    assert precise.precise is not None and isinstance(precise.router, PreciseRouter)
+    plain = build_gateway(parse_config({"pool": pool}))
+    assert plain.precise is None and plain.prediction is not None
+    forced = build_gateway(parse_config({"pool": pool, "precisePrefix": {"enabled": True}}))
+    assert forced.precise is not None
