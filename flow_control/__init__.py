@@ -24,7 +24,11 @@ from flow_control.resolve import (
     SessionMemory,
     fairness_id,
 )
-from flow_control.saturation import SaturationDetector, ThresholdSaturationDetector
+from flow_control.saturation import (
+    SaturationDetector,
+    ThresholdSaturationDetector,
+    default_staleness,
+)
 
 __all__ = [
     "DEFAULT_FLOW",
@@ -48,6 +52,7 @@ __all__ = [
     "SessionMemory",
     "ThresholdSaturationDetector",
     "Ticket",
+    "default_staleness",
     "fairness_id",
     "make_policy",
 ]

@@ -62,14 +62,20 @@ class SessionBoostConfig(Strict):
 
 
 class SaturationDetectorConfig(Strict):
-    """Per-endpoint thresholds; the pool is saturated when every endpoint reaches one."""
+    """Per-endpoint thresholds; the pool is saturated when every endpoint reaches one.
+
+    ``metricsStalenessThreshold`` is left unset on purpose: it is then derived from the
+    gateway's scrape settings (see ``flow_control.saturation.default_staleness`` for why
+    llm-d's 200 ms is not safe with a 100 ms scrape interval).
+    """
 
     queue_depth_threshold: float = Field(5, ge=0)
     kv_cache_util_threshold: float = Field(0.8, gt=0, le=1)
     # The gateway's own count, the one signal available before a scrape lands. vLLM runs up
     # to max_num_seqs (256 by default) at once; beyond that requests only queue in the engine.
     in_flight_threshold: int = Field(256, ge=1)
-    metrics_staleness_threshold: float = Field(0.2, gt=0)
+    # None: derived from pool.metricsScrape (at least 1 s); set it only to override.
+    metrics_staleness_threshold: float | None = Field(None, gt=0)
 
 
 class FlowControlConfig(Strict):

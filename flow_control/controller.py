@@ -36,7 +36,12 @@ from flow_control.resolve import (
     fairness_id,
     header_value,
 )
-from flow_control.saturation import SaturationDetector, ThresholdSaturationDetector
+from flow_control.saturation import (
+    DEFAULT_SCRAPE_INTERVAL,
+    DEFAULT_SCRAPE_TIMEOUT,
+    SaturationDetector,
+    ThresholdSaturationDetector,
+)
 from router.endpoints import EndpointSnapshot
 from router.errors import NoEndpointsError, SaturatedError, TTLExpiredError
 
@@ -55,12 +60,20 @@ class FlowController:
         registry: CollectorRegistry | None = None,
         detector: SaturationDetector | None = None,
         max_flow_labels: int = 100,
+        scrape_interval: float = DEFAULT_SCRAPE_INTERVAL,
+        scrape_timeout: float = DEFAULT_SCRAPE_TIMEOUT,
     ) -> None:
+        # The gateway's pool.metricsScrape settings: the default detector derives its
+        # staleness threshold from them unless the config sets one.
         self.config = config
         self.enabled = config.enabled
         self._candidates = candidates
         self._clock = clock
-        self._detector = detector or ThresholdSaturationDetector(config.saturation_detector)
+        self._detector = detector or ThresholdSaturationDetector(
+            config.saturation_detector,
+            scrape_interval=scrape_interval,
+            scrape_timeout=scrape_timeout,
+        )
         self._metrics = FlowControlMetrics(registry or CollectorRegistry(), max_flow_labels)
         self._objectives = ObjectiveResolver(config)
         self._boost = SessionBoost(config.session_boost, clock)

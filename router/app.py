@@ -4,10 +4,11 @@ ASGI lifespan (HTTP clients, background tasks, index connections). No module-lev
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -19,16 +20,21 @@ from starlette.responses import Response
 
 from flow_control.controller import FlowController
 from router import __version__
+from router.calibration import Calibrator
 from router.config import GatewayConfig
-from router.endpoints import Endpoint, EndpointPool
+from router.discovery import KubernetesDiscovery, LivePool, api_client
+from router.endpoints import Endpoint, EndpointPool, OutlierSettings
 from router.errors import BadRequestError, GatewayError
 from router.hashing import BYTES_PER_TOKEN
 from router.metrics import GatewayMetrics
+from router.parsing import openapi_extra
 from router.plugins import PluginContext, PluginRegistry, build_profile, default_registry
+from router.precise_routing import PreciseRouter, PreciseRuntime, precise_enabled
+from router.prediction import PredictionTracker
 from router.producers import AffinityTracker, PrefixTracker
 from router.proxy import Proxy
 from router.routing import Router
-from router.scheduling import Scheduler
+from router.scheduling import PickObserver, Producer, Scheduler
 from router.scraper import EndpointMonitor, MonitorSettings
 from router.stores import Stores, build_stores
 from router.strategies import strategy
@@ -50,9 +56,14 @@ class Gateway:
     router: Router
     proxy: Proxy
     monitor: EndpointMonitor | None = None
+    discovery: KubernetesDiscovery | None = None
+    precise: PreciseRuntime | None = None
+    prediction: PredictionTracker | None = None
 
     def kv_capacity_to_blocks(self, endpoint_id: str, block_size: int, num_gpu_blocks: int) -> None:
         """Bound the index for an endpoint by what its KV cache can really hold."""
+        if self.precise is not None:
+            self.precise.set_capacity(endpoint_id, num_gpu_blocks)
         if self.config.prefix_index.capacity_blocks is not None:
             return
         capacity_bytes = block_size * num_gpu_blocks * BYTES_PER_TOKEN
@@ -63,8 +74,14 @@ class Gateway:
 def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None) -> Gateway:
     registry = registry or default_registry()
     rng = random.Random(config.seed)
+    od = config.pool.outlier_detection
+    outliers = OutlierSettings(
+        od.consecutive_failures, od.base_ejection_seconds, od.max_ejection_seconds,
+        od.max_ejection_percent,
+    )
     pool = EndpointPool(
-        Endpoint.from_url(e.url, e.role, e.models) for e in config.pool.endpoints
+        (Endpoint.from_url(e.url, e.role, e.models) for e in config.pool.endpoints),
+        outliers=outliers if od.enabled else None,
     )
     metrics = GatewayMetrics(pool)
     stores = build_stores(config, pool, metrics.registry)
@@ -73,15 +90,90 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     else:
         assert config.scheduling_profiles  # enforced by the config model
         plugins, profile_cfg = config.plugins, config.scheduling_profiles[0]
-    profile = build_profile(plugins, profile_cfg, registry, PluginContext(rng))
+    calibrator = Calibrator(registry=metrics.registry)
+    precise = None
+    if precise_enabled(config, (p.type for p in plugins)):
+        precise = PreciseRuntime(config, metrics.registry)
+    context = PluginContext(rng, calibrator, precise.tracker if precise else None)
+    profile = build_profile(plugins, profile_cfg, registry, context)
     prefix = PrefixTracker(stores.index)
     sessions = AffinityTracker(stores.affinity)
-    scheduler = Scheduler(profile, producers=[prefix, sessions], observers=[prefix, sessions])
+    producers: list[Producer] = [prefix, sessions]
+    observers: list[PickObserver] = [prefix, sessions]
+    if precise is not None:
+        producers.append(precise.tracker)
+        observers.append(precise.tracker)
+    scheduler = Scheduler(profile, producers=producers, observers=observers)
     candidates = stores.candidates(pool)
     flow = FlowController(config.flow_control, candidates, registry=metrics.registry)
-    router = Router(config, pool, candidates, scheduler, flow, metrics)
+    if precise is not None:
+        router: Router = PreciseRouter(
+            config, pool, candidates, scheduler, flow, metrics, tracker=precise.tracker
+        )
+    else:
+        router = Router(config, pool, candidates, scheduler, flow, metrics)
     proxy = Proxy(config, router, metrics)
-    return Gateway(config, pool, stores, scheduler, metrics, flow, router, proxy)
+    gateway = Gateway(config, pool, stores, scheduler, metrics, flow, router, proxy)
+    gateway.precise = precise
+    gateway.prediction = PredictionTracker(
+        metrics.registry,
+        config.precise_prefix.block_size,
+        precise.tracker if precise else None,
+        precise.expect_events if precise else None,
+    )
+    return gateway
+
+
+async def _start_discovery(gateway: Gateway, stack: AsyncExitStack) -> KubernetesDiscovery:
+    config = gateway.config.discovery
+    assert config is not None
+    client, namespace = await asyncio.to_thread(api_client, config)
+    await stack.enter_async_context(client)
+    forget = [gateway.stores.index.forget_endpoint, gateway.stores.affinity.forget_endpoint]
+    sink = LivePool(gateway.pool, gateway.monitor, forget)
+    discovery = KubernetesDiscovery(config, sink, client, namespace)
+    stack.push_async_callback(discovery.stop)
+    await discovery.start()
+    return discovery
+
+
+@asynccontextmanager
+async def gateway_running(gateway: Gateway) -> AsyncIterator[None]:
+    """The gateway's background work (health and metrics polling, Kubernetes discovery, flow
+    control, shared stores) while the context lasts; shared by every front door's lifespan.
+    Stops in reverse order of start."""
+    config = gateway.config
+    async with AsyncExitStack() as stack:
+        # Monitoring gets its own client, so health checks never queue behind traffic.
+        monitor_client = await stack.enter_async_context(
+            httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
+        )
+        hc, ms = config.pool.health_check, config.pool.metrics_scrape
+        settings = MonitorSettings(
+            scrape_interval=ms.interval_seconds,
+            scrape_timeout=ms.timeout_seconds,
+            health_interval=hc.interval_seconds,
+            health_timeout=hc.timeout_seconds,
+            unhealthy_threshold=hc.unhealthy_threshold,
+        )
+        monitor = EndpointMonitor(
+            gateway.pool, monitor_client, settings, gateway.kv_capacity_to_blocks,
+            auth_headers=gateway.proxy.upstream_keys.headers,
+        )
+        gateway.monitor = monitor
+        stack.push_async_callback(gateway.stores.aclose)
+        stack.push_async_callback(monitor.stop)
+        if config.discovery is not None:
+            gateway.discovery = await _start_discovery(gateway, stack)
+        await monitor.check_all()
+        monitor.start()
+        gateway.flow.start()
+        stack.push_async_callback(gateway.flow.stop)
+        gateway.stores.start()
+        if gateway.precise is not None:
+            gateway.precise.start({s.endpoint.id: s.endpoint.url for s in gateway.pool})
+            stack.push_async_callback(gateway.precise.stop)
+        yield
 
 
 def _error_response(error: GatewayError) -> Response:
@@ -95,32 +187,14 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         proxy_cfg = config.proxy
         client = UpstreamClient(proxy_cfg.max_connections, proxy_cfg.connect_timeout_seconds)
-        # Monitoring gets its own client, so health checks never queue behind traffic.
-        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as monitor_client:
-            gateway.proxy.client = client
-            hc, ms = config.pool.health_check, config.pool.metrics_scrape
-            settings = MonitorSettings(
-                scrape_interval=ms.interval_seconds,
-                scrape_timeout=ms.timeout_seconds,
-                health_interval=hc.interval_seconds,
-                health_timeout=hc.timeout_seconds,
-                unhealthy_threshold=hc.unhealthy_threshold,
-            )
-            monitor = EndpointMonitor(
-                gateway.pool, monitor_client, settings, gateway.kv_capacity_to_blocks
-            )
-            gateway.monitor = monitor
-            await monitor.check_all()
-            monitor.start()
-            gateway.flow.start()
-            gateway.stores.start()
+        gateway.proxy.client = client
+        async with gateway_running(gateway):
             try:
                 yield
             finally:
-                await gateway.flow.stop()
-                await monitor.stop()
+                # Streams cut by the drain deadline are still writing their closing event.
+                await gateway.proxy.wait_idle(1.0)
                 await client.aclose()
-                await gateway.stores.aclose()
 
     app = FastAPI(title="prefixgate", version=__version__, lifespan=lifespan)
     app.state.gateway = gateway
@@ -140,16 +214,18 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         return _error_response(BadRequestError(str(exc.errors())))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_extra("chat"))
     async def chat_completions(request: Request) -> Response:
         return await gateway.proxy.handle(request, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_extra("completions"))
     async def completions(request: Request) -> Response:
         return await gateway.proxy.handle(request, "completions")
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        if gateway.proxy.auth is not None:
+            gateway.proxy.auth.authenticate(request.headers)
         created = int(time.time())
         data = [
             {"id": m, "object": "model", "created": created, "owned_by": "prefixgate"}
@@ -164,8 +240,11 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
     @app.get("/ready")
     async def ready() -> Response:
         healthy = sum(1 for s in gateway.pool if s.healthy)
-        body = orjson.dumps({"ready": healthy > 0, "healthy_endpoints": healthy})
-        return Response(body, 200 if healthy else 503, media_type=JSON)
+        ready = healthy > 0 and not gateway.proxy.draining
+        body = orjson.dumps(
+            {"ready": ready, "healthy_endpoints": healthy, "draining": gateway.proxy.draining}
+        )
+        return Response(body, 200 if ready else 503, media_type=JSON)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,4 +1,4 @@
-"""The ``prefixgate`` command: ``serve``, ``sim`` and ``demo``."""
+"""The ``prefixgate`` command: ``serve``, ``epp``, ``sim`` and ``demo``."""
 
 from __future__ import annotations
 
@@ -37,7 +37,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from router.server import serve
 
     config = _serve_config(args)
-    serve(config, args.log_level)
+    serve(config, args.log_level, args.log_format)
+    return 0
+
+
+def _epp_config(args: argparse.Namespace) -> GatewayConfig:
+    config = load_config(args.config)
+    data = config.model_dump(by_alias=True, exclude_unset=True)
+    ext_proc = data.setdefault("extProc", {})
+    for key, value in (("host", args.host), ("port", args.port)):
+        if value is not None:
+            ext_proc[key] = value
+    for key, value in (("healthPort", args.health_port), ("metricsPort", args.metrics_port)):
+        if value is not None:
+            ext_proc[key] = value
+    return parse_config(data)
+
+
+def _cmd_epp(args: argparse.Namespace) -> int:
+    from router.extproc_server import serve_epp
+
+    serve_epp(_epp_config(args))
     return 0
 
 
@@ -53,6 +73,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from benchmarks.bench.cli import run as run_bench
+
+    return run_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from benchmarks.sim.cli import add_arguments as add_sim_arguments
 
@@ -66,7 +92,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None)
     serve.add_argument("--strategy", default=None, help="built-in strategy instead of plugins")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--log-format", choices=["text", "json"], default=None,
+        help="log lines as text or JSON objects (default: server.logFormat, text)",
+    )
     serve.set_defaults(func=_cmd_serve)
+
+    epp = sub.add_parser("epp", help="run as an Envoy ext_proc endpoint picker (Gateway API)")
+    epp.add_argument("--config", required=True, help="YAML config file (extProc:, discovery:)")
+    epp.add_argument("--host", default=None, help="address for all three ports")
+    epp.add_argument("--port", type=int, default=None, help="ext_proc gRPC port (9002)")
+    epp.add_argument("--health-port", type=int, default=None, help="gRPC health port (9003)")
+    epp.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (9090)")
+    epp.add_argument("--log-level", default="info")
+    epp.set_defaults(func=_cmd_epp)
 
     sim = sub.add_parser("sim", help="run simulated vLLM replicas")
     add_sim_arguments(sim)
@@ -78,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--smoke", action="store_true", help="send a short workload, print, exit")
     demo.add_argument("--strategy", default="default")
     demo.set_defaults(func=_cmd_demo)
+
+    from benchmarks.bench.cli import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="strategies and peer routers side by side (simulated)")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -9,13 +9,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from flow_control.config import FlowControlConfig
 from router.endpoints import endpoint_id_from_url
 from router.errors import ConfigError
 from router.hashing import DEFAULT_BLOCK_BYTES
+from router.precise_config import PrecisePrefixConfig
 
 
 class Strict(BaseModel):
@@ -28,6 +37,9 @@ class EndpointConfig(Strict):
     url: str
     role: Literal["both", "prefill", "decode"] = "both"
     models: list[str] = Field(default_factory=list)
+    # The upstream's own key (vLLM --api-key), sent instead of the client's; overrides pool's.
+    api_key: SecretStr | None = None
+    api_key_env: str | None = None
 
     @field_validator("url")
     @classmethod
@@ -48,10 +60,23 @@ class MetricsScrapeConfig(Strict):
     stale_after_seconds: float = Field(1.0, gt=0)
 
 
+class OutlierDetectionConfig(Strict):
+    """Passive health: eject an endpoint after consecutive connect errors, timeouts or 5xx."""
+
+    enabled: bool = True
+    consecutive_failures: int = Field(5, ge=1)
+    base_ejection_seconds: float = Field(30.0, gt=0)
+    max_ejection_seconds: float = Field(300.0, gt=0)
+    max_ejection_percent: float = Field(50.0, ge=0, le=100)
+
+
 class PoolConfig(Strict):
     endpoints: list[EndpointConfig] = Field(default_factory=list)
     health_check: HealthCheckConfig = HealthCheckConfig()
     metrics_scrape: MetricsScrapeConfig = MetricsScrapeConfig()
+    outlier_detection: OutlierDetectionConfig = OutlierDetectionConfig()
+    api_key: SecretStr | None = None
+    api_key_env: str | None = None
 
     @field_validator("endpoints")
     @classmethod
@@ -92,6 +117,14 @@ class ServerConfig(Strict):
     port: int = Field(8000, ge=0, le=65535)
     # 200K-token agent prompts are ~1 MB of text; JSON escaping and images need headroom.
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    # A client that sends its body slower than this is answered 408, not waited for forever.
+    body_timeout_seconds: float = Field(60.0, gt=0)
+    # SIGTERM: /ready turns 503 at once, new connections are still taken for the delay (load
+    # balancers take a moment to notice), then refused while in-flight requests drain.
+    shutdown_delay_seconds: float = Field(0.0, ge=0)
+    drain_timeout_seconds: float = Field(30.0, ge=0)
+    access_log: bool = True
+    log_format: Literal["text", "json"] = "text"
 
 
 class ProxyConfig(Strict):
@@ -101,6 +134,29 @@ class ProxyConfig(Strict):
     idle_timeout_seconds: float = Field(300.0, gt=0)
     max_attempts: int = Field(3, ge=1, le=10)
     max_connections: int = Field(1024, ge=1)
+
+
+class ApiKeyConfig(Strict):
+    """One client key (literal, or read from an environment variable) and its tenant."""
+
+    tenant: str = Field(min_length=1, max_length=256)
+    key: SecretStr | None = None
+    key_env: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ApiKeyConfig:
+        if (self.key is None) == (self.key_env is None):
+            raise ValueError("give key or keyEnv (exactly one)")
+        return self
+
+
+class AuthConfig(Strict):
+    enabled: bool = False
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list)
+    # An environment variable holding "tenant=key,tenant=key".
+    api_keys_env: str | None = None
+    # Send the client's Authorization / x-api-key on to the endpoints (off: stripped).
+    forward_client_key: bool = False
 
 
 class PluginConfig(Strict):
@@ -123,15 +179,69 @@ class ProfileConfig(Strict):
     plugins: list[PluginRef]
 
 
+class ExtProcConfig(Strict):
+    """``prefixgate epp``: the Envoy ext_proc endpoint picker (GIE's ports by default)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(9002, ge=0, le=65535)
+    health_port: int = Field(9003, ge=0, le=65535)
+    metrics_port: int = Field(9090, ge=0, le=65535)
+    # Endpoints after the pick in x-gateway-destination-endpoint, for Envoy to fall back to.
+    fallback_endpoints: int = Field(0, ge=0, le=7)
+    # Used when Envoy does not announce its body mode (protocol_config, Envoy < 1.33).
+    default_body_mode: Literal["FULL_DUPLEX_STREAMED", "BUFFERED"] = "FULL_DUPLEX_STREAMED"
+    # Body chunks streamed back to Envoy stay well under gRPC's 4 MiB default message limit.
+    body_chunk_bytes: int = Field(62_000, ge=1024, le=4 * 1024 * 1024 - 1024)
+    shutdown_grace_seconds: float = Field(10.0, ge=0)
+
+
+class DiscoveryConfig(Strict):
+    """Endpoints from Kubernetes: the pods of an InferencePool, or of a label selector."""
+
+    inference_pool: str | None = None
+    label_selector: dict[str, str] | None = None
+    # With labelSelector only; an InferencePool carries its own targetPorts.
+    target_ports: list[int] = Field(default_factory=list, max_length=8)
+    # None: the namespace of the service account (in-cluster), else "default".
+    namespace: str | None = None
+    # None: in-cluster (KUBERNETES_SERVICE_HOST/PORT, the service account token and CA).
+    api_server: str | None = None
+    token_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    scheme: Literal["http", "https"] = "http"
+    role_label: str = "llm-d.ai/role"
+    # Models every discovered endpoint serves; empty: learned from each one's /v1/models.
+    models: list[str] = Field(default_factory=list)
+    watch_timeout_seconds: int = Field(300, ge=1)
+    retry_seconds: float = Field(1.0, gt=0)
+    initial_sync_timeout_seconds: float = Field(30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _source(self) -> DiscoveryConfig:
+        if (self.inference_pool is None) == (self.label_selector is None):
+            raise ValueError("give inferencePool or labelSelector (exactly one)")
+        if self.label_selector is not None and not self.target_ports:
+            raise ValueError("targetPorts: needed with labelSelector")
+        if self.inference_pool is not None and self.target_ports:
+            raise ValueError("targetPorts: an InferencePool names its own")
+        if any(not 1 <= p <= 65535 for p in self.target_ports):
+            raise ValueError("targetPorts: ports are 1..65535")
+        return self
+
+
 class GatewayConfig(Strict):
     api_version: str = "prefixgate.dev/v1alpha1"
     kind: Literal["EndpointPickerConfig", "GatewayConfig"] = "EndpointPickerConfig"
     server: ServerConfig = ServerConfig()
     pool: PoolConfig = PoolConfig()
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
+    precise_prefix: PrecisePrefixConfig = PrecisePrefixConfig()
     session_affinity: SessionAffinityConfig = SessionAffinityConfig()
     proxy: ProxyConfig = ProxyConfig()
     flow_control: FlowControlConfig = FlowControlConfig()
+    auth: AuthConfig = AuthConfig()
+    ext_proc: ExtProcConfig = ExtProcConfig()
+    discovery: DiscoveryConfig | None = None
     # A built-in strategy (router.strategies), or explicit plugins + schedulingProfiles.
     strategy: str = "default"
     plugins: list[PluginConfig] | None = None

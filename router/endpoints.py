@@ -4,15 +4,25 @@ Scorers never see mutable state: the scheduler takes an immutable :class:`Endpoi
 each candidate per request. The gateway counts its in-flight requests and the prefill work it
 has sent that has not produced a first byte yet *at pick time*, so that a burst arriving between
 two metric scrapes spreads out instead of herding onto the endpoint that looked idlest.
+
+Passive health (outlier ejection, as Envoy does it): an endpoint whose requests fail N times in
+a row (connect errors, timeouts, 5xx; never a client's 4xx) leaves the candidates for an
+ejection time that grows with each ejection, and comes back only after the monitor's health
+probe succeeds. At most a share of the pool is ejected at once, and never the last endpoint
+left, so a fleet-wide blip cannot empty the pool.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
+
+log = logging.getLogger("prefixgate.endpoints")
 
 Role = Literal["both", "prefill", "decode"]
 
@@ -79,9 +89,19 @@ class EndpointState:
     in_flight: int = 0
     pending_prefill_tokens: int = 0
     consecutive_failures: int = 0
+    # Passive health: failures in a row of real requests, and the ejection they caused.
+    failure_streak: int = 0
+    ejected: bool = False
+    ejected_until: float = 0.0
+    times_ejected: int = 0
+    readmitted_at: float = 0.0
 
     def serves(self, model: str) -> bool:
         return model in self.models or model in self.endpoint.models
+
+    @property
+    def eligible(self) -> bool:
+        return self.healthy and not self.ejected
 
     def snapshot(self, now: float) -> EndpointSnapshot:
         m = self.metrics
@@ -101,13 +121,26 @@ class EndpointState:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class OutlierSettings:
+    """Envoy's outlier detection knobs (its defaults: 5 failures, 30 s base, 10%)."""
+
+    consecutive_failures: int = 5
+    base_ejection: float = 30.0
+    max_ejection: float = 300.0
+    max_ejection_percent: float = 50.0
+
+
 class Lease:
     """One request's claim on an endpoint: counted in-flight until released, exactly once."""
 
-    __slots__ = ("_first_byte_seen", "_released", "prefill_tokens", "state")
+    __slots__ = ("_first_byte_seen", "_pool", "_released", "prefill_tokens", "state")
 
-    def __init__(self, state: EndpointState, prefill_tokens: int) -> None:
+    def __init__(
+        self, state: EndpointState, prefill_tokens: int, pool: EndpointPool | None = None
+    ) -> None:
         self.state = state
+        self._pool = pool
         self.prefill_tokens = prefill_tokens
         self._first_byte_seen = False
         self._released = False
@@ -126,14 +159,26 @@ class Lease:
         self._released = True
         self.state.in_flight -= 1
 
+    def upstream_ok(self) -> None:
+        """The endpoint answered (any status below 500): its failure streak ends."""
+        self.state.failure_streak = 0
+
+    def upstream_failed(self) -> bool:
+        """A connect error, timeout or 5xx; True if it got the endpoint ejected."""
+        return self._pool.record_failure(self.state) if self._pool is not None else False
+
 
 class EndpointPool:
     """All endpoints by id. Mutated only from the event loop, so no locks are needed."""
 
     def __init__(
-        self, endpoints: Iterable[Endpoint] = (), clock: Callable[[], float] = time.monotonic
+        self,
+        endpoints: Iterable[Endpoint] = (),
+        clock: Callable[[], float] = time.monotonic,
+        outliers: OutlierSettings | None = None,
     ) -> None:
         self._clock = clock
+        self._outliers = outliers
         self._states: dict[str, EndpointState] = {}
         for endpoint in endpoints:
             self.add(endpoint)
@@ -171,12 +216,69 @@ class EndpointPool:
         return any(s.healthy for s in self._states.values())
 
     def candidates(self, model: str) -> list[EndpointSnapshot]:
-        """Healthy endpoints serving ``model``, as snapshots."""
+        """Healthy, not ejected endpoints serving ``model``, as snapshots."""
         now = self._clock()
-        return [s.snapshot(now) for s in self._states.values() if s.healthy and s.serves(model)]
+        return [
+            s.snapshot(now)
+            for s in self._states.values()
+            if s.healthy and not s.ejected and s.serves(model)
+        ]
 
     def lease(self, endpoint_id: str, prefill_tokens: int = 0) -> Lease:
         state = self._states.get(endpoint_id)
         if state is None:
             raise KeyError(endpoint_id)
-        return Lease(state, prefill_tokens)
+        return Lease(state, prefill_tokens, self)
+
+    # -- passive health ------------------------------------------------------------------------
+
+    def record_failure(self, state: EndpointState) -> bool:
+        """Count a failed request; eject the endpoint at the threshold when the cap allows."""
+        settings = self._outliers
+        if settings is None or state.ejected:
+            return False
+        state.failure_streak += 1
+        if state.failure_streak < settings.consecutive_failures or not self._may_eject(settings):
+            return False
+        now = self._clock()
+        # The multiplier decays by one for every base ejection time served without ejection.
+        if state.times_ejected and state.readmitted_at:
+            served = int((now - state.readmitted_at) / settings.base_ejection)
+            state.times_ejected = max(0, state.times_ejected - served)
+        state.times_ejected += 1
+        duration = min(settings.base_ejection * state.times_ejected, settings.max_ejection)
+        state.ejected = True
+        state.ejected_until = now + duration
+        log.warning(
+            "endpoint %s ejected for %.1fs after %d consecutive failures",
+            state.endpoint.id, duration, state.failure_streak,
+        )
+        return True
+
+    def _may_eject(self, settings: OutlierSettings) -> bool:
+        states = self._states.values()
+        ejected = sum(1 for s in states if s.ejected)
+        cap = math.floor(len(self._states) * settings.max_ejection_percent / 100)
+        if settings.max_ejection_percent > 0:
+            cap = max(1, cap)  # as Envoy: one endpoint can always be ejected
+        # Never the last eligible endpoint: a failing answer beats a certain 503.
+        others = sum(1 for s in states if s.healthy and not s.ejected) - 1
+        return ejected < cap and others > 0
+
+    def ejection_expired(self, state: EndpointState) -> bool:
+        return state.ejected and self._clock() >= state.ejected_until
+
+    def readmit(self, state: EndpointState) -> None:
+        """Back in after a successful probe; one more failure ejects it again (half-open)."""
+        if not state.ejected:
+            return
+        state.ejected = False
+        state.readmitted_at = self._clock()
+        threshold = self._outliers.consecutive_failures if self._outliers else 1
+        state.failure_streak = threshold - 1
+        log.info("endpoint %s readmitted after its ejection", state.endpoint.id)
+
+    def extend_ejection(self, state: EndpointState) -> None:
+        """The probe failed: stay out for another base ejection time."""
+        base = self._outliers.base_ejection if self._outliers else 1.0
+        state.ejected_until = self._clock() + base

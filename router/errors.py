@@ -79,12 +79,22 @@ class PayloadTooLargeError(BadRequestError):
     code = "payload_too_large"
 
 
+class RequestTimeoutError(BadRequestError):
+    """The client did not send its body within the body timeout (408)."""
+
+    status_code = 408
+    code = "request_timeout"
+
+
 class AuthenticationError(GatewayError):
     """Missing or wrong API key (401)."""
 
     status_code = 401
     error_type = "authentication_error"
     code = "invalid_api_key"
+
+    def headers(self) -> Mapping[str, str]:
+        return {**super().headers(), "www-authenticate": "Bearer"}
 
 
 class ModelNotFoundError(GatewayError):
@@ -118,6 +128,14 @@ class TTLExpiredError(SaturatedError):
 
     code = "rejected_ttl_expired"
     dropped_reason = "rejected-ttl-expired"
+
+
+class ShuttingDownError(GatewayError):
+    """The gateway is draining for shutdown and gave up on the request (503)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "shutting_down"
 
 
 class ClientCancelledError(GatewayError):

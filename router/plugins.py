@@ -21,6 +21,7 @@ from router.pickers import MaxScorePicker, RandomPicker, RoundRobinPicker
 from router.scheduling import Filter, Picker, SchedulingProfile, Scorer, WeightedScorer
 from scorers.inflight import InFlightScorer
 from scorers.kv_cache_utilization import KVCacheUtilizationScorer
+from scorers.precise_prefix_cache import PrecisePrefixCacheScorer, PreciseScores
 from scorers.prefix_cache import PrefixCacheScorer
 from scorers.queue import QueueScorer
 from scorers.session_affinity import SessionAffinityScorer
@@ -34,6 +35,8 @@ class PluginContext:
 
     rng: random.Random
     calibrator: Calibrator = field(default_factory=Calibrator)
+    # The precise prefix tracker, when precise routing is on (router.precise_routing).
+    precise: PreciseScores | None = None
 
 
 Factory = Callable[[Mapping[str, Any], PluginContext], object]
@@ -98,6 +101,11 @@ def _ttft_cost(raw: Mapping[str, Any], context: PluginContext) -> object:
     return TTFTCostScorer(context.calibrator, parameters(TTFTCostParameters, raw))
 
 
+def _precise(raw: Mapping[str, Any], context: PluginContext) -> object:
+    parameters(NoParameters, raw)
+    return PrecisePrefixCacheScorer(context.precise)
+
+
 def default_registry() -> PluginRegistry:
     registry = PluginRegistry()
     registry.register("prefix-cache-scorer", _simple(PrefixCacheScorer))
@@ -107,6 +115,7 @@ def default_registry() -> PluginRegistry:
     registry.register("session-affinity-scorer", _simple(SessionAffinityScorer))
     registry.register("session-hash-scorer", _simple(SessionHashScorer))
     registry.register("ttft-cost-scorer", _ttft_cost)
+    registry.register("precise-prefix-cache-scorer", _precise)
     registry.register("max-score-picker", _seeded(MaxScorePicker))
     registry.register("random-picker", _seeded(RandomPicker))
     registry.register("round-robin-picker", _simple(RoundRobinPicker))

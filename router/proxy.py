@@ -1,25 +1,49 @@
-"""The request path: parse, route, forward, relay.
+"""The request path: authenticate, parse, route, forward, relay, log.
 
 Attempts go to the ranked endpoints in order: a connect error, a timeout or a 5xx before the
 first byte moves on to the next (bounded); a 4xx is the client's and is passed through as is.
-Once a byte has been relayed the answer is committed to that endpoint.
+Once a byte has been relayed the answer is committed to that endpoint. Connect errors, timeouts
+and 5xx (never 4xx) count towards the endpoint's outlier ejection.
+
+The gateway only ever connects to endpoints of its pool: the URL of an attempt comes from the
+pool's snapshot, and every header a client could use to steer a request is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import re
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from prometheus_client import Counter, Gauge
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from flow_control.request import Ticket
+from router.auth import (
+    FAIRNESS_HEADER,
+    KEY_HEADERS,
+    TenantHeaders,
+    build_authenticator,
+    build_upstream_keys,
+)
 from router.config import GatewayConfig
 from router.endpoints import EndpointSnapshot, Lease
-from router.errors import PayloadTooLargeError, UpstreamError, UpstreamTimeoutError
+from router.errors import (
+    GatewayError,
+    PayloadTooLargeError,
+    RequestTimeoutError,
+    ShuttingDownError,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
+from router.logs import AccessLog
 from router.metrics import GatewayMetrics
 from router.parsing import Api, ParsedRequest, parse_request
 from router.routing import Router
@@ -31,6 +55,8 @@ log = logging.getLogger("prefixgate.proxy")
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 REQUEST_ID_HEADER = "x-request-id"
+# A client's request id is echoed in headers and logs: only a short, plain token is honoured.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 # Headers a client may never set for the upstream: hop-by-hop ones, and the gateway's own
 # routing headers (a client-chosen destination or prefiller would be an SSRF hole).
@@ -40,7 +66,8 @@ _DROP_REQUEST_HEADERS = frozenset(
         "host", "content-length", "connection", "keep-alive", "proxy-authenticate",
         "proxy-authorization", "proxy-connection", "te", "trailer", "transfer-encoding",
         "upgrade", "expect", DESTINATION_HEADER, "x-gateway-destination-endpoint-subset",
-        "x-prefiller-host-port", "x-gateway-request-dropped-reason", REQUEST_ID_HEADER,
+        "x-gateway-destination-endpoint-served", "x-prefiller-host-port", "x-prefiller-url",
+        "x-decoder-host-port", "x-gateway-request-dropped-reason", REQUEST_ID_HEADER,
     )
 )
 _DROP_RESPONSE_HEADERS = frozenset(
@@ -50,6 +77,14 @@ _DROP_RESPONSE_HEADERS = frozenset(
         "date", DESTINATION_HEADER, REQUEST_ID_HEADER,
     )
 )
+_FAIRNESS_HEADERS = frozenset(
+    h.encode() for h in ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
+)
+
+
+def request_id_of(headers: Mapping[str, str]) -> str:
+    value = headers.get(REQUEST_ID_HEADER)
+    return value if value and _REQUEST_ID.fullmatch(value) else uuid.uuid4().hex
 
 
 @dataclass(slots=True)
@@ -58,17 +93,79 @@ class Attempt:
     first_chunk: bytes
 
 
+@dataclass(slots=True)
+class Exchange:
+    """What the access log and metrics say of one request; filled in as it goes."""
+
+    api: Api
+    request_id: str
+    started: float
+    status: int = 0
+    outcome: str = "ok"
+    endpoint: str | None = None
+    model: str | None = None
+    stream: bool | None = None
+    tenant: str | None = None
+    attempts: int = 0
+    ttfb: float | None = None
+    prefix_match: float | None = None
+
+    def fields(self, finished: float) -> dict[str, object]:
+        return {
+            "request_id": self.request_id,
+            "api": self.api,
+            "model": self.model,
+            "stream": self.stream,
+            "tenant": self.tenant,
+            "endpoint": self.endpoint,
+            "status": self.status,
+            "outcome": self.outcome,
+            "attempts": self.attempts,
+            "ttfb_ms": None if self.ttfb is None else round(self.ttfb * 1000, 2),
+            "duration_ms": round((finished - self.started) * 1000, 2),
+            "prefix_match": None if self.prefix_match is None else round(self.prefix_match, 3),
+        }
+
+
 class Proxy:
     def __init__(
         self,
         config: GatewayConfig,
         router: Router,
         metrics: GatewayMetrics,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
+        environ = os.environ if environ is None else environ
         self._config = config
         self._router = router
         self._metrics = metrics
         self.client: UpstreamClient | None = None
+        self.auth = build_authenticator(config.auth, environ)
+        self.upstream_keys = build_upstream_keys(config.pool, environ)
+        drop = set(_DROP_REQUEST_HEADERS)
+        if self.auth is not None:
+            drop |= _FAIRNESS_HEADERS  # replaced by the tenant's
+            if not config.auth.forward_client_key:
+                drop |= {h.encode() for h in KEY_HEADERS}
+        self._drop = frozenset(drop)
+        self._access = AccessLog(config.server.access_log)
+        # Set on SIGTERM: /ready answers 503, and requests cut by the drain deadline end cleanly.
+        self.draining = False
+        self.active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._in_flight = Gauge(
+            "prefixgate_requests_in_flight",
+            "Requests inside the gateway: queued, waiting for a first byte or streaming.",
+            registry=metrics.registry,
+        )
+        self._in_flight.set_function(lambda: self.active)
+        self._ejections = Counter(
+            "prefixgate_endpoint_ejections",
+            "Times an endpoint was ejected after consecutive failures (passive health).",
+            ["endpoint"],
+            registry=metrics.registry,
+        )
 
     async def read_body(self, request: Request) -> bytes:
         limit = self._config.server.max_body_bytes
@@ -78,20 +175,48 @@ class Proxy:
         chunks: list[bytes] = []
         size = 0
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
-                chunks.append(chunk)
+            async with asyncio.timeout(self._config.server.body_timeout_seconds):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise PayloadTooLargeError(
+                            f"request body exceeds the limit of {limit} bytes"
+                        )
+                    chunks.append(chunk)
         except ClientDisconnect:
             raise asyncio.CancelledError from None
+        except TimeoutError:
+            raise RequestTimeoutError("the request body did not arrive in time") from None
         return b"".join(chunks)
 
     async def handle(self, request: Request, api: Api) -> Response:
-        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        ex = Exchange(api, request_id_of(request.headers), time.perf_counter())
+        self.active += 1
+        self._idle.clear()
+        try:
+            response = await self._serve(request, ex)
+        except GatewayError as exc:
+            ex.status, ex.outcome = exc.status_code, "rejected"
+            self._finish(ex)
+            raise
+        except BaseException:
+            ex.status, ex.outcome = 500, "crashed"
+            self._finish(ex)
+            raise
+        if not isinstance(response, UpstreamResponse):
+            self._finish(ex)
+        return response
+
+    async def _serve(self, request: Request, ex: Exchange) -> Response:
+        headers: Mapping[str, str] = request.headers
+        # Before the body: an unauthenticated client must not make the gateway buffer 32 MB.
+        if self.auth is not None:
+            ex.tenant = self.auth.authenticate(headers)
+            headers = TenantHeaders(headers, ex.tenant)
         body = await self.read_body(request)
-        parsed = parse_request(api, body)
-        routing = self._router.routing_request(parsed, request.headers, request_id)
+        parsed = parse_request(ex.api, body)
+        ex.model, ex.stream = parsed.model, parsed.stream
+        routing = self._router.routing_request(parsed, headers, ex.request_id)
         # Watch from here on: a client leaving while queued or waiting for the first byte
         # must leave its queue or cancel the upstream request at once.
         watch = DisconnectWatch(request.receive)
@@ -99,31 +224,50 @@ class Proxy:
         ticket: Ticket | None = None
         handed_over = False
         try:
-            ticket = await self._router.admit(routing, request.headers, len(body))
+            ticket = await self._router.admit(routing, headers, len(body))
             ranked = await self._router.rank(routing)
-            response = await self._forward(parsed, routing, ranked, request, watch, ticket)
+            response = await self._forward(parsed, routing, ranked, request, watch, ticket, ex)
             handed_over = True
             return response
         except asyncio.CancelledError:
-            if not watch.absorb_cancel():
+            if watch.absorb_cancel():
+                ex.status, ex.outcome = 499, "client_disconnect"
+                self._metrics.client_disconnects.inc()
+                return Response(status_code=499)
+            task = asyncio.current_task()
+            if not self.draining or task is None:
                 raise
-            self._metrics.client_disconnects.inc()
-            self._metrics.requests.labels("none", "499", api).inc()
-            return Response(status_code=499)
+            # The drain deadline passed: answer instead of dropping the connection.
+            task.uncancel()
+            raise ShuttingDownError("the gateway is shutting down; retry") from None
         finally:
             if not handed_over:
                 watch.stop()
                 if ticket is not None:
                     ticket.release()
 
-    def _upstream_headers(self, request: Request, request_id: str) -> list[tuple[str, str]]:
+    def _upstream_headers(
+        self, request: Request, request_id: str, tenant: str | None
+    ) -> list[tuple[str, str]]:
+        drop = self._drop
         headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in request.headers.raw
-            if k.lower() not in _DROP_REQUEST_HEADERS
+            if k.lower() not in drop
         ]
-        headers.append(("x-request-id", request_id))
+        headers.append((REQUEST_ID_HEADER, request_id))
+        if tenant is not None:
+            headers.append((FAIRNESS_HEADER, tenant))
         return headers
+
+    def _with_endpoint_key(
+        self, headers: list[tuple[str, str]], endpoint_id: str
+    ) -> list[tuple[str, str]]:
+        key = self.upstream_keys.header(endpoint_id) if self.upstream_keys else None
+        if key is None:
+            return headers
+        # The endpoint's own key replaces whatever the client sent.
+        return [h for h in headers if h[0].lower() not in KEY_HEADERS] + [key]
 
     async def _forward(
         self,
@@ -133,48 +277,71 @@ class Proxy:
         request: Request,
         watch: DisconnectWatch,
         ticket: Ticket,
+        ex: Exchange,
     ) -> Response:
-        assert self.client is not None, "the lifespan owns the client"
-        proxy_cfg = self._config.proxy
-        headers = self._upstream_headers(request, routing.request_id)
+        headers = self._upstream_headers(request, routing.request_id, ex.tenant)
         path = "/v1/chat/completions" if parsed.api == "chat" else "/v1/completions"
         last_error: BaseException | None = None
-        attempts = ranked[: proxy_cfg.max_attempts]
+        attempts = ranked[: self._config.proxy.max_attempts]
         for n, endpoint in enumerate(attempts):
-            if n:
+            try:
+                lease = self._router.lease(routing, endpoint.id)
+            except KeyError:
+                continue  # the endpoint left the pool since it was ranked
+            ex.attempts += 1
+            if ex.attempts > 1:
                 self._metrics.retries.inc()
-            lease = self._router.lease(routing, endpoint.id)
-            if n == 0:
+            else:
                 self._router.picked(routing, endpoint.id)
             try:
-                attempt = await self._attempt(endpoint, path, headers, parsed.body)
+                attempt = await self._attempt(
+                    endpoint, path, self._with_endpoint_key(headers, endpoint.id), parsed.body
+                )
             except UPSTREAM_ERRORS as exc:
                 lease.release()
                 kind = "timeout" if isinstance(exc, TimeoutError) else "transport"
-                self._metrics.upstream_failures.labels(endpoint.id, kind).inc()
+                self._upstream_failed(lease, endpoint.id, kind)
                 log.warning("request %s: %s on %s: %r", routing.request_id, kind, endpoint.id, exc)
                 last_error = exc
                 continue
             except BaseException:
                 lease.release()
                 raise
-            if attempt.reply.status >= 500 and n + 1 < len(attempts):
-                lease.release()
-                self._metrics.upstream_failures.labels(endpoint.id, "5xx").inc()
-                attempt.reply.close()
-                continue
-            if n:
+            if attempt.reply.status < 500:
+                lease.upstream_ok()
+            else:
+                self._upstream_failed(lease, endpoint.id, "5xx")
+                if n + 1 < len(attempts):
+                    lease.release()
+                    attempt.reply.close()
+                    continue
+            if ex.attempts > 1:
                 self._router.picked(routing, endpoint.id)
             lease.first_byte()
-            return self._relay(attempt, endpoint, lease, watch, routing, parsed.api, ticket)
+            self._note_pick(ex, routing, endpoint.id)
+            return self._relay(attempt, endpoint, lease, watch, ticket, ex)
         if isinstance(last_error, TimeoutError):
             raise UpstreamTimeoutError("no endpoint answered within the first-byte timeout")
-        raise UpstreamError(f"no endpoint could be reached ({type(last_error).__name__})")
+        reason = type(last_error).__name__ if last_error is not None else "none left"
+        raise UpstreamError(f"no endpoint could be reached ({reason})")
+
+    def _upstream_failed(self, lease: Lease, endpoint_id: str, kind: str) -> None:
+        self._metrics.upstream_failures.labels(endpoint_id, kind).inc()
+        if lease.upstream_failed():
+            self._ejections.labels(endpoint_id).inc()
+
+    @staticmethod
+    def _note_pick(ex: Exchange, routing: RoutingRequest, endpoint_id: str) -> None:
+        ex.endpoint = endpoint_id
+        ex.ttfb = time.perf_counter() - ex.started
+        if routing.block_hashes:
+            hits = routing.prefix_hits.get(endpoint_id, 0)
+            ex.prefix_match = hits / len(routing.block_hashes)
 
     async def _attempt(
         self, endpoint: EndpointSnapshot, path: str, headers: list[tuple[str, str]], body: bytes
     ) -> Attempt:
-        assert self.client is not None
+        assert self.client is not None, "the lifespan owns the client"
         reply: UpstreamReply | None = None
         try:
             async with asyncio.timeout(self._config.proxy.first_byte_timeout_seconds):
@@ -192,24 +359,22 @@ class Proxy:
         endpoint: EndpointSnapshot,
         lease: Lease,
         watch: DisconnectWatch,
-        routing: RoutingRequest,
-        api: str,
         ticket: Ticket,
+        ex: Exchange,
     ) -> Response:
         upstream = attempt.reply
-        headers = _response_headers(upstream.raw_headers, endpoint.id, routing.request_id)
-        status = str(upstream.status)
-        requests = self._metrics.requests
-        disconnects = self._metrics.client_disconnects
-        stream_errors = self._metrics.stream_errors
+        ex.status = upstream.status
+        headers = _response_headers(upstream.raw_headers, endpoint.id, ex.request_id)
 
         def finish(outcome: str) -> None:
             ticket.release()
-            requests.labels(endpoint.id, status, api).inc()
+            ex.outcome = outcome
             if outcome == "client_disconnect":
-                disconnects.inc()
+                self._metrics.client_disconnects.inc()
             elif outcome == "stream_error":
-                stream_errors.labels(endpoint.id).inc()
+                self._metrics.stream_errors.labels(endpoint.id).inc()
+                self._upstream_failed(lease, endpoint.id, "stream")
+            self._finish(ex)
 
         return UpstreamResponse(
             upstream,
@@ -219,7 +384,23 @@ class Proxy:
             watch=watch,
             idle_timeout=self._config.proxy.idle_timeout_seconds,
             on_finish=finish,
+            draining=lambda: self.draining,
         )
+
+    def _finish(self, ex: Exchange) -> None:
+        self.active -= 1
+        if not self.active:
+            self._idle.set()
+        self._metrics.requests.labels(ex.endpoint or "none", str(ex.status), ex.api).inc()
+        if self._access.active:
+            self._access.emit(ex.fields(time.perf_counter()))
+
+    async def wait_idle(self, seconds: float) -> bool:
+        """Wait (bounded) until no request is inside the gateway; True if none is."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._idle.wait()
+        return self.active == 0
 
 
 def _response_headers(

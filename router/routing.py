@@ -78,7 +78,15 @@ class Router:
         candidates = self._candidates(routing.model)
         if not candidates:
             raise NoEndpointsError(f"no healthy endpoint serves model {routing.model!r}")
-        decision = await self._scheduler.schedule(routing, candidates)
+        await self._scheduler.gather(routing, candidates)
+        # The producers awaited (index, affinity, Redis): score snapshots taken now, so that
+        # requests leased meanwhile count. Flow control lets one request through per freed
+        # slot; scored on the snapshot from before the await, two such requests can both
+        # land on the endpoint that had room and queue there, while another one sits idle.
+        candidates = self._candidates(routing.model)
+        if not candidates:
+            raise NoEndpointsError(f"no healthy endpoint serves model {routing.model!r}")
+        decision = self._scheduler.profile.run(routing, candidates)
         if not decision.ranked:
             raise NoEndpointsError(f"no endpoint is eligible for model {routing.model!r}")
         self._metrics.decision_seconds.observe(time.perf_counter() - started)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -91,6 +91,8 @@ class MonitorSettings:
 
 
 CapacityCallback = Callable[[str, int, int], None]
+# The headers an endpoint's own API key needs (vLLM guards /v1/* with --api-key), by endpoint id.
+AuthHeaders = Callable[[str], Mapping[str, str]]
 
 
 class EndpointMonitor:
@@ -103,8 +105,10 @@ class EndpointMonitor:
         settings: MonitorSettings,
         on_capacity: CapacityCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
+        auth_headers: AuthHeaders | None = None,
     ) -> None:
         self._pool = pool
+        self._auth_headers = auth_headers
         self._client = client
         self._settings = settings
         self._on_capacity = on_capacity
@@ -119,6 +123,12 @@ class EndpointMonitor:
         if state.endpoint.id not in self._tasks:
             task = asyncio.create_task(self._run(state), name=f"monitor:{state.endpoint.id}")
             self._tasks[state.endpoint.id] = task
+
+    def unwatch(self, endpoint_id: str) -> None:
+        """Stop polling an endpoint that left the pool (Kubernetes discovery)."""
+        task = self._tasks.pop(endpoint_id, None)
+        if task is not None:
+            task.cancel()
 
     async def check_all(self) -> None:
         """One health round for every endpoint now (start-up, so /ready is true at once)."""
@@ -137,11 +147,13 @@ class EndpointMonitor:
             if self._clock() >= next_health:
                 await self._health(state)
                 next_health = self._clock() + self._settings.health_interval
+            if self._pool.ejection_expired(state):
+                await self._probe_ejected(state)
             if state.healthy:
                 await self._scrape(state)
             await asyncio.sleep(self._settings.scrape_interval)
 
-    async def _health(self, state: EndpointState) -> None:
+    async def _probe(self, state: EndpointState) -> bool:
         url = state.endpoint.url
         try:
             resp = await self._client.get(f"{url}/health", timeout=self._settings.health_timeout)
@@ -150,11 +162,24 @@ class EndpointMonitor:
                 await self._discover_models(state)
         except (httpx.HTTPError, OSError):
             ok = False
-        self._mark(state, ok)
+        return ok
+
+    async def _health(self, state: EndpointState) -> None:
+        self._mark(state, await self._probe(state))
+
+    async def _probe_ejected(self, state: EndpointState) -> None:
+        """An ejected endpoint's time is up: back in only if it answers its health check."""
+        if await self._probe(state):
+            self._pool.readmit(state)
+        else:
+            self._pool.extend_ejection(state)
 
     async def _discover_models(self, state: EndpointState) -> None:
         url = state.endpoint.url
-        resp = await self._client.get(f"{url}/v1/models", timeout=self._settings.health_timeout)
+        headers = self._auth_headers(state.endpoint.id) if self._auth_headers else None
+        resp = await self._client.get(
+            f"{url}/v1/models", timeout=self._settings.health_timeout, headers=headers
+        )
         if resp.status_code != 200:
             return
         try:

@@ -1,21 +1,37 @@
-"""Running the gateway under uvicorn: blocking for the CLI, or in-process for tests and demos."""
+"""Running the gateway under uvicorn: blocking for the CLI, or in-process for tests and demos.
+
+Graceful shutdown, on the first SIGTERM or SIGINT: /ready answers 503 at once; new connections
+are still accepted for ``server.shutdownDelaySeconds`` (load balancers take a moment to stop
+sending), then the listening socket closes and in-flight requests drain for up to
+``server.drainTimeoutSeconds``. Streams still open then end with an SSE error event, requests
+still waiting get a 503, and the process exits 0. A second signal exits at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import signal
 import socket
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.config import LOGGING_CONFIG
 
 from router.app import Gateway, create_app
 from router.config import GatewayConfig
+from router.logs import LogFormat, configure_logging
+
+log = logging.getLogger("prefixgate.server")
 
 
-def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+def uvicorn_config(
+    app: FastAPI, host: str, port: int, log_level: str = "info", own_logging: bool = False
+) -> uvicorn.Config:
     # "auto" picks uvloop and httptools when installed (they are, via uvicorn[standard]).
     return uvicorn.Config(
         app,
@@ -27,12 +43,74 @@ def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") 
         http="auto",
         timeout_keep_alive=30,
         timeout_graceful_shutdown=30,
+        # Our own handlers (text or JSON, off the event loop) instead of uvicorn's.
+        log_config=None if own_logging else LOGGING_CONFIG,
     )
 
 
-def serve(config: GatewayConfig, log_level: str = "info") -> None:
-    app = create_app(config)
-    uvicorn.Server(uvicorn_config(app, config.server.host, config.server.port, log_level)).run()
+class GatewayServer(uvicorn.Server):
+    """uvicorn with the gateway's drain sequence instead of an immediate stop on a signal."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self._delay = gateway.config.server.shutdown_delay_seconds
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # uvicorn re-raises the signal after its shutdown, which makes the exit code 143:
+        # handle the signals here instead, so that a drained shutdown exits 0.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGINT, signal.SIGTERM)
+        for sig in signals:
+            loop.add_signal_handler(sig, self.drain)
+        try:
+            yield
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+    def drain(self) -> None:
+        """Start the shutdown sequence; a second call exits without waiting."""
+        proxy = self.gateway.proxy
+        if proxy.draining:
+            log.warning("second signal: exiting without waiting for in-flight requests")
+            self.should_exit = self.force_exit = True
+            return
+        proxy.draining = True
+        log.info(
+            "draining: not ready; refusing connections in %.1fs; %d request(s) in flight",
+            self._delay, proxy.active,
+        )
+        loop = asyncio.get_running_loop()
+        loop.call_later(self._delay, self._stop_accepting)
+
+    def _stop_accepting(self) -> None:
+        self.should_exit = True
+
+
+def _set_timeout(config: uvicorn.Config, drain_timeout: float) -> None:
+    # uvicorn takes whole seconds in its type hints but waits with a float.
+    config.timeout_graceful_shutdown = drain_timeout  # type: ignore[assignment]
+
+
+def serve(
+    config: GatewayConfig, log_level: str = "info", log_format: LogFormat | None = None
+) -> None:
+    stop_logging = configure_logging(log_level, log_format or config.server.log_format)
+    try:
+        app = create_app(config)
+        server_cfg = config.server
+        ucfg = uvicorn_config(
+            app, server_cfg.host, server_cfg.port, log_level, own_logging=True
+        )
+        _set_timeout(ucfg, server_cfg.drain_timeout_seconds)
+        GatewayServer(ucfg, app.state.gateway).run()
+    finally:
+        stop_logging()
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +118,7 @@ class RunningGateway:
     url: str
     port: int
     gateway: Gateway
+    server: GatewayServer | None = None
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -51,6 +130,14 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
+class _InProcessServer(GatewayServer):
+    """Leaves the host process's signals alone (tests, demos)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
 @contextlib.asynccontextmanager
 async def running_gateway(
     config: GatewayConfig, log_level: str = "warning", startup_timeout: float = 10.0
@@ -59,8 +146,10 @@ async def running_gateway(
     app = create_app(config)
     sock = bind_socket(config.server.host, config.server.port)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, config.server.host, port, log_level))
-    server.config.timeout_graceful_shutdown = 2
+    server = _InProcessServer(
+        uvicorn_config(app, config.server.host, port, log_level), app.state.gateway
+    )
+    _set_timeout(server.config, min(2.0, config.server.drain_timeout_seconds))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with asyncio.timeout(startup_timeout):
@@ -69,7 +158,9 @@ async def running_gateway(
                     task.result()
                     raise RuntimeError("gateway exited during start-up")
                 await asyncio.sleep(0.01)
-        yield RunningGateway(f"http://{config.server.host}:{port}", port, app.state.gateway)
+        yield RunningGateway(
+            f"http://{config.server.host}:{port}", port, app.state.gateway, server
+        )
     finally:
         server.should_exit = True
         try:

@@ -36,6 +36,11 @@ STRATEGIES: dict[str, Strategy] = {
     "least-loaded": _weighted({"inflight-scorer": 1.0}),
     "prefix-only": _weighted({"prefix-cache-scorer": 1.0}),
     "session-hash": _weighted({"session-hash-scorer": 1.0}),
+    # The default, with the prefix share read from the replicas' KV events (issue 9).
+    "precise": _weighted(
+        {("precise-prefix-cache-scorer" if t == "prefix-cache-scorer" else t): w
+         for t, w in _DEFAULT_WEIGHTS.items()}
+    ),
     # Predicted time to first token in one common unit (scorers/ttft_cost.py).
     "ttft-cost": _weighted({"ttft-cost-scorer": 1.0}),
 }

@@ -5,6 +5,10 @@ closed connection silently, so a proxy built on ``StreamingResponse`` keeps the 
 (and the replica's batch slot) alive until the answer ends. :class:`DisconnectWatch` instead
 listens on the ASGI receive channel for the whole request and cancels the request's task the
 moment the client goes, which closes the upstream connection and so aborts the replica's work.
+
+No relay waits forever: each step (the next upstream chunk, and passing it to the client) runs
+under the idle timeout, so a silent replica or a client that stopped reading ends the request.
+When shutdown's drain deadline cancels a stream, it ends with an error event, not a cut.
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ def sse_error_event(message: str, error_type: str = "upstream_error", code: int 
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
+class ClientStalled(Exception):
+    """The client did not take a chunk within the idle timeout."""
+
+
 class UpstreamResponse(Response):
     """Relays an upstream reply whose status line and first chunk were already received."""
 
@@ -76,6 +84,7 @@ class UpstreamResponse(Response):
         watch: DisconnectWatch,
         idle_timeout: float,
         on_finish: Callable[[str], None],
+        draining: Callable[[], bool] = lambda: False,
     ) -> None:
         self.status_code = upstream.status
         self.raw_headers = headers
@@ -86,16 +95,27 @@ class UpstreamResponse(Response):
         self._watch = watch
         self._idle_timeout = idle_timeout
         self._on_finish = on_finish
+        self._draining = draining
         self._sse = upstream.content_type.startswith("text/event-stream")
+        self._started = False
+        self._last = first_chunk
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         outcome = "ok"
         try:
             outcome = await self._relay(send)
+        except ClientStalled:
+            # Nothing more can be written to it; uvicorn closes the connection.
+            outcome = "client_stalled"
         except asyncio.CancelledError:
-            if not self._watch.absorb_cancel():
+            outcome = "cancelled"
+            if self._watch.absorb_cancel():
+                outcome = "client_disconnect"
+            elif self._draining() and self._sse and self._started:
+                outcome = "shutdown"
+                await self._end_on_shutdown(send)
+            else:
                 raise
-            outcome = "client_disconnect"
         finally:
             self._watch.stop()
             self._lease.release()
@@ -106,32 +126,66 @@ class UpstreamResponse(Response):
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
-        last = self._first
+        self._started = True
         outcome = "ok"
         if self._first:
-            await send({"type": "http.response.body", "body": self._first, "more_body": True})
+            await self._send_chunk(send, self._first)
             try:
-                while True:
-                    async with asyncio.timeout(self._idle_timeout):
-                        chunk = await self._upstream.next_chunk()
-                    if not chunk:
-                        break
-                    last = chunk
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await self._pump(send)
             except UPSTREAM_ERRORS as exc:
                 outcome = "stream_error"
                 if self._sse:
                     await send(
-                        {"type": "http.response.body", "body": _error_event(last, exc),
+                        {"type": "http.response.body", "body": _error_event(self._last, exc),
                          "more_body": True}
                     )
         self._watch.stop()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return outcome
 
+    async def _pump(self, send: Send) -> None:
+        sending = False
+        try:
+            while True:
+                # One timeout per chunk covers both sides: the replica producing it, and the
+                # client taking it (a client that stopped reading would block send forever).
+                async with asyncio.timeout(self._idle_timeout):
+                    chunk = await self._upstream.next_chunk()
+                    if not chunk:
+                        return
+                    self._last = chunk
+                    sending = True
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    sending = False
+        except TimeoutError:
+            if sending:
+                raise ClientStalled from None
+            raise
+
+    async def _send_chunk(self, send: Send, chunk: bytes) -> None:
+        try:
+            async with asyncio.timeout(self._idle_timeout):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except TimeoutError:
+            raise ClientStalled from None
+
+    async def _end_on_shutdown(self, send: Send) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        event = _lead(self._last) + sse_error_event(
+            "the gateway is shutting down; the stream was cut", "service_unavailable", 503
+        )
+        self._watch.stop()
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _lead(last: bytes) -> bytes:
+    # Never glue an event to a partial line: close any open event first.
+    return b"" if last.endswith(b"\n\n") else b"\n\n"
+
 
 def _error_event(last: bytes, exc: BaseException) -> bytes:
-    # Never glue the event to a partial line: close any open event first.
-    lead = b"" if last.endswith(b"\n\n") else b"\n\n"
     reason = "idle timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
-    return lead + sse_error_event(f"upstream stream failed: {reason}")
+    return _lead(last) + sse_error_event(f"upstream stream failed: {reason}")

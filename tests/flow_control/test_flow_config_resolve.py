@@ -36,7 +36,7 @@ def test_empty_section_has_working_defaults() -> None:
     assert cfg.default_request_ttl == 60.0
     det = cfg.saturation_detector
     assert (det.queue_depth_threshold, det.kv_cache_util_threshold) == (5, 0.8)
-    assert det.metrics_staleness_threshold == 0.2
+    assert det.metrics_staleness_threshold is None  # derived from the scrape settings
     assert det.in_flight_threshold >= 1
     assert not cfg.session_boost.enabled
 

@@ -7,7 +7,14 @@ import math
 import pytest
 
 from flow_control.config import SaturationDetectorConfig
-from flow_control.saturation import SaturationDetector, ThresholdSaturationDetector
+from flow_control.saturation import (
+    DEFAULT_SCRAPE_INTERVAL,
+    DEFAULT_SCRAPE_TIMEOUT,
+    SaturationDetector,
+    ThresholdSaturationDetector,
+    default_staleness,
+)
+from router.config import MetricsScrapeConfig
 from router.endpoints import EndpointSnapshot
 
 INF = math.inf
@@ -83,3 +90,46 @@ def test_pool_saturation(endpoints: list[EndpointSnapshot], pending: int, satura
 
 def test_default_detector_is_a_saturation_detector() -> None:
     assert isinstance(ThresholdSaturationDetector(), SaturationDetector)
+
+
+def test_one_slow_scrape_does_not_saturate_by_default() -> None:
+    """With the gateway's 100 ms scrape interval, metrics 0.35 s old mean one slow scrape (the
+    loop was busy), not an endpoint we cannot see: llm-d's 200 ms would queue everything."""
+    detector = ThresholdSaturationDetector()
+    assert detector.staleness == default_staleness() == 1.0
+    assert not detector.saturated([snap(age=0.35), snap(age=0.35, eid="f")])
+    assert detector.saturated([snap(age=1.01), snap(age=1.5, eid="f")])
+
+
+@pytest.mark.parametrize(
+    ("interval", "timeout", "expected"),
+    [
+        (0.1, 0.5, 1.0),  # the floor: two intervals and a timed-out scrape are only 0.7 s
+        (0.05, 0.2, 1.0),
+        (1.0, 0.5, 2.5),  # a slow scrape cadence is never "stale" between two scrapes
+        (2.0, 1.0, 5.0),
+    ],
+)
+def test_staleness_is_derived_from_the_scrape_settings(
+    interval: float, timeout: float, expected: float
+) -> None:
+    assert default_staleness(interval, timeout) == pytest.approx(expected)
+    detector = ThresholdSaturationDetector(scrape_interval=interval, scrape_timeout=timeout)
+    assert detector.staleness == pytest.approx(expected)
+    # Just before the next scrape lands, an endpoint is never stale.
+    assert not detector.endpoint_saturated(snap(age=interval + timeout))
+    assert detector.endpoint_saturated(snap(age=expected + 0.01))
+
+
+def test_configured_staleness_overrides_the_derived_one() -> None:
+    cfg = SaturationDetectorConfig(metrics_staleness_threshold=0.3)
+    detector = ThresholdSaturationDetector(cfg, scrape_interval=2.0, scrape_timeout=1.0)
+    assert detector.staleness == 0.3
+
+
+def test_scrape_defaults_match_the_gateway_config() -> None:
+    scrape = MetricsScrapeConfig()
+    assert (scrape.interval_seconds, scrape.timeout_seconds) == (
+        DEFAULT_SCRAPE_INTERVAL,
+        DEFAULT_SCRAPE_TIMEOUT,
+    )

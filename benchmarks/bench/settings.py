@@ -1,0 +1,29 @@
+"""Knobs of one benchmark run (everything but the workload and the targets)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class BenchSettings:
+    out: Path
+    replicas: int = 8
+    speed: float = 5.0
+    num_gpu_blocks: int = 2048
+    block_size: int = 16
+    max_num_seqs: int = 256
+    # Further `prefixgate sim` flags, e.g. ["--prefill-ms-per-token", "0.3"].
+    sim_args: list[str] = field(default_factory=list)
+    # Wall-clock bound of each target's run; requests still open then are cut and counted.
+    deadline_s: float = 600.0
+    peer_dirs: list[Path] = field(default_factory=list)
+    redis_url: str | None = None
+    base_port: int | None = None
+    model: str = "sim-model"
+    plots: bool = True
+    progress: bool = True
+    # Simulated seconds after a target is ready before the workload starts (first scrapes).
+    settle_s: float = 0.5
+    command: str = ""

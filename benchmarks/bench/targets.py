@@ -1,0 +1,295 @@
+"""What a benchmark compares: prefixgate strategies and peer routers, each in its own process.
+
+A ``Target`` starts whatever serves the client (one gateway, two gateways sharing Redis, or a
+peer router) in front of the replicas and returns the URLs the client sends to. Everything
+binds to 127.0.0.1, metrics ports included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+import yaml
+
+from benchmarks.bench.procs import HOST, Probe, Process, free_port, http_ok, wait_ready
+from benchmarks.bench.settings import BenchSettings
+
+READY_TIMEOUT_S = 60.0
+REDIS_VARIANT = "default-redis-2gw"
+
+
+class Unavailable(Exception):
+    """The target cannot run here; the report says why and goes on."""
+
+
+class Target(Protocol):
+    name: str
+    kind: str
+
+    def unavailable(self) -> str | None:
+        """Why this target cannot run here, or None."""
+
+    async def start(
+        self, replicas: Sequence[str], stack: contextlib.AsyncExitStack
+    ) -> list[str]:
+        """Start it in front of ``replicas`` (stopped when ``stack`` closes); client URLs."""
+
+
+async def _spawn(
+    stack: contextlib.AsyncExitStack, name: str, args: Sequence[str], settings: BenchSettings
+) -> Process:
+    proc = Process(name, args, settings.out / "logs" / f"{name}.log")
+    stack.push_async_callback(proc.stop)
+    return proc
+
+
+def _ready_all(url: str, n: int) -> Probe:
+    """prefixgate's /ready once every replica passed its health check."""
+
+    async def probe(http: aiohttp.ClientSession) -> bool:
+        async with http.get(f"{url}/ready") as resp:
+            body = await resp.json(content_type=None)
+            return resp.status == 200 and int(body.get("healthy_endpoints", 0)) >= n
+
+    return probe
+
+
+def _gateway_args(
+    port: int, config: Path | None, backends: Sequence[str], strategy: str
+) -> list[str]:
+    args = [sys.executable, "-m", "router.cli", "serve", "--host", HOST, "--port", str(port)]
+    if config is not None:
+        args += ["--config", str(config)]
+    else:
+        for url in backends:
+            args += ["--backend", url]
+        args += ["--strategy", strategy]
+    return [*args, "--log-level", "warning"]
+
+
+@dataclass
+class Strategy:
+    """One prefixgate gateway with a built-in strategy, or with a user's YAML config whose
+    pool is replaced by the benchmark's replicas."""
+
+    name: str
+    settings: BenchSettings
+    config: Path | None = None
+    kind: str = "prefixgate"
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def _config_file(self, replicas: Sequence[str], port: int) -> Path | None:
+        if self.config is None:
+            return None
+        data: dict[str, Any] = yaml.safe_load(self.config.read_text()) or {}
+        data.setdefault("pool", {})["endpoints"] = [{"url": u} for u in replicas]
+        data.setdefault("server", {}).update(host=HOST, port=port)
+        path = self.settings.out / "logs" / f"{self.name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return path
+
+    async def start(self, replicas: Sequence[str], stack: contextlib.AsyncExitStack) -> list[str]:
+        port = free_port()
+        args = _gateway_args(port, self._config_file(replicas, port), replicas, self.name)
+        proc = await _spawn(stack, self.name, args, self.settings)
+        url = f"http://{HOST}:{port}"
+        await wait_ready([proc], [_ready_all(url, len(replicas))], READY_TIMEOUT_S)
+        return [url]
+
+
+@dataclass
+class RedisGateways:
+    """The default profile on ``gateways`` gateway replicas sharing the Redis prefix index;
+    the client alternates requests between them (an L4 balancer in front)."""
+
+    settings: BenchSettings
+    gateways: int = 2
+    name: str = REDIS_VARIANT
+    kind: str = "prefixgate"
+
+    def unavailable(self) -> str | None:
+        if self.settings.redis_url or shutil.which("redis-server"):
+            return None
+        return "no --redis-url / REDIS_URL and no redis-server binary"
+
+    async def _redis(self, stack: contextlib.AsyncExitStack) -> str:
+        if self.settings.redis_url:
+            return self.settings.redis_url
+        port = free_port()
+        binary = shutil.which("redis-server") or "redis-server"
+        args = [binary, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no"]
+        proc = await _spawn(stack, "redis", args, self.settings)
+        url = f"redis://{HOST}:{port}/0"
+        await wait_ready([proc], [_redis_ping(url)], 10.0)
+        return url
+
+    async def start(self, replicas: Sequence[str], stack: contextlib.AsyncExitStack) -> list[str]:
+        redis_url = await self._redis(stack)
+        namespace = "bench" + uuid.uuid4().hex[:12]  # fresh keys: no index left from a last run
+        urls, procs = [], []
+        for i in range(self.gateways):
+            port = free_port()
+            data = {
+                "server": {"host": HOST, "port": port},
+                "pool": {"endpoints": [{"url": u} for u in replicas]},
+                "prefixIndex": {"backend": "redis", "url": redis_url, "namespace": namespace},
+                "strategy": "default",
+            }
+            path = self.settings.out / "logs" / f"{self.name}-{i}.yaml"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(yaml.safe_dump(data, sort_keys=False))
+            args = _gateway_args(port, path, replicas, "default")
+            procs.append(await _spawn(stack, f"{self.name}-{i}", args, self.settings))
+            urls.append(f"http://{HOST}:{port}")
+        await wait_ready(procs, [_ready_all(u, len(replicas)) for u in urls], READY_TIMEOUT_S)
+        await _require_redis_wired(urls[0])
+        return urls
+
+
+def _redis_ping(url: str) -> Probe:
+    async def probe(http: aiohttp.ClientSession) -> bool:
+        import redis.asyncio
+
+        client = redis.asyncio.Redis.from_url(url, socket_timeout=0.5)
+        try:
+            return bool(await client.ping())
+        finally:
+            await client.aclose()
+
+    return probe
+
+
+async def _require_redis_wired(url: str) -> None:
+    # The config accepts backend: redis before the gateway uses it; its Redis metrics tell.
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    if "prefixgate_redis" not in text and "prefixgate_index_lookups" not in text:
+        raise Unavailable(
+            "the gateway accepted prefixIndex.backend=redis but exposes no Redis metrics: "
+            "the Redis backend is not wired into this build yet"
+        )
+
+
+# -- peers ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    router: str  # venv folder name under a peers dir
+    binary: str
+    env_var: str
+    policy: str
+
+
+PEERS: dict[str, PeerSpec] = {
+    "vllm-router-cache_aware": PeerSpec(
+        "vllm-router", "vllm-router", "PREFIXGATE_VLLM_ROUTER", "cache_aware"
+    ),
+    "vllm-router-round_robin": PeerSpec(
+        "vllm-router", "vllm-router", "PREFIXGATE_VLLM_ROUTER", "round_robin"
+    ),
+    "smg-cache_aware": PeerSpec("smg", "smg", "PREFIXGATE_SMG", "cache_aware"),
+}
+
+
+def peer_dirs(explicit: Sequence[Path] = ()) -> list[Path]:
+    """Where peer venvs are looked for: flags, then $PREFIXGATE_PEERS_DIR, then the cache."""
+    dirs = list(explicit)
+    env = os.environ.get("PREFIXGATE_PEERS_DIR")
+    if env:
+        dirs += [Path(p) for p in env.split(os.pathsep) if p]
+    dirs.append(Path.home() / ".cache" / "prefixgate-peers")
+    return dirs
+
+
+def find_peer_binary(spec: PeerSpec, dirs: Sequence[Path]) -> Path | None:
+    override = os.environ.get(spec.env_var)
+    if override:
+        return Path(override) if Path(override).is_file() else None
+    for base in dirs:
+        candidate = base / spec.router / "bin" / spec.binary
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@dataclass
+class Peer:
+    name: str
+    spec: PeerSpec
+    settings: BenchSettings
+    kind: str = "peer"
+
+    @property
+    def binary(self) -> Path | None:
+        return find_peer_binary(self.spec, self.settings.peer_dirs)
+
+    def unavailable(self) -> str | None:
+        if self.binary is None:
+            dirs = ", ".join(str(d) for d in self.settings.peer_dirs)
+            return (
+                f"{self.spec.router} not installed (looked in {dirs}; or set {self.spec.env_var})"
+            )
+        return None
+
+    def args(
+        self, binary: Path, port: int, metrics_port: int, replicas: Sequence[str]
+    ) -> list[str]:
+        common = ["--host", HOST, "--port", str(port), "--worker-urls", *replicas,
+                  "--policy", self.spec.policy, "--prometheus-host", HOST,
+                  "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1"]
+        if self.spec.router == "smg":
+            return [str(binary), "launch", *common, "--backend", "vllm", "--log-level", "warn"]
+        return [str(binary), *common, "--log-level", "warning"]
+
+    async def start(self, replicas: Sequence[str], stack: contextlib.AsyncExitStack) -> list[str]:
+        binary = self.binary
+        if binary is None:
+            raise Unavailable(self.unavailable() or "not installed")
+        port, metrics_port = free_port(), free_port()
+        args = self.args(binary, port, metrics_port, replicas)
+        proc = await _spawn(stack, self.name, args, self.settings)
+        url = f"http://{HOST}:{port}"
+        await wait_ready([proc], [http_ok(f"{url}/v1/models"), http_ok(f"{url}/health")],
+                         READY_TIMEOUT_S)
+        return [url]
+
+
+def make_targets(
+    strategies: Sequence[str], peers: Sequence[str], settings: BenchSettings
+) -> list[Target]:
+    """Targets for names: built-in strategies, ``default-redis-2gw``, ``label=config.yaml``,
+    and peer names (``PEERS``). Unknown names fail before anything starts."""
+    from router.strategies import STRATEGIES
+
+    out: list[Target] = []
+    for name in strategies:
+        if "=" in name:
+            label, path = name.split("=", 1)
+            if not Path(path).is_file():
+                raise ValueError(f"strategy {label}: no config file {path}")
+            out.append(Strategy(label, settings, Path(path)))
+        elif name == REDIS_VARIANT:
+            out.append(RedisGateways(settings))
+        elif name in STRATEGIES:
+            out.append(Strategy(name, settings))
+        else:
+            known = ", ".join([*STRATEGIES, REDIS_VARIANT])
+            raise ValueError(f"unknown strategy {name!r} (known: {known}, or label=config.yaml)")
+    for name in peers:
+        if name not in PEERS:
+            raise ValueError(f"unknown peer {name!r} (known: {', '.join(PEERS)})")
+        out.append(Peer(name, PEERS[name], settings))
+    return out

@@ -1,0 +1,316 @@
+"""Fairness between tenants: per-tenant TTFT and rejections, flow control off and on.
+
+Simulated replicas run in one process, and two gateways (flow control off, and on) in two
+more, all in front of the same replicas; the load generator is this process. Three phases,
+one after the other, each for ``--seconds``:
+
+* tenant B alone through the flow-controlled gateway (the baseline B should keep);
+* tenant A's bursts and tenant B's steady requests through the gateway without flow control;
+* the same traffic (same seeds) through the gateway with flow control.
+
+Tenant A is an agent fleet: ``--burst`` requests at once every ``--burst-every`` seconds,
+more than the pool can take in that time. Tenant B is an interactive user: ``--b-rate``
+requests a second. TTFT is client-side: request sent to first body byte of the stream.
+
+    python -m benchmarks.fairness [--seconds 15] [--replicas 4] [--max-num-seqs 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from benchmarks.workloads import words
+
+HOST = "127.0.0.1"
+MODEL = "sim-model"
+FAIRNESS = "x-gateway-inference-fairness-id"
+DROPPED = "x-gateway-request-dropped-reason"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    seconds: float
+    replicas: int
+    max_num_seqs: int
+    speed: float
+    burst: int
+    burst_every: float
+    b_rate: float
+    a_tokens: int
+    b_tokens: int
+    max_tokens: int
+    max_queued: int
+    ttl: float
+    seed: int
+
+
+@dataclass(slots=True)
+class Outcome:
+    tenant: str
+    status: int
+    ttft: float | None  # seconds; None unless served
+    reason: str | None = None  # x-gateway-request-dropped-reason of a rejection
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free loopback ports."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind((HOST, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not become ready")
+
+
+@contextlib.contextmanager
+def process(args: list[str], ready_url: str, log: Path) -> Iterator[None]:
+    # Output goes to a file: an unread pipe fills up and blocks the process writing to it.
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(ready_url, proc)
+            yield
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+def gateway_config(s: Settings, sim_urls: list[str], port: int, flow: bool) -> dict[str, Any]:
+    flow_control: dict[str, Any] = {"enabled": False}
+    if flow:
+        # One request per engine slot: what vLLM would only queue is held here, in fair order.
+        flow_control = {
+            "saturationDetector": {"inFlightThreshold": s.max_num_seqs},
+            "maxRequests": s.max_queued,
+            "defaultRequestTTL": s.ttl,
+        }
+    return {
+        "server": {"host": HOST, "port": port, "accessLog": False},
+        "pool": {"endpoints": [{"url": u} for u in sim_urls]},
+        "flowControl": flow_control,
+    }
+
+
+# -- load ----------------------------------------------------------------------------------------
+
+
+# Every request is cut off after this long, so a run stays bounded however overloaded.
+REQUEST_LIMIT_SECONDS = 60.0
+
+
+async def send(
+    client: httpx.AsyncClient, url: str, tenant: str, prompt: str, max_tokens: int
+) -> Outcome:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    started = time.perf_counter()
+    try:
+        async with asyncio.timeout(REQUEST_LIMIT_SECONDS), client.stream(
+            "POST", f"{url}/v1/completions", json=body, headers={FAIRNESS: tenant}
+        ) as resp:
+            ttft = None
+            async for _ in resp.aiter_raw():
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+            if resp.status_code != 200:
+                return Outcome(tenant, resp.status_code, None, resp.headers.get(DROPPED))
+            return Outcome(tenant, 200, ttft)
+    except TimeoutError:
+        return Outcome(tenant, 0, None, "client-timeout")
+    except httpx.HTTPError:
+        return Outcome(tenant, 0, None, "client-error")
+
+
+def answer(rng: random.Random, s: Settings) -> int:
+    # Varied lengths, as real answers: equal ones would finish whole batches in lockstep.
+    return rng.randint(1, 2 * s.max_tokens - 1)
+
+
+async def tenant_a(client: httpx.AsyncClient, url: str, s: Settings) -> list[Outcome]:
+    rng = random.Random(s.seed)
+    tasks: list[asyncio.Task[Outcome]] = []
+    started = time.perf_counter()
+    n = 0
+    while True:
+        at = n * s.burst_every
+        if at >= s.seconds:
+            break
+        await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
+        for _ in range(s.burst):
+            prompt = words(rng, rng.randint(s.a_tokens // 2, s.a_tokens * 3 // 2))
+            tasks.append(asyncio.create_task(send(client, url, "A", prompt, answer(rng, s))))
+        n += 1
+    return list(await asyncio.gather(*tasks))
+
+
+async def tenant_b(client: httpx.AsyncClient, url: str, s: Settings) -> list[Outcome]:
+    rng = random.Random(s.seed + 1)
+    tasks: list[asyncio.Task[Outcome]] = []
+    started = time.perf_counter()
+    at = 0.0
+    while at < s.seconds:
+        await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
+        prompt = words(rng, s.b_tokens)
+        tasks.append(asyncio.create_task(send(client, url, "B", prompt, answer(rng, s))))
+        at += rng.expovariate(s.b_rate)  # Poisson arrivals
+    return list(await asyncio.gather(*tasks))
+
+
+async def phase(url: str, s: Settings, with_a: bool) -> list[Outcome]:
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+    async with httpx.AsyncClient(limits=limits, timeout=REQUEST_LIMIT_SECONDS) as client:
+        loads = [tenant_b(client, url, s)]
+        if with_a:
+            loads.append(tenant_a(client, url, s))
+        results = await asyncio.gather(*loads)
+    return [o for outcomes in results for o in outcomes]
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+
+def cells(outcomes: list[Outcome], tenant: str) -> list[str]:
+    mine = [o for o in outcomes if o.tenant == tenant]
+    ttfts = [o.ttft for o in mine if o.ttft is not None]
+    rejected = sum(1 for o in mine if o.status == 429)
+    other = sum(1 for o in mine if o.status not in (200, 429))
+    ms = [f"{percentile(ttfts, p) * 1000:,.0f}" for p in (50, 90)]
+    errors = f" ({other} errors)" if other else ""
+    return [str(len(mine)), *ms, f"{rejected}{errors}"]
+
+
+def table(alone: list[Outcome], off: list[Outcome], on: list[Outcome]) -> str:
+    lines = [
+        "| tenant | off: requests | off: TTFT p50 ms | off: TTFT p90 ms | off: 429 "
+        "| on: requests | on: TTFT p50 ms | on: TTFT p90 ms | on: 429 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, tenant in (("A (bursts)", "A"), ("B (steady)", "B")):
+        lines.append("| " + " | ".join([label, *cells(off, tenant), *cells(on, tenant)]) + " |")
+    dash = ["-"] * 4
+    lines.append("| " + " | ".join(["B alone", *dash, *cells(alone, "B")]) + " |")
+    return "\n".join(lines)
+
+
+def reasons(outcomes: list[Outcome]) -> str:
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        if o.reason:
+            counts[o.reason] = counts.get(o.reason, 0) + 1
+    return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "none"
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+
+async def run_phases(off_url: str, on_url: str, s: Settings) -> None:
+    print(f"phase 1/3: B alone, {s.seconds:.0f} s", file=sys.stderr, flush=True)
+    alone = await phase(on_url, s, with_a=False)
+    print("phase 2/3: A + B, flow control off", file=sys.stderr, flush=True)
+    off = await phase(off_url, s, with_a=True)
+    print("phase 3/3: A + B, flow control on", file=sys.stderr, flush=True)
+    on = await phase(on_url, s, with_a=True)
+    print(table(alone, off, on))
+    print(f"\nrejection reasons, on: {reasons(on)}; off: {reasons(off)}")
+
+
+def settings(argv: list[str] | None) -> Settings:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add = parser.add_argument
+    add("--seconds", type=float, default=15.0, help="length of each of the three phases")
+    add("--replicas", type=int, default=4)
+    add("--max-num-seqs", type=int, default=4, help="engine slots per replica")
+    add("--speed", type=float, default=1.0, help="simulator speed-up")
+    add("--burst", type=int, default=120, help="tenant A's requests per burst")
+    add("--burst-every", type=float, default=5.0, help="seconds between A's bursts")
+    add("--b-rate", type=float, default=2.0, help="tenant B's requests per second")
+    add("--a-tokens", type=int, default=600, help="A's mean prompt tokens")
+    add("--b-tokens", type=int, default=600, help="B's prompt tokens")
+    add("--max-tokens", type=int, default=16, help="mean output tokens (1 to 2x-1)")
+    add("--max-queued", type=int, default=200, help="flowControl.maxRequests (on)")
+    add("--ttl", type=float, default=5.0, help="flowControl.defaultRequestTTL (on)")
+    add("--seed", type=int, default=0)
+    a = parser.parse_args(argv)
+    return Settings(
+        a.seconds, a.replicas, a.max_num_seqs, a.speed, a.burst, a.burst_every, a.b_rate,
+        a.a_tokens, a.b_tokens, a.max_tokens, a.max_queued, a.ttl, a.seed,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    s = settings(argv)
+    exe = [sys.executable, "-m", "router.cli"]
+    base = free_ports(s.replicas)
+    sim_urls = [f"http://{HOST}:{base + i}" for i in range(s.replicas)]
+    sim = [*exe, "sim", "--replicas", str(s.replicas), "--base-port", str(base), "--host", HOST,
+           "--max-num-seqs", str(s.max_num_seqs), "--speed", str(s.speed),
+           "--log-level", "warning"]
+    with tempfile.TemporaryDirectory(prefix="fairness-") as tmp, contextlib.ExitStack() as stack:
+        work = Path(tmp)
+        stack.enter_context(process(sim, f"{sim_urls[-1]}/health", work / "sim.log"))
+        urls = []
+        for flow in (False, True):
+            port = free_ports(1)
+            name = "on" if flow else "off"
+            path = work / f"gateway-{name}.yaml"
+            path.write_text(yaml.safe_dump(gateway_config(s, sim_urls, port, flow)))
+            gateway = [*exe, "serve", "--config", str(path), "--log-level", "warning"]
+            url = f"http://{HOST}:{port}"
+            stack.enter_context(process(gateway, f"{url}/ready", work / f"gateway-{name}.log"))
+            urls.append(url)
+        asyncio.run(run_phases(urls[0], urls[1], s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The runner end to end (replicas and gateways in their own processes), targets and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench.runner import Runner
+from benchmarks.bench.settings import BenchSettings
+from benchmarks.bench.targets import PEERS, Peer, make_targets, peer_dirs
+from benchmarks.workloads import build_workload
+from router.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(60)
+async def test_two_strategies_on_two_replicas(tmp_path: Path) -> None:
+    settings = BenchSettings(
+        out=tmp_path, replicas=2, speed=20.0, num_gpu_blocks=512, deadline_s=30.0,
+        plots=False, progress=False, peer_dirs=[tmp_path / "no-peers"],
+    )  # fmt: skip
+    workload = build_workload("agentic", "tiny", sessions=3, turns=2)
+    targets = make_targets(["default", "round-robin"], ["smg-cache_aware"], settings)
+    report = await Runner(settings, workload).run(targets)
+
+    by_name = {r.name: r for r in report.results}
+    assert by_name["smg-cache_aware"].status == "skipped"
+    assert "not installed" in by_name["smg-cache_aware"].note
+    for name in ("default", "round-robin"):
+        r = by_name[name]
+        assert r.status == "ok", r.note
+        assert (r.requests, r.errors, r.incomplete) == (workload.num_requests, 0, 0)
+        assert r.ttft is not None and r.ttft.n == workload.num_requests
+        assert 0 < r.ttft.p50 <= r.ttft.p90 <= r.e2e.p90  # type: ignore[union-attr]
+        # Sub-agents and later turns reuse prefixes; the replicas' counters must show it.
+        assert 0 < r.cached_ratio < 1 and 0 < r.captured <= 1.0
+        assert r.client_cached_ratio == pytest.approx(r.cached_ratio, abs=0.02)
+        assert r.reusable_fraction == pytest.approx(report.estimate.fraction, abs=0.1)
+        assert sum(r.per_replica_requests) == workload.num_requests
+    assert (tmp_path / "logs" / "sim.log").exists()
+
+
+async def test_unknown_targets_fail_before_anything_starts(tmp_path: Path) -> None:
+    settings = BenchSettings(out=tmp_path)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        make_targets(["fastest"], [], settings)
+    with pytest.raises(ValueError, match="unknown peer"):
+        make_targets([], ["nginx"], settings)
+    with pytest.raises(ValueError, match="no config file"):
+        make_targets([f"mine={tmp_path / 'missing.yaml'}"], [], settings)
+
+
+def test_peer_binaries_are_found_in_peer_dirs_or_by_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PREFIXGATE_SMG", raising=False)
+    monkeypatch.setenv("PREFIXGATE_PEERS_DIR", str(tmp_path / "env-dir"))
+    dirs = peer_dirs([tmp_path / "flag-dir"])
+    assert dirs[:2] == [tmp_path / "flag-dir", tmp_path / "env-dir"]
+    settings = BenchSettings(out=tmp_path, peer_dirs=dirs)
+    peer = Peer("smg-cache_aware", PEERS["smg-cache_aware"], settings)
+    assert peer.unavailable() is not None
+    binary = tmp_path / "env-dir" / "smg" / "bin" / "smg"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    assert peer.binary == binary and peer.unavailable() is None
+    args = peer.args(binary, 1, 2, ["http://127.0.0.1:3"])
+    # Bound to loopback, metrics included (smg defaults to 0.0.0.0 for both).
+    assert args[args.index("--host") + 1] == "127.0.0.1"
+    assert args[args.index("--prometheus-host") + 1] == "127.0.0.1"
+    monkeypatch.setenv("PREFIXGATE_SMG", str(tmp_path / "nowhere"))
+    assert peer.binary is None
+
+
+def test_cli_lists_and_rejects_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "--list", "--peers-dir", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out
+    assert "round-robin" in listing and "default-redis-2gw" in listing
+    assert "vllm-router-cache_aware" in listing and "burst_prob" in listing
+    out = str(tmp_path / "o")
+    assert main(["bench", "--strategies", "bogus", "--out", out]) == 2
+    assert main(["bench", "--set", "nope=1", "--out", out]) == 2
+    assert main(["bench", "--strategies", "none", "--peers", "none", "--out", out]) == 2
+    assert not os.path.exists(out)
+
+
+@pytest.mark.timeout(60)
+def test_cli_runs_and_writes_its_outputs(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code = main([
+        "bench", "--workload", "shared-prefix", "--preset", "tiny", "--replicas", "2",
+        "--strategies", "session-hash", "--peers", "none", "--speed", "20",
+        "--num-gpu-blocks", "256", "--no-plots", "--no-progress", "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    data = json.loads((out / "results.json").read_text())
+    (result,) = data["results"]
+    assert result["name"] == "session-hash" and result["status"] == "ok"
+    assert result["errors"] == 0 and result["requests"] == data["workload"]["requests"]
+    assert "| session-hash |" in (out / "results.md").read_text()
