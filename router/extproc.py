@@ -11,7 +11,6 @@ whichever comes first, exactly once.
 
 from __future__ import annotations
 
-import copy
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -41,7 +40,6 @@ from router.extproc_messages import (
     trailers,
 )
 from router.parsing import Api, parse_request
-from router.routing import Router
 
 log = logging.getLogger("prefixgate.extproc")
 
@@ -181,23 +179,12 @@ class Exchange:
         chunks = streamed_chunks(body, self._settings.body_chunk_bytes, end_of_stream)
         return [routed_headers(destination), *chunks]
 
-    def _ranker(self) -> Router:
-        """The gateway's router, or a copy whose candidates are the subset hint's endpoints.
-
-        A copy keeps what a Router subclass adds (precise routing); only the candidate source
-        differs. An ``allowed`` filter on :meth:`Router.rank` would make the copy unneeded.
-        """
-        router = self._gw.router
-        if self._subset is None:
-            return router
-        subset, candidates = self._subset, self._candidates
-
-        def allowed(model: str) -> list[EndpointSnapshot]:
-            return [c for c in candidates(model) if in_subset(c.id, subset)]
-
-        limited = copy.copy(router)
-        limited._candidates = allowed
-        return limited
+    def _allowed(self) -> Callable[[EndpointSnapshot], bool] | None:
+        """Envoy's subset hint, as a filter on the candidates (None: every endpoint)."""
+        subset = self._subset
+        if subset is None:
+            return None
+        return lambda candidate: in_subset(candidate.id, subset)
 
     async def _pick(self, api: Api, body: bytes) -> str:
         """The full routing path of the HTTP gateway: admit, rank, lease, learn."""
@@ -207,7 +194,7 @@ class Exchange:
         request_id = self._headers.get("x-request-id") or uuid.uuid4().hex
         routing = router.routing_request(parsed, self._headers, request_id)
         self._ticket = await router.admit(routing, self._headers, len(body))
-        ranked = await self._ranker().rank(routing)
+        ranked = await router.rank(routing, self._allowed())
         picked = ranked[0].id
         self._lease = router.lease(routing, picked)
         router.picked(routing, picked)

@@ -72,10 +72,16 @@ class Router:
         routing.priority = flow_request.priority
         return ticket
 
-    async def rank(self, routing: RoutingRequest) -> list[EndpointSnapshot]:
-        """The candidates in order of preference: the pick first, then the fallbacks."""
+    async def rank(
+        self,
+        routing: RoutingRequest,
+        allowed: Callable[[EndpointSnapshot], bool] | None = None,
+    ) -> list[EndpointSnapshot]:
+        """The candidates in order of preference: the pick first, then the fallbacks.
+
+        ``allowed`` narrows the candidates (an Envoy subset hint, say)."""
         started = time.perf_counter()
-        candidates = self._candidates(routing.model)
+        candidates = self._eligible(routing.model, allowed)
         if not candidates:
             raise NoEndpointsError(f"no healthy endpoint serves model {routing.model!r}")
         await self._scheduler.gather(routing, candidates)
@@ -83,7 +89,7 @@ class Router:
         # requests leased meanwhile count. Flow control lets one request through per freed
         # slot; scored on the snapshot from before the await, two such requests can both
         # land on the endpoint that had room and queue there, while another one sits idle.
-        candidates = self._candidates(routing.model)
+        candidates = self._eligible(routing.model, allowed)
         if not candidates:
             raise NoEndpointsError(f"no healthy endpoint serves model {routing.model!r}")
         decision = self._scheduler.profile.run(routing, candidates)
@@ -91,6 +97,12 @@ class Router:
             raise NoEndpointsError(f"no endpoint is eligible for model {routing.model!r}")
         self._metrics.decision_seconds.observe(time.perf_counter() - started)
         return decision.ranked
+
+    def _eligible(
+        self, model: str, allowed: Callable[[EndpointSnapshot], bool] | None
+    ) -> list[EndpointSnapshot]:
+        candidates = self._candidates(model)
+        return candidates if allowed is None else [c for c in candidates if allowed(c)]
 
     def lease(self, routing: RoutingRequest, endpoint_id: str) -> Lease:
         """Count the request against the endpoint until the lease is released."""
