@@ -1,0 +1,312 @@
+"""Disaggregated prefill and decode: the decider and the two-step orchestration (issue 5).
+
+The decode profile ranks the decode pool (role ``decode`` or ``both``) for every request, as
+without disaggregation. The decider then looks at that pick: when the prompt tokens it would
+have to compute (``RoutingRequest.uncached_tokens``) reach ``nonCachedTokens``, the prefill
+profile ranks the prefill pool (role ``prefill`` or ``both``, the decode pick excluded) with its
+own weights. The prefix index is consulted for both pools and learns both picks.
+
+``two-step`` (vLLM's NixlConnector proxy protocol, REFERENCE.md section 1): the prefill
+endpoint gets the original body with ``kv_transfer_params = {do_remote_decode: true, ...}``,
+``stream: false`` and ``max_tokens: 1``; its answer carries the ``kv_transfer_params`` the decode
+endpoint needs to pull the KV cache. The original request plus those parameters then takes the
+proxy's ordinary path to the decode pool (retries before the first byte, relay, disconnect
+watch, leases, flow-control ticket), so the client sees one unchanged answer whose usage is the
+decode endpoint's, which covers the whole prompt and every generated token.
+
+``sidecar`` (llm-d's routing sidecar): only the choice is made here; the decode request carries
+``x-prefiller-host-port`` and the sidecar next to the decode server runs the prefill step.
+
+Failures: a prefill 4xx is the client's and goes back to it as is; a 5xx, a timeout, a transport
+error or an answer without ``kv_transfer_params`` falls back to a plain decode request with the
+original body (``prefixgate_disagg_fallbacks_total``): slower for this request, but answered.
+
+The default threshold, 1024 uncached tokens. With the 8B-on-H100 figures of REFERENCE.md
+section 2 (0.15-0.30 ms a prompt token, 10-15 ms a decode step), a 1024-token prefill computed
+on a decode endpoint stretches the steps of every stream batched with it by ~200 ms, some 15
+decode steps, while the two-step path adds to this request only a round trip, the KV pull and
+one decode step (~35 ms, under 15% of its own time to first token). Below it sit the typical
+agentic follow-up turns (a median 632 new tokens on a cached context), which stay where their
+context is instead of doubling the prefill pool's traffic for little gain; and the threshold is
+16 index blocks, well clear of the index's estimation noise (a partial last block, bytes per
+token). llm-d's example value, 512, is one line of config away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import orjson
+from prometheus_client import Counter, Histogram
+from starlette.responses import Response
+
+from router.config import DisaggregationConfig, PluginConfig, ProfileConfig
+from router.endpoints import EndpointSnapshot, Lease
+from router.errors import NoEndpointsError
+from router.filters import decode_filter, prefill_filter
+from router.metrics import GatewayMetrics
+from router.parsing import ParsedRequest
+from router.plugins import PluginContext, PluginRegistry, build_profile
+from router.routing import Router
+from router.scheduling import RoutingRequest, SchedulingProfile
+from router.upstream import UPSTREAM_ERRORS, UpstreamReply
+
+log = logging.getLogger("prefixgate.disagg")
+
+PREFILLER_HEADER = "x-prefiller-host-port"
+PREFILL_PROFILE = "prefill"
+DECODE_PROFILE = "decode"
+# A prefill answer is one token, usage and the block ids of the prompt (~6 bytes a block).
+_MAX_PREFILL_ANSWER = 8 << 20
+_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+# What a prefill endpoint is asked to do (vLLM NixlConnector): compute, keep the KV cache for
+# a remote decode, answer after the first token.
+_PREFILL_KV_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class PrefillDecider(Protocol):
+    """Whether a request's prefill should run on the prefill pool, given its decode pick."""
+
+    def needs_prefill(self, request: RoutingRequest, decode: EndpointSnapshot) -> bool: ...
+
+
+class UncachedTokensDecider:
+    """Remote prefill once the decode pick would compute at least ``threshold`` tokens."""
+
+    def __init__(self, threshold: int) -> None:
+        self.threshold = threshold
+
+    def needs_prefill(self, request: RoutingRequest, decode: EndpointSnapshot) -> bool:
+        return request.uncached_tokens(decode.id) >= self.threshold
+
+
+# Sends one body to one endpoint (the proxy's client, with the request's upstream headers).
+PrefillPost = Callable[[EndpointSnapshot, str, bytes], Awaitable[UpstreamReply]]
+
+
+def prefill_payload(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill request: the original body, asked for one token, not streamed."""
+    out = {k: v for k, v in payload.items() if k not in ("stream_options", "min_tokens")}
+    out["kv_transfer_params"] = dict(_PREFILL_KV_PARAMS)
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def decode_payload(payload: Mapping[str, Any], kv_params: Mapping[str, Any]) -> dict[str, Any]:
+    """The decode request: the original body plus what the prefill endpoint handed over."""
+    return {**payload, "kv_transfer_params": dict(kv_params)}
+
+
+def kv_params_of(answer: bytes) -> dict[str, Any] | None:
+    """``kv_transfer_params`` of a prefill answer, or None if it has none (or is no JSON)."""
+    try:
+        body = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        return None
+    params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+    return params if isinstance(params, dict) and params else None
+
+
+@dataclass(slots=True)
+class DecodeStep:
+    """What the proxy sends to the decode pool after the prefill step (or instead of it)."""
+
+    parsed: ParsedRequest
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    # A prefill 4xx, answered to the client instead of any decode request.
+    response: Response | None = None
+    prefill_endpoint: str | None = None
+    # Sidecar mode: the prefill endpoint stays counted until the decode answer starts.
+    lease: Lease | None = None
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+
+class DisaggMetrics:
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        r = metrics.registry
+        self.upstream_failures = metrics.upstream_failures
+        self.decisions = Counter(
+            "prefixgate_disagg_decision",
+            "Disaggregation decisions: decode_only, prefill_decode, or no_prefiller (wanted, "
+            "but no prefill endpoint was eligible).",
+            ["decision"],
+            registry=r,
+        )
+        self.prefill_seconds = Histogram(
+            "prefixgate_disagg_prefill_seconds",
+            "Two-step prefill requests: from sending to the prefill endpoint's full answer.",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "prefixgate_disagg_fallbacks",
+            "Prefill steps that failed (5xx, timeout, transport, bad_response) and fell back to "
+            "a plain decode request.",
+            ["reason"],
+            registry=r,
+        )
+
+
+class Disaggregator:
+    """Runs the decider and, when it says so, the prefill step of one request."""
+
+    def __init__(
+        self,
+        settings: DisaggregationConfig,
+        router: Router,
+        profile: SchedulingProfile,
+        metrics: GatewayMetrics,
+        prefill_timeout: float,
+        decider: PrefillDecider | None = None,
+    ) -> None:
+        self.settings = settings
+        self.decider = decider or UncachedTokensDecider(settings.non_cached_tokens)
+        self.metrics = DisaggMetrics(metrics)
+        self._router = router
+        self._profile = profile
+        self._timeout = prefill_timeout
+
+    async def choose_prefiller(
+        self, routing: RoutingRequest, decode: EndpointSnapshot
+    ) -> tuple[RoutingRequest, EndpointSnapshot] | None:
+        """The prefill endpoint (and the request as ranked for it), or None: decode alone.
+
+        The prefill pool is ranked on a copy of the request, so that the decode pool's prefix
+        hits (which its lease and retries still need) are not overwritten by the prefill pool's.
+        """
+        decisions = self.metrics.decisions
+        if not self.decider.needs_prefill(routing, decode):
+            decisions.labels("decode_only").inc()
+            return None
+        prefill_routing = replace(routing, prefix_hits={})
+        try:
+            ranked = await self._router.rank(
+                prefill_routing, lambda c: c.id != decode.id, profile=self._profile
+            )
+        except NoEndpointsError:
+            decisions.labels("no_prefiller").inc()
+            return None
+        decisions.labels("prefill_decode").inc()
+        return prefill_routing, ranked[0]
+
+    async def prepare(
+        self,
+        parsed: ParsedRequest,
+        routing: RoutingRequest,
+        decode_ranked: Sequence[EndpointSnapshot],
+        post: PrefillPost,
+    ) -> DecodeStep:
+        """Decide and, in two-step mode, run the prefill request; what decode gets next."""
+        chosen = await self.choose_prefiller(routing, decode_ranked[0])
+        if chosen is None:
+            return DecodeStep(parsed)
+        prefill_routing, endpoint = chosen
+        lease = self._router.lease(prefill_routing, endpoint.id)
+        self._router.picked(prefill_routing, endpoint.id)
+        if self.settings.mode == "sidecar":
+            return DecodeStep(
+                parsed, [(PREFILLER_HEADER, endpoint.id)], prefill_endpoint=endpoint.id, lease=lease
+            )
+        try:
+            return await self._two_step(parsed, routing.request_id, endpoint, lease, post)
+        finally:
+            lease.release()
+
+    async def _two_step(
+        self,
+        parsed: ParsedRequest,
+        request_id: str,
+        endpoint: EndpointSnapshot,
+        lease: Lease,
+        post: PrefillPost,
+    ) -> DecodeStep:
+        path = "/v1/chat/completions" if parsed.api == "chat" else "/v1/completions"
+        body = orjson.dumps(prefill_payload(parsed.payload))
+        started = time.perf_counter()
+        reply: UpstreamReply | None = None
+        try:
+            async with asyncio.timeout(self._timeout):
+                reply = await post(endpoint, path, body)
+                answer = await reply.read_all(_MAX_PREFILL_ANSWER)
+            status, content_type = reply.status, reply.content_type
+        except UPSTREAM_ERRORS as exc:
+            kind = "timeout" if isinstance(exc, TimeoutError) else "transport"
+            log.warning("request %s: prefill %s on %s: %r", request_id, kind, endpoint.id, exc)
+            return self._fall_back(parsed, lease, endpoint, kind)
+        finally:
+            if reply is not None:
+                reply.close()
+        self.metrics.prefill_seconds.observe(time.perf_counter() - started)
+        if status >= 500:
+            return self._fall_back(parsed, lease, endpoint, "5xx")
+        lease.upstream_ok()
+        if status >= 400:
+            response = _passthrough(status, content_type, answer, endpoint.id, request_id)
+            return DecodeStep(parsed, response=response, prefill_endpoint=endpoint.id)
+        params = kv_params_of(answer) if status < 300 else None
+        if params is None:
+            log.warning("request %s: prefill answer of %s has no kv_transfer_params",
+                        request_id, endpoint.id)
+            self.metrics.fallbacks.labels("bad_response").inc()
+            return DecodeStep(parsed)
+        payload = decode_payload(parsed.payload, params)
+        decode = replace(parsed, body=orjson.dumps(payload), payload=payload)
+        return DecodeStep(decode, prefill_endpoint=endpoint.id)
+
+    def _fall_back(
+        self, parsed: ParsedRequest, lease: Lease, endpoint: EndpointSnapshot, kind: str
+    ) -> DecodeStep:
+        # Counted towards the prefill endpoint's outlier ejection like any failed attempt.
+        self.metrics.upstream_failures.labels(endpoint.id, kind).inc()
+        if lease.upstream_failed():
+            log.warning("prefill endpoint %s ejected after consecutive failures", endpoint.id)
+        self.metrics.fallbacks.labels(kind).inc()
+        return DecodeStep(parsed)
+
+
+def _passthrough(
+    status: int, content_type: str, body: bytes, endpoint_id: str, request_id: str
+) -> Response:
+    headers = {"x-gateway-destination-endpoint": endpoint_id, "x-request-id": request_id}
+    return Response(body, status, headers, media_type=content_type or "application/json")
+
+
+def build_disagg_profiles(
+    plugins: list[PluginConfig],
+    profiles: Sequence[ProfileConfig],
+    registry: PluginRegistry,
+    context: PluginContext,
+) -> tuple[SchedulingProfile, SchedulingProfile]:
+    """The decode and prefill profiles, each narrowed to its role pool.
+
+    Explicit ``schedulingProfiles`` name them ``decode`` and ``prefill`` (the config insists);
+    a built-in strategy's single profile serves for both.
+    """
+    where = {p.name: i for i, p in enumerate(profiles)}
+    built: list[SchedulingProfile] = []
+    pools = ((DECODE_PROFILE, decode_filter()), (PREFILL_PROFILE, prefill_filter()))
+    for name, role_filter in pools:
+        i = where.get(name, 0)
+        profile = build_profile(plugins, profiles[i], registry, context, f"schedulingProfiles[{i}]")
+        profile.filters.insert(0, role_filter)
+        built.append(profile)
+    return built[0], built[1]
