@@ -10,7 +10,8 @@ one after the other, each for ``--seconds``:
 
 Tenant A is an agent fleet: ``--burst`` requests at once every ``--burst-every`` seconds,
 more than the pool can take in that time. Tenant B is an interactive user: ``--b-rate``
-requests a second. TTFT is client-side: request sent to first body byte of the stream.
+requests a second. TTFT is client-side: request sent to first body byte of the stream (the
+gateway answers once the replica produced its first token).
 
     python -m benchmarks.fairness [--seconds 15] [--replicas 4] [--max-num-seqs 4]
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import yaml
 
 from benchmarks.workloads import words
@@ -56,6 +58,7 @@ class Settings:
     max_tokens: int
     max_queued: int
     ttl: float
+    strategy: str
     seed: int
 
 
@@ -132,6 +135,7 @@ def gateway_config(s: Settings, sim_urls: list[str], port: int, flow: bool) -> d
         "server": {"host": HOST, "port": port, "accessLog": False},
         "pool": {"endpoints": [{"url": u} for u in sim_urls]},
         "flowControl": flow_control,
+        "strategy": s.strategy,
     }
 
 
@@ -142,26 +146,52 @@ def gateway_config(s: Settings, sim_urls: list[str], port: int, flow: bool) -> d
 REQUEST_LIMIT_SECONDS = 60.0
 
 
-async def send(
-    client: httpx.AsyncClient, url: str, tenant: str, prompt: str, max_tokens: int
-) -> Outcome:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+async def send(port: int, tenant: str, prompt: str, max_tokens: int) -> Outcome:
+    """One streamed completion on its own connection; TTFT is the first body byte.
+
+    A bare HTTP/1.1 exchange on asyncio streams rather than an HTTP client library: under a
+    burst of hundreds of streams a library's per-chunk cost stalls the load generator's own
+    loop for seconds, and that stall would be measured as the gateway's TTFT.
+    """
+    body = orjson.dumps(
+        {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    )
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        f"{FAIRNESS}: {tenant}\r\nConnection: close\r\n\r\n"
+    )
     started = time.perf_counter()
+    writer: asyncio.StreamWriter | None = None
     try:
-        async with asyncio.timeout(REQUEST_LIMIT_SECONDS), client.stream(
-            "POST", f"{url}/v1/completions", json=body, headers={FAIRNESS: tenant}
-        ) as resp:
-            ttft = None
-            async for _ in resp.aiter_raw():
-                if ttft is None:
-                    ttft = time.perf_counter() - started
-            if resp.status_code != 200:
-                return Outcome(tenant, resp.status_code, None, resp.headers.get(DROPPED))
-            return Outcome(tenant, 200, ttft)
+        async with asyncio.timeout(REQUEST_LIMIT_SECONDS):
+            reader, writer = await asyncio.open_connection(HOST, port)
+            writer.write(head.encode() + body)
+            status, headers = parse_head(await reader.readuntil(b"\r\n\r\n"))
+            first = await reader.read(1)
+            ttft = time.perf_counter() - started if first else None
+            while await reader.read(65536):
+                pass
     except TimeoutError:
         return Outcome(tenant, 0, None, "client-timeout")
-    except httpx.HTTPError:
+    except (OSError, asyncio.IncompleteReadError, ValueError):
         return Outcome(tenant, 0, None, "client-error")
+    finally:
+        if writer is not None:
+            writer.close()
+    if status != 200:
+        return Outcome(tenant, status, None, headers.get(DROPPED))
+    return Outcome(tenant, 200, ttft)
+
+
+def parse_head(raw: bytes) -> tuple[int, dict[str, str]]:
+    lines = raw.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    return int(lines[0].split()[1]), headers
 
 
 def answer(rng: random.Random, s: Settings) -> int:
@@ -169,7 +199,7 @@ def answer(rng: random.Random, s: Settings) -> int:
     return rng.randint(1, 2 * s.max_tokens - 1)
 
 
-async def tenant_a(client: httpx.AsyncClient, url: str, s: Settings) -> list[Outcome]:
+async def tenant_a(port: int, s: Settings) -> list[Outcome]:
     rng = random.Random(s.seed)
     tasks: list[asyncio.Task[Outcome]] = []
     started = time.perf_counter()
@@ -181,12 +211,12 @@ async def tenant_a(client: httpx.AsyncClient, url: str, s: Settings) -> list[Out
         await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
         for _ in range(s.burst):
             prompt = words(rng, rng.randint(s.a_tokens // 2, s.a_tokens * 3 // 2))
-            tasks.append(asyncio.create_task(send(client, url, "A", prompt, answer(rng, s))))
+            tasks.append(asyncio.create_task(send(port, "A", prompt, answer(rng, s))))
         n += 1
     return list(await asyncio.gather(*tasks))
 
 
-async def tenant_b(client: httpx.AsyncClient, url: str, s: Settings) -> list[Outcome]:
+async def tenant_b(port: int, s: Settings) -> list[Outcome]:
     rng = random.Random(s.seed + 1)
     tasks: list[asyncio.Task[Outcome]] = []
     started = time.perf_counter()
@@ -194,18 +224,16 @@ async def tenant_b(client: httpx.AsyncClient, url: str, s: Settings) -> list[Out
     while at < s.seconds:
         await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
         prompt = words(rng, s.b_tokens)
-        tasks.append(asyncio.create_task(send(client, url, "B", prompt, answer(rng, s))))
+        tasks.append(asyncio.create_task(send(port, "B", prompt, answer(rng, s))))
         at += rng.expovariate(s.b_rate)  # Poisson arrivals
     return list(await asyncio.gather(*tasks))
 
 
-async def phase(url: str, s: Settings, with_a: bool) -> list[Outcome]:
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
-    async with httpx.AsyncClient(limits=limits, timeout=REQUEST_LIMIT_SECONDS) as client:
-        loads = [tenant_b(client, url, s)]
-        if with_a:
-            loads.append(tenant_a(client, url, s))
-        results = await asyncio.gather(*loads)
+async def phase(port: int, s: Settings, with_a: bool) -> list[Outcome]:
+    loads = [tenant_b(port, s)]
+    if with_a:
+        loads.append(tenant_a(port, s))
+    results = await asyncio.gather(*loads)
     return [o for outcomes in results for o in outcomes]
 
 
@@ -253,13 +281,13 @@ def reasons(outcomes: list[Outcome]) -> str:
 # -- main ----------------------------------------------------------------------------------------
 
 
-async def run_phases(off_url: str, on_url: str, s: Settings) -> None:
+async def run_phases(off_port: int, on_port: int, s: Settings) -> None:
     print(f"phase 1/3: B alone, {s.seconds:.0f} s", file=sys.stderr, flush=True)
-    alone = await phase(on_url, s, with_a=False)
+    alone = await phase(on_port, s, with_a=False)
     print("phase 2/3: A + B, flow control off", file=sys.stderr, flush=True)
-    off = await phase(off_url, s, with_a=True)
+    off = await phase(off_port, s, with_a=True)
     print("phase 3/3: A + B, flow control on", file=sys.stderr, flush=True)
-    on = await phase(on_url, s, with_a=True)
+    on = await phase(on_port, s, with_a=True)
     print(table(alone, off, on))
     print(f"\nrejection reasons, on: {reasons(on)}; off: {reasons(off)}")
 
@@ -279,11 +307,12 @@ def settings(argv: list[str] | None) -> Settings:
     add("--max-tokens", type=int, default=16, help="mean output tokens (1 to 2x-1)")
     add("--max-queued", type=int, default=200, help="flowControl.maxRequests (on)")
     add("--ttl", type=float, default=5.0, help="flowControl.defaultRequestTTL (on)")
+    add("--strategy", default="default", help="the gateways' routing strategy")
     add("--seed", type=int, default=0)
     a = parser.parse_args(argv)
     return Settings(
         a.seconds, a.replicas, a.max_num_seqs, a.speed, a.burst, a.burst_every, a.b_rate,
-        a.a_tokens, a.b_tokens, a.max_tokens, a.max_queued, a.ttl, a.seed,
+        a.a_tokens, a.b_tokens, a.max_tokens, a.max_queued, a.ttl, a.strategy, a.seed,
     )
 
 
@@ -298,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
         stack.enter_context(process(sim, f"{sim_urls[-1]}/health", work / "sim.log"))
-        urls = []
+        ports = []
         for flow in (False, True):
             port = free_ports(1)
             name = "on" if flow else "off"
@@ -307,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
             gateway = [*exe, "serve", "--config", str(path), "--log-level", "warning"]
             url = f"http://{HOST}:{port}"
             stack.enter_context(process(gateway, f"{url}/ready", work / f"gateway-{name}.log"))
-            urls.append(url)
-        asyncio.run(run_phases(urls[0], urls[1], s))
+            ports.append(port)
+        asyncio.run(run_phases(ports[0], ports[1], s))
     return 0
 
 

@@ -5,7 +5,8 @@ pool for its model is not saturated and nothing of equal or higher priority is q
 model. Otherwise it waits in its flow's queue until the controller dispatches it: strict
 priority across levels, the band's fairness policy across the flows of a level, FCFS within a
 flow. Dispatching happens whenever a ticket is released and on a short tick while anything is
-queued, since engine metrics move between releases.
+queued, since engine metrics move between releases. Full queues push out the newest request of
+the longest flow (lowest priority first) rather than refuse a lighter tenant's newcomer.
 
 Everything runs on the event loop and nothing blocks: no locks are needed.
 """
@@ -27,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from flow_control.config import BandConfig, FlowControlConfig
 from flow_control.metrics import FlowControlMetrics
 from flow_control.policies import make_policy
-from flow_control.queues import BandState, FlowQueue, Level, ModelQueue, QueueItem
+from flow_control.queues import BandState, FlowQueue, Level, ModelQueue, QueueItem, pick_victim
 from flow_control.request import FlowRequest, Ticket
 from flow_control.resolve import (
     SESSION_HEADER,
@@ -48,6 +49,10 @@ from router.errors import NoEndpointsError, SaturatedError, TTLExpiredError
 log = logging.getLogger("prefixgate.flow_control")
 
 Candidates = Callable[[str], list[EndpointSnapshot]]
+_FAILURES = {
+    "evicted": "flow control queues are full and this tenant holds the most queued requests",
+    "shutdown": "the gateway is shutting down",
+}
 
 
 class FlowController:
@@ -63,8 +68,7 @@ class FlowController:
         scrape_interval: float = DEFAULT_SCRAPE_INTERVAL,
         scrape_timeout: float = DEFAULT_SCRAPE_TIMEOUT,
     ) -> None:
-        # The gateway's pool.metricsScrape settings: the default detector derives its
-        # staleness threshold from them unless the config sets one.
+        # scrape_*: pool.metricsScrape, from which the detector derives its staleness bound.
         self.config = config
         self.enabled = config.enabled
         self._candidates = candidates
@@ -208,11 +212,7 @@ class FlowController:
 
     def _enqueue(self, request: FlowRequest, band: BandState) -> QueueItem:
         size = max(0, request.size)
-        cfg = self.config
-        if not band.fits(size):
-            raise self._shed("queue-full", f"flow control queue of band {band.name!r} is full")
-        if self._count >= cfg.max_requests or self._bytes + size > cfg.max_bytes:
-            raise self._shed("queue-full", "flow control queues are full")
+        self._make_room(request, band, size)
         now = self._clock()
         arrival = request.arrival if request.arrival is not None else now
         deadline = arrival + self._objectives.ttl(request.objective)
@@ -241,6 +241,24 @@ class FlowController:
         if self._wakeup is not None:
             self._wakeup.set()
         return item
+
+    def _make_room(self, request: FlowRequest, band: BandState, size: int) -> None:
+        """Push out queued requests (see ``pick_victim``) until ``request`` fits, or shed it."""
+        cfg = self.config
+        while True:
+            band_full = not band.fits(size)
+            global_full = self._count >= cfg.max_requests or self._bytes + size > cfg.max_bytes
+            if not band_full and not global_full:
+                return
+            too_big = size > band.limits.max_bytes or size > cfg.max_bytes
+            victim = None if too_big else pick_victim(
+                self._queues.values(), request, band if band_full else None
+            )
+            if victim is None:
+                full = f"queue of band {band.name!r} is" if band_full else "queues are"
+                raise self._shed("queue-full", f"flow control {full} full")
+            self._unlink(victim, rotate=False)
+            self._fail(victim, "evicted")
 
     def _account(self, item: QueueItem, size: int, sign: int) -> None:
         flow, band = item.flow, item.level.band
@@ -331,20 +349,19 @@ class FlowController:
                 expired += 1
         return expired
 
-    def _fail(self, item: QueueItem, reason: Literal["ttl-expired", "shutdown"]) -> None:
+    def _fail(
+        self, item: QueueItem, reason: Literal["ttl-expired", "evicted", "shutdown"]
+    ) -> None:
         self._metrics.rejections.labels(reason).inc()
         if item.future.done():
             return
-        retry_after = self.config.retry_after_seconds
+        retry = self.config.retry_after_seconds
         if reason == "ttl-expired":
             ttl = self._objectives.ttl(item.request.objective)
-            error: SaturatedError = TTLExpiredError(
-                f"request waited longer than its TTL of {ttl:g}s in the flow control queue",
-                retry_after=retry_after,
-            )
+            message = f"request waited longer than its TTL of {ttl:g}s in the flow control queue"
+            item.future.set_exception(TTLExpiredError(message, retry_after=retry))
         else:
-            error = SaturatedError("the gateway is shutting down", retry_after=retry_after)
-        item.future.set_exception(error)
+            item.future.set_exception(SaturatedError(_FAILURES[reason], retry_after=retry))
 
     # -- lifetime ---------------------------------------------------------------------------
 

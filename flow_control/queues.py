@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -94,3 +95,36 @@ class ModelQueue:
 
     def max_priority(self) -> int | None:
         return max(self.levels) if self.levels else None
+
+
+def pick_victim(
+    queues: Iterable[ModelQueue], newcomer: FlowRequest, band: BandState | None
+) -> QueueItem | None:
+    """The queued request to push out so that ``newcomer`` fits in full queues, or None when
+    the newcomer is the one to refuse.
+
+    Tail drop for whoever holds most: the newest request of the longest flow at the lowest
+    priority below the newcomer's, or at the newcomer's own priority when that flow is longer
+    than the newcomer's would be (so a tenant flooding the queues cannot lock a light one
+    out, and a full queue never turns a higher priority away for a lower one). ``band``
+    limits the search to one band (when that band is what is full). Runs only when a limit
+    is hit, so a scan over the queued flows is fine.
+    """
+    own = 0
+    found: tuple[int, int] | None = None  # (priority, -length): lowest priority, then longest
+    victim: FlowQueue | None = None
+    for queue in queues:
+        for level in queue.levels.values():
+            if level.priority > newcomer.priority or (band is not None and level.band is not band):
+                continue
+            for flow in level.flows.values():
+                if flow.priority == newcomer.priority and flow.fairness_id == newcomer.fairness_id:
+                    own = max(own, len(flow))
+                key = (level.priority, -len(flow))
+                if found is None or key < found:
+                    found, victim = key, flow
+    if found is None or victim is None:
+        return None
+    if found[0] == newcomer.priority and len(victim) <= own + 1:
+        return None  # evicting would only swap who holds more
+    return next(reversed(victim.items.values()))

@@ -19,9 +19,10 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from flow_control.controller import FlowController
-from router import __version__
+from router import __version__, anthropic
 from router.calibration import Calibrator
 from router.config import GatewayConfig
+from router.disagg import Disaggregator, build_disagg_profiles
 from router.discovery import KubernetesDiscovery, LivePool, api_client
 from router.endpoints import Endpoint, EndpointPool, OutlierSettings
 from router.errors import BadRequestError, GatewayError
@@ -34,8 +35,9 @@ from router.prediction import PredictionTracker
 from router.producers import AffinityTracker, PrefixTracker
 from router.proxy import Proxy
 from router.routing import Router
-from router.scheduling import PickObserver, Producer, Scheduler
+from router.scheduling import PickObserver, Producer, Scheduler, SchedulingProfile
 from router.scraper import EndpointMonitor, MonitorSettings
+from router.stored_responses import StoredResponses, make_probe
 from router.stores import Stores, build_stores
 from router.strategies import strategy
 from router.upstream import UpstreamClient
@@ -95,7 +97,13 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     if precise_enabled(config, (p.type for p in plugins)):
         precise = PreciseRuntime(config, metrics.registry)
     context = PluginContext(rng, calibrator, precise.tracker if precise else None)
-    profile = build_profile(plugins, profile_cfg, registry, context)
+    prefill_profile: SchedulingProfile | None = None
+    if config.disaggregation.enabled:
+        profile, prefill_profile = build_disagg_profiles(
+            plugins, config.scheduling_profiles or [profile_cfg], registry, context
+        )
+    else:
+        profile = build_profile(plugins, profile_cfg, registry, context)
     prefix = PrefixTracker(stores.index)
     sessions = AffinityTracker(stores.affinity)
     producers: list[Producer] = [prefix, sessions]
@@ -108,11 +116,18 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     flow = FlowController(config.flow_control, candidates, registry=metrics.registry)
     if precise is not None:
         router: Router = PreciseRouter(
-            config, pool, candidates, scheduler, flow, metrics, tracker=precise.tracker
+            config, pool, candidates, scheduler, flow, metrics, tracker=precise.tracker,
+            responses=stores.responses,
         )
     else:
-        router = Router(config, pool, candidates, scheduler, flow, metrics)
+        router = Router(
+            config, pool, candidates, scheduler, flow, metrics, responses=stores.responses
+        )
     proxy = Proxy(config, router, metrics)
+    if prefill_profile is not None:
+        pd = config.disaggregation
+        timeout = pd.prefill_timeout_seconds or config.proxy.first_byte_timeout_seconds
+        proxy.disagg = Disaggregator(pd, router, prefill_profile, metrics, timeout)
     gateway = Gateway(config, pool, stores, scheduler, metrics, flow, router, proxy)
     gateway.precise = precise
     gateway.prediction = PredictionTracker(
@@ -188,6 +203,9 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
         proxy_cfg = config.proxy
         client = UpstreamClient(proxy_cfg.max_connections, proxy_cfg.connect_timeout_seconds)
         gateway.proxy.client = client
+        gateway.stores.responses.probe = make_probe(
+            client, gateway.proxy.upstream_keys.headers, config.responses.probe_timeout_seconds
+        )
         async with gateway_running(gateway):
             try:
                 yield
@@ -221,6 +239,34 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
     @app.post("/v1/completions", openapi_extra=openapi_extra("completions"))
     async def completions(request: Request) -> Response:
         return await gateway.proxy.handle(request, "completions")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        try:
+            return await gateway.proxy.handle(request, "messages")
+        except GatewayError as exc:  # this endpoint's clients expect Anthropic's error shape
+            return anthropic.error_response(exc)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await gateway.proxy.handle(request, "responses")
+
+    stored = StoredResponses(
+        config, gateway.pool, gateway.stores.candidates(gateway.pool), gateway.stores.responses,
+        gateway.proxy,
+    )
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        return await stored.handle(request, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return await stored.handle(request, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return await stored.handle(request, response_id, "/cancel")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -112,6 +112,19 @@ class SessionAffinityConfig(Strict):
     max_sessions: int = Field(100_000, ge=1)
 
 
+class ResponsesConfig(Strict):
+    """Memory of which endpoint stored each Responses API response (router/response_store.py)."""
+
+    # vLLM keeps stored responses until it restarts; a day covers an agent's session.
+    ttl_seconds: float = Field(86400.0, gt=0)
+    max_entries: int = Field(100_000, ge=1)
+    # Reads with the Redis backend: a miss costs a probe of every endpoint, so more than the
+    # prefix index's budget is worth waiting.
+    redis_timeout_ms: float = Field(50.0, gt=0)
+    # Asking the endpoints for an id the gateway has no record of (0: never ask).
+    probe_timeout_seconds: float = Field(2.0, ge=0)
+
+
 class ServerConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -229,6 +242,18 @@ class DiscoveryConfig(Strict):
         return self
 
 
+class DisaggregationConfig(Strict):
+    """Prefill/decode disaggregation (router/disagg.py, which justifies the threshold)."""
+
+    enabled: bool = False
+    # Prefill goes to the prefill pool from this many uncached prompt tokens on the decode pick.
+    non_cached_tokens: int = Field(1024, ge=0)
+    # two-step: the gateway runs prefill, then decode; sidecar: x-prefiller-host-port only.
+    mode: Literal["two-step", "sidecar"] = "two-step"
+    # Queue plus prefill on the prefill endpoint; None: proxy.firstByteTimeoutSeconds.
+    prefill_timeout_seconds: float | None = Field(None, gt=0)
+
+
 class GatewayConfig(Strict):
     api_version: str = "prefixgate.dev/v1alpha1"
     kind: Literal["EndpointPickerConfig", "GatewayConfig"] = "EndpointPickerConfig"
@@ -237,11 +262,13 @@ class GatewayConfig(Strict):
     prefix_index: PrefixIndexConfig = PrefixIndexConfig()
     precise_prefix: PrecisePrefixConfig = PrecisePrefixConfig()
     session_affinity: SessionAffinityConfig = SessionAffinityConfig()
+    responses: ResponsesConfig = ResponsesConfig()
     proxy: ProxyConfig = ProxyConfig()
     flow_control: FlowControlConfig = FlowControlConfig()
     auth: AuthConfig = AuthConfig()
     ext_proc: ExtProcConfig = ExtProcConfig()
     discovery: DiscoveryConfig | None = None
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
     # A built-in strategy (router.strategies), or explicit plugins + schedulingProfiles.
     strategy: str = "default"
     plugins: list[PluginConfig] | None = None
@@ -260,6 +287,13 @@ class GatewayConfig(Strict):
             raise ValueError("strategy: give a strategy or plugins, not both")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy: unknown {self.strategy!r} (known: {sorted(STRATEGIES)})")
+        if self.disaggregation.enabled and self.scheduling_profiles is not None:
+            missing = {"prefill", "decode"} - {p.name for p in self.scheduling_profiles}
+            if missing:
+                raise ValueError(
+                    "schedulingProfiles: disaggregation needs profiles named prefill and decode "
+                    f"(missing: {', '.join(sorted(missing))})"
+                )
         return self
 
 

@@ -105,6 +105,22 @@ class ModelNotFoundError(GatewayError):
     code = "model_not_found"
 
 
+class ResponseNotFoundError(GatewayError):
+    """A stored response (Responses API) no endpoint of the pool holds any more (404)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "response_not_found"
+
+
+class ResponseUnavailableError(GatewayError):
+    """The endpoint holding a stored response cannot take requests now (409, retryable)."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+    code = "response_endpoint_unavailable"
+
+
 class NoEndpointsError(GatewayError):
     """The model is known but no endpoint is healthy (503)."""
 

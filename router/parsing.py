@@ -16,10 +16,18 @@ from typing import Any, Literal
 
 import orjson
 
+from router import anthropic, responses_api
 from router.errors import BadRequestError
 from router.rendering import render_chat, render_prompt
 
-Api = Literal["chat", "completions"]
+Api = Literal["chat", "completions", "messages", "responses"]
+# Where each API is served on a replica (vLLM serves all four).
+UPSTREAM_PATHS: dict[str, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "messages": "/v1/messages",
+    "responses": "/v1/responses",
+}
 
 MAX_N = 16
 
@@ -32,6 +40,11 @@ class ParsedRequest:
     model: str
     stream: bool
     rendered: str
+    # The body's own session key when it has one (Messages: metadata.user_id, Responses:
+    # prompt_cache_key); the x-session-id header wins over it.
+    session_hint: str | None = None
+    # Responses: the stored response the request continues, which pins it to one endpoint.
+    previous_response_id: str | None = None
 
 
 def decode_json(body: bytes) -> dict[str, Any]:
@@ -140,6 +153,15 @@ def parse_request(api: Api, body: bytes) -> ParsedRequest:
     model = _require_model(payload)
     stream = _check_common(payload)
     try:
+        if api == "messages":
+            rendered = anthropic.render_messages(payload)
+            hint = anthropic.session_hint(payload)
+            return ParsedRequest(api, body, payload, model, stream, rendered, hint)
+        if api == "responses":
+            rendered = responses_api.render_responses(payload)
+            hint = responses_api.session_hint(payload)
+            previous = payload.get("previous_response_id")
+            return ParsedRequest(api, body, payload, model, stream, rendered, hint, previous)
         if api == "chat":
             messages = _check_messages(payload)
             rendered = render_chat(messages, _check_tools(payload))

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from router.calibration import Calibrator
 from router.config import PluginConfig, ProfileConfig, Strict, format_validation_error
 from router.errors import ConfigError
+from router.filters import decode_filter, prefill_filter
 from router.pickers import MaxScorePicker, RandomPicker, RoundRobinPicker
 from router.scheduling import Filter, Picker, SchedulingProfile, Scorer, WeightedScorer
 from scorers.inflight import InFlightScorer
@@ -119,6 +120,8 @@ def default_registry() -> PluginRegistry:
     registry.register("max-score-picker", _seeded(MaxScorePicker))
     registry.register("random-picker", _seeded(RandomPicker))
     registry.register("round-robin-picker", _simple(RoundRobinPicker))
+    registry.register("prefill-filter", _simple(prefill_filter))
+    registry.register("decode-filter", _simple(decode_filter))
     return registry
 
 

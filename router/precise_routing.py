@@ -20,6 +20,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from router import anthropic, responses_api
 from router.config import GatewayConfig
 from router.endpoints import EndpointSnapshot
 from router.kv_events import EventSource, KVEventsManager, SubscriberSettings, derive_sources
@@ -85,7 +86,15 @@ class PreciseTracker:
         self._states: OrderedDict[str, PreciseState] = OrderedDict()
 
     def attach(self, request_id: str, parsed: ParsedRequest) -> None:
-        source = TokenizeInput(parsed.api, parsed.model, parsed.payload, len(parsed.body))
+        size = len(parsed.body)
+        if parsed.api == "messages" or parsed.api == "responses":
+            # Tokenized as the chat request vLLM turns it into.
+            convert = anthropic.to_chat if parsed.api == "messages" else responses_api.to_chat
+            messages, tools = convert(parsed.payload)
+            chat = {"messages": messages, "tools": tools}
+            source = TokenizeInput("chat", parsed.model, chat, size)
+        else:
+            source = TokenizeInput(parsed.api, parsed.model, parsed.payload, size)
         self._states[request_id] = PreciseState(source)
         self._states.move_to_end(request_id)
         while len(self._states) > self.settings.max_requests:

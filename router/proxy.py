@@ -18,7 +18,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge
@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from flow_control.request import Ticket
+from router import anthropic, responses_api
 from router.auth import (
     FAIRNESS_HEADER,
     KEY_HEADERS,
@@ -34,6 +35,7 @@ from router.auth import (
     build_upstream_keys,
 )
 from router.config import GatewayConfig
+from router.disagg import Disaggregator
 from router.endpoints import EndpointSnapshot, Lease
 from router.errors import (
     GatewayError,
@@ -45,10 +47,10 @@ from router.errors import (
 )
 from router.logs import AccessLog
 from router.metrics import GatewayMetrics
-from router.parsing import Api, ParsedRequest, parse_request
+from router.parsing import UPSTREAM_PATHS, Api, ParsedRequest, parse_request
 from router.routing import Router
 from router.scheduling import RoutingRequest
-from router.streaming import DisconnectWatch, UpstreamResponse
+from router.streaming import DisconnectWatch, ErrorEvent, UpstreamResponse, sse_error_event
 from router.upstream import UPSTREAM_ERRORS, UpstreamClient, UpstreamReply
 
 log = logging.getLogger("prefixgate.proxy")
@@ -80,6 +82,13 @@ _DROP_RESPONSE_HEADERS = frozenset(
 _FAIRNESS_HEADERS = frozenset(
     h.encode() for h in ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
 )
+
+
+# Mid-stream errors in each API's own event shape (chat and completions: OpenAI's data event).
+_ERROR_EVENTS: dict[str, ErrorEvent] = {
+    "messages": anthropic.stream_error_event,
+    "responses": responses_api.stream_error_event,
+}
 
 
 def request_id_of(headers: Mapping[str, str]) -> str:
@@ -140,6 +149,8 @@ class Proxy:
         self._router = router
         self._metrics = metrics
         self.client: UpstreamClient | None = None
+        # Prefill/decode disaggregation, set by build_gateway when it is enabled.
+        self.disagg: Disaggregator | None = None
         self.auth = build_authenticator(config.auth, environ)
         self.upstream_keys = build_upstream_keys(config.pool, environ)
         drop = set(_DROP_REQUEST_HEADERS)
@@ -226,7 +237,11 @@ class Proxy:
         try:
             ticket = await self._router.admit(routing, headers, len(body))
             ranked = await self._router.rank(routing)
-            response = await self._forward(parsed, routing, ranked, request, watch, ticket, ex)
+            # The prefill step speaks chat and completions (router/disagg.py); a Responses
+            # follow-up's history lives on its pinned endpoint alone.
+            split = self.disagg is not None and parsed.api in ("chat", "completions")
+            forward = self._disaggregated if split else self._forward
+            response = await forward(parsed, routing, ranked, request, watch, ticket, ex)
             handed_over = True
             return response
         except asyncio.CancelledError:
@@ -260,6 +275,14 @@ class Proxy:
             headers.append((FAIRNESS_HEADER, tenant))
         return headers
 
+    def upstream_headers(
+        self, request: Request, request_id: str, tenant: str | None, endpoint_id: str
+    ) -> list[tuple[str, str]]:
+        """What a request forwarded to ``endpoint_id`` carries (requests outside the proxy's
+        own path, such as those naming a stored response)."""
+        headers = self._upstream_headers(request, request_id, tenant)
+        return self._with_endpoint_key(headers, endpoint_id)
+
     def _with_endpoint_key(
         self, headers: list[tuple[str, str]], endpoint_id: str
     ) -> list[tuple[str, str]]:
@@ -278,9 +301,10 @@ class Proxy:
         watch: DisconnectWatch,
         ticket: Ticket,
         ex: Exchange,
+        extra_headers: Sequence[tuple[str, str]] = (),
     ) -> Response:
-        headers = self._upstream_headers(request, routing.request_id, ex.tenant)
-        path = "/v1/chat/completions" if parsed.api == "chat" else "/v1/completions"
+        headers = [*self._upstream_headers(request, routing.request_id, ex.tenant), *extra_headers]
+        path = UPSTREAM_PATHS[parsed.api]
         last_error: BaseException | None = None
         attempts = ranked[: self._config.proxy.max_attempts]
         for n, endpoint in enumerate(attempts):
@@ -319,11 +343,45 @@ class Proxy:
                 self._router.picked(routing, endpoint.id)
             lease.first_byte()
             self._note_pick(ex, routing, endpoint.id)
-            return self._relay(attempt, endpoint, lease, watch, ticket, ex)
+            observe = None
+            responses = self._router.responses
+            if parsed.api == "responses" and attempt.reply.status == 200 and responses is not None:
+                observe = responses.tap(endpoint.id)  # learn which endpoint stores the answer
+            return self._relay(attempt, endpoint, lease, watch, ticket, ex, observe)
         if isinstance(last_error, TimeoutError):
             raise UpstreamTimeoutError("no endpoint answered within the first-byte timeout")
         reason = type(last_error).__name__ if last_error is not None else "none left"
         raise UpstreamError(f"no endpoint could be reached ({reason})")
+
+    async def _disaggregated(
+        self,
+        parsed: ParsedRequest,
+        routing: RoutingRequest,
+        ranked: list[EndpointSnapshot],
+        request: Request,
+        watch: DisconnectWatch,
+        ticket: Ticket,
+        ex: Exchange,
+    ) -> Response:
+        """The prefill step first when the decider asks for one (router/disagg.py)."""
+        assert self.disagg is not None and self.client is not None
+        client = self.client
+        headers = self._upstream_headers(request, routing.request_id, ex.tenant)
+
+        async def post(endpoint: EndpointSnapshot, path: str, body: bytes) -> UpstreamReply:
+            keyed = self._with_endpoint_key(headers, endpoint.id)
+            return await client.post(endpoint.url + path, keyed, body)
+
+        step = await self.disagg.prepare(parsed, routing, ranked, post)
+        if step.response is not None:  # a prefill 4xx is the client's
+            ex.status, ex.endpoint = step.response.status_code, step.prefill_endpoint
+            return step.response
+        try:
+            return await self._forward(
+                step.parsed, routing, ranked, request, watch, ticket, ex, step.headers
+            )
+        finally:
+            step.release()
 
     def _upstream_failed(self, lease: Lease, endpoint_id: str, kind: str) -> None:
         self._metrics.upstream_failures.labels(endpoint_id, kind).inc()
@@ -361,10 +419,11 @@ class Proxy:
         watch: DisconnectWatch,
         ticket: Ticket,
         ex: Exchange,
+        observe: Callable[[bytes], None] | None = None,
     ) -> Response:
         upstream = attempt.reply
         ex.status = upstream.status
-        headers = _response_headers(upstream.raw_headers, endpoint.id, ex.request_id)
+        headers = response_headers(upstream.raw_headers, endpoint.id, ex.request_id)
 
         def finish(outcome: str) -> None:
             ticket.release()
@@ -385,6 +444,8 @@ class Proxy:
             idle_timeout=self._config.proxy.idle_timeout_seconds,
             on_finish=finish,
             draining=lambda: self.draining,
+            error_event=_ERROR_EVENTS.get(ex.api, sse_error_event),
+            observe=observe,
         )
 
     def _finish(self, ex: Exchange) -> None:
@@ -403,7 +464,7 @@ class Proxy:
         return self.active == 0
 
 
-def _response_headers(
+def response_headers(
     raw: Iterable[tuple[bytes, bytes]], endpoint_id: str, request_id: str
 ) -> list[tuple[bytes, bytes]]:
     headers = [(k.lower(), v) for k, v in raw if k.lower() not in _DROP_RESPONSE_HEADERS]

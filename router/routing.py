@@ -17,7 +17,8 @@ from router.errors import ModelNotFoundError, NoEndpointsError
 from router.hashing import block_hashes, estimate_tokens
 from router.metrics import GatewayMetrics
 from router.parsing import ParsedRequest
-from router.scheduling import RoutingRequest, Scheduler
+from router.response_store import ResponseRoutes
+from router.scheduling import RoutingRequest, Scheduler, SchedulingProfile
 
 SESSION_HEADER = "x-session-id"
 
@@ -31,6 +32,8 @@ class Router:
         scheduler: Scheduler,
         flow: FlowController,
         metrics: GatewayMetrics,
+        *,
+        responses: ResponseRoutes | None = None,
     ) -> None:
         self._config = config
         self._pool = pool
@@ -38,6 +41,8 @@ class Router:
         self._scheduler = scheduler
         self._flow = flow
         self._metrics = metrics
+        # Which endpoint holds each stored response (Responses API previous_response_id).
+        self.responses = responses
 
     def routing_request(
         self, parsed: ParsedRequest, headers: Mapping[str, str], request_id: str
@@ -51,7 +56,8 @@ class Router:
             request_id=request_id,
             model=parsed.model,
             api=parsed.api,
-            session_id=headers.get(SESSION_HEADER) or None,
+            session_id=headers.get(SESSION_HEADER) or parsed.session_hint or None,
+            previous_response_id=parsed.previous_response_id,
             prompt_bytes=len(data),
             prompt_tokens=estimate_tokens(len(data)),
             block_bytes=index.block_bytes,
@@ -76,11 +82,15 @@ class Router:
         self,
         routing: RoutingRequest,
         allowed: Callable[[EndpointSnapshot], bool] | None = None,
+        profile: SchedulingProfile | None = None,
     ) -> list[EndpointSnapshot]:
         """The candidates in order of preference: the pick first, then the fallbacks.
 
-        ``allowed`` narrows the candidates (an Envoy subset hint, say)."""
+        ``allowed`` narrows the candidates (an Envoy subset hint, say); ``profile`` replaces
+        the scheduler's own (the prefill pool's profile of a disaggregated fleet)."""
         started = time.perf_counter()
+        if routing.previous_response_id is not None and profile is None:
+            allowed = await self._pinned(routing, routing.previous_response_id, allowed)
         candidates = self._eligible(routing.model, allowed)
         if not candidates:
             raise NoEndpointsError(f"no healthy endpoint serves model {routing.model!r}")
@@ -92,11 +102,28 @@ class Router:
         candidates = self._eligible(routing.model, allowed)
         if not candidates:
             raise NoEndpointsError(f"no healthy endpoint serves model {routing.model!r}")
-        decision = self._scheduler.profile.run(routing, candidates)
+        decision = (profile or self._scheduler.profile).run(routing, candidates)
         if not decision.ranked:
             raise NoEndpointsError(f"no endpoint is eligible for model {routing.model!r}")
         self._metrics.decision_seconds.observe(time.perf_counter() - started)
         return decision.ranked
+
+    async def _pinned(
+        self,
+        routing: RoutingRequest,
+        response_id: str,
+        allowed: Callable[[EndpointSnapshot], bool] | None,
+    ) -> Callable[[EndpointSnapshot], bool]:
+        """Only the endpoint holding the stored response (a 4xx when it cannot serve)."""
+        if self.responses is None:
+            return allowed or (lambda c: True)
+        endpoint = await self.responses.resolve(
+            response_id,
+            self._pool,
+            self._eligible(routing.model, allowed),
+            param="previous_response_id",
+        )
+        return lambda c: c.id == endpoint
 
     def _eligible(
         self, model: str, allowed: Callable[[EndpointSnapshot], bool] | None

@@ -34,6 +34,8 @@ class RoutingRequest:
     prompt_tokens: int = 0
     block_bytes: int = 0
     block_hashes: Sequence[int] = ()
+    # Responses API: the stored response this request continues; only its endpoint can serve it.
+    previous_response_id: str | None = None
     # Filled by producers:
     prefix_hits: dict[str, int] = field(default_factory=dict)
     affinity_endpoint: str | None = None

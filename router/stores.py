@@ -18,6 +18,7 @@ from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex, Pr
 from router.redis_index import RedisPrefixIndex
 from router.redis_link import RedisMetrics
 from router.redis_state import RedisAffinityStore, SharedInFlight
+from router.response_store import ResponseRoutes
 
 Candidates = Callable[[str], list[EndpointSnapshot]]
 
@@ -27,6 +28,8 @@ class Stores:
     index: PrefixIndex
     affinity: AffinityStore
     shared_in_flight: SharedInFlight | None = None
+    # Responses API: which endpoint stored each response.
+    responses: ResponseRoutes = dataclasses.field(default_factory=ResponseRoutes)
 
     def candidates(self, pool: EndpointPool) -> Candidates:
         """The pool's candidates, with the other gateway replicas' in-flight counts added."""
@@ -52,6 +55,7 @@ class Stores:
         closer = getattr(self.affinity, "aclose", None)
         if closer is not None:
             await closer()
+        await self.responses.aclose()
         await self.index.aclose()
 
 
@@ -59,10 +63,14 @@ def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorR
     cfg = config.prefix_index
     sessions = config.session_affinity
     capacity = cfg.capacity_blocks or DEFAULT_CAPACITY_BLOCKS
+    rc = config.responses
     if cfg.backend == "memory" or cfg.url is None:
         return Stores(
             InMemoryPrefixIndex(capacity),
             InMemoryAffinityStore(sessions.ttl_seconds, sessions.max_sessions),
+            responses=ResponseRoutes(
+                rc.ttl_seconds, rc.max_entries, probe_timeout_seconds=rc.probe_timeout_seconds
+            ),
         )
     metrics = RedisMetrics(registry)
     url, namespace, budget = cfg.url, cfg.namespace, cfg.timeout_ms
@@ -84,4 +92,13 @@ def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorR
         timeout_ms=budget,
         metrics=metrics,
     )
-    return Stores(index, affinity, shared)
+    responses = ResponseRoutes(
+        rc.ttl_seconds,
+        rc.max_entries,
+        url=url,
+        namespace=namespace,
+        timeout_ms=rc.redis_timeout_ms,
+        probe_timeout_seconds=rc.probe_timeout_seconds,
+        metrics=metrics,
+    )
+    return Stores(index, affinity, shared, responses)

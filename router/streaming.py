@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Protocol
 
 import orjson
 from starlette.responses import Response
@@ -67,6 +68,13 @@ def sse_error_event(message: str, error_type: str = "upstream_error", code: int 
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
+class ErrorEvent(Protocol):
+    """Renders a mid-stream error in the API's own SSE shape (Anthropic and the Responses API
+    name their events; OpenAI's chat and completions streams do not)."""
+
+    def __call__(self, message: str, error_type: str = ..., code: int = ...) -> bytes: ...
+
+
 class ClientStalled(Exception):
     """The client did not take a chunk within the idle timeout."""
 
@@ -85,6 +93,8 @@ class UpstreamResponse(Response):
         idle_timeout: float,
         on_finish: Callable[[str], None],
         draining: Callable[[], bool] = lambda: False,
+        error_event: ErrorEvent = sse_error_event,
+        observe: Callable[[bytes], None] | None = None,
     ) -> None:
         self.status_code = upstream.status
         self.raw_headers = headers
@@ -96,6 +106,9 @@ class UpstreamResponse(Response):
         self._idle_timeout = idle_timeout
         self._on_finish = on_finish
         self._draining = draining
+        self._error_event = error_event
+        # Sees every chunk before the client does (the Responses API's id -> endpoint memory).
+        self._observe = observe
         self._sse = upstream.content_type.startswith("text/event-stream")
         self._started = False
         self._last = first_chunk
@@ -129,16 +142,16 @@ class UpstreamResponse(Response):
         self._started = True
         outcome = "ok"
         if self._first:
+            if self._observe is not None:
+                self._observe(self._first)
             await self._send_chunk(send, self._first)
             try:
                 await self._pump(send)
             except UPSTREAM_ERRORS as exc:
                 outcome = "stream_error"
                 if self._sse:
-                    await send(
-                        {"type": "http.response.body", "body": _error_event(self._last, exc),
-                         "more_body": True}
-                    )
+                    event = _lead(self._last) + self._error_event(_failure(exc))
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
         self._watch.stop()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return outcome
@@ -154,6 +167,8 @@ class UpstreamResponse(Response):
                     if not chunk:
                         return
                     self._last = chunk
+                    if self._observe is not None:
+                        self._observe(chunk)
                     sending = True
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     sending = False
@@ -173,7 +188,7 @@ class UpstreamResponse(Response):
         task = asyncio.current_task()
         if task is not None:
             task.uncancel()
-        event = _lead(self._last) + sse_error_event(
+        event = _lead(self._last) + self._error_event(
             "the gateway is shutting down; the stream was cut", "service_unavailable", 503
         )
         self._watch.stop()
@@ -186,6 +201,6 @@ def _lead(last: bytes) -> bytes:
     return b"" if last.endswith(b"\n\n") else b"\n\n"
 
 
-def _error_event(last: bytes, exc: BaseException) -> bytes:
+def _failure(exc: BaseException) -> str:
     reason = "idle timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
-    return _lead(last) + sse_error_event(f"upstream stream failed: {reason}")
+    return f"upstream stream failed: {reason}"

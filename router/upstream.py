@@ -89,5 +89,14 @@ class UpstreamClient:
         response = await self._session.post(url, data=body, headers=list(headers))
         return UpstreamReply(response)
 
+    async def request(
+        self, method: str, url: str, headers: Sequence[tuple[str, str]], body: bytes = b""
+    ) -> UpstreamReply:
+        """Any method (GET/DELETE of a stored response, say); a body only when one is given."""
+        response = await self._session.request(
+            method, url, data=body or None, headers=list(headers)
+        )
+        return UpstreamReply(response)
+
     async def aclose(self) -> None:
         await self._session.close()

@@ -2,7 +2,8 @@
 
 Modules: ``config`` (SimConfig), ``tokenizer`` (deterministic tokenizer and chat template),
 ``kv_cache`` (prefix cache), ``request`` and ``engine`` (step-based batching), ``metrics``
-(Prometheus), ``protocol`` and ``server`` (HTTP API), ``cli`` (flags, ``run``,
+(Prometheus), ``protocol`` and ``server`` (HTTP API), ``anthropic_api`` (Messages API),
+``responses_api`` and ``responses_output`` (Responses API), ``cli`` (flags, ``run``,
 ``start_replicas``).
 """
 

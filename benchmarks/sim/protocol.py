@@ -61,6 +61,8 @@ class GenerationParams:
     seed: int | None
     cache_salt: str | None
     kv_transfer_params: dict[str, Any] | None
+    # A tool the request forces (tool_choice "required" or named): the reply is one call to it.
+    tool_name: str | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -139,6 +141,30 @@ def chat_prompt_ids(body: Mapping[str, Any], tokenizer: Tokenizer) -> list[int]:
         raise ApiError(str(exc), param="messages") from None
 
 
+def forced_tool(body: Mapping[str, Any]) -> str | None:
+    """The tool a chat body's ``tool_choice`` forces (``"required"``: the first one), if any.
+
+    The simulator cannot decide when to call a tool, so it calls one only when told to; its
+    arguments are ``{"input": <generated text>}`` (:func:`tool_arguments`).
+    """
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none"):
+        return None
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise ApiError("'tool_choice' needs 'tools'.", param="tool_choice")
+    if choice == "required":
+        function = tools[0].get("function") if isinstance(tools[0], Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+    elif isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping):
+        name = choice["function"].get("name")
+    else:
+        name = None
+    if not isinstance(name, str) or not name:
+        raise ApiError("'tool_choice' must name a function of 'tools'.", param="tool_choice")
+    return name
+
+
 def parse_generation(
     body: Mapping[str, Any], config: SimConfig, tokenizer: Tokenizer, chat: bool
 ) -> GenerationParams:
@@ -190,6 +216,7 @@ def parse_generation(
         seed=seed,
         cache_salt=salt,
         kv_transfer_params=kv_params,
+        tool_name=forced_tool(body) if chat else None,
     )
 
 
@@ -198,6 +225,30 @@ def parse_generation(
 
 def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def new_tool_call_id() -> str:
+    return "chatcmpl-tool-" + uuid.uuid4().hex
+
+
+# A forced tool call's arguments are {"input": <generated text>}, streamed piece by piece:
+# ARGS_OPEN, then each piece JSON-escaped, then ARGS_CLOSE (orjson's compact form, so the
+# concatenation equals tool_arguments(text)).
+ARGS_OPEN = '{"input":"'
+ARGS_CLOSE = '"}'
+
+
+def tool_arguments(text: str) -> str:
+    return orjson.dumps({"input": text}).decode()
+
+
+def escape_piece(piece: str) -> str:
+    """A piece of text as it appears inside a JSON string."""
+    return orjson.dumps(piece).decode()[1:-1]
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def now_s() -> int:
@@ -223,20 +274,23 @@ def full_response(
 ) -> dict[str, Any]:
     """A non-streaming chat.completion or text_completion body."""
     if params.chat:
+        calls: list[dict[str, Any]] = []
+        if params.tool_name is not None:
+            calls.append(tool_call(new_tool_call_id(), params.tool_name, tool_arguments(text)))
         choice: dict[str, Any] = {
             "index": 0,
             "message": {
                 "role": "assistant",
-                "content": text,
+                "content": None if calls else text,
                 "refusal": None,
                 "annotations": None,
                 "audio": None,
                 "function_call": None,
-                "tool_calls": [],
+                "tool_calls": calls,
                 "reasoning_content": None,
             },
             "logprobs": None,
-            "finish_reason": "length",
+            "finish_reason": "tool_calls" if calls else "length",
             "stop_reason": None,
         }
         obj = "chat.completion"
@@ -293,6 +347,21 @@ def token_chunk(
         }
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    if finish is not None:
+        choice["stop_reason"] = None
+    return sse({**header, "choices": [choice]})
+
+
+def tool_call_chunk(
+    header: dict[str, Any], call: dict[str, Any], finish: str | None = None
+) -> bytes:
+    """One chat chunk carrying a piece of a tool call (the first one has its id and name)."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": {"tool_calls": [{"index": 0, **call}]},
+        "logprobs": None,
+        "finish_reason": finish,
+    }
     if finish is not None:
         choice["stop_reason"] = None
     return sse({**header, "choices": [choice]})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -20,11 +20,11 @@ from . import protocol as p
 from .engine import Engine
 from .request import SimRequest, Status
 
-_JSON = "application/json"
+JSON = "application/json"
 
 
 def json_response(body: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status_code=status, media_type=_JSON)
+    return Response(orjson.dumps(body), status_code=status, media_type=JSON)
 
 
 def error_response(err: p.ApiError) -> Response:
@@ -98,7 +98,7 @@ class GenerationResponse(Response):
         req = self._req
         if req.status is Status.ABORTED:
             err = p.ApiError("The engine is shutting down.", status=503)
-            await _send_bytes(send, err.status, orjson.dumps(err.body()), _JSON)
+            await send_bytes(send, err.status, orjson.dumps(err.body()), JSON)
             return
         kv = None
         params = self._params.kv_transfer_params
@@ -106,39 +106,50 @@ class GenerationResponse(Response):
             kv = self._transfer_params(req)
         text = self._engine.tokenizer.decode(req.output)
         body = p.full_response(self._params, self._rid, self._created, text, self._usage(), kv)
-        await _send_bytes(send, 200, orjson.dumps(body), _JSON)
+        await send_bytes(send, 200, orjson.dumps(body), JSON)
+
+    async def _deltas(self) -> AsyncIterator[list[int]]:
+        """The output ids generated since the last batch, as they come, until the request is
+        done (check ``self._req.status`` after the loop: finished or aborted)."""
+        req = self._req
+        sent = 0
+        while True:
+            if sent < len(req.output):
+                last = len(req.output)
+                yield req.output[sent:last]
+                sent = last
+            if req.done and sent == len(req.output):
+                return
+            req.event.clear()
+            if sent == len(req.output) and not req.done:
+                await req.event.wait()
 
     async def _send_stream(self, send: Send) -> None:
         req, chat = self._req, self._params.chat
         header = p.chunk_header(self._params, self._rid, self._created)
         piece = self._engine.tokenizer.piece
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
-                    (b"cache-control", b"no-cache"),
-                ],
-            }
-        )
+        await start_event_stream(send)
+        tool = self._params.tool_name
         sent = 0
-        while True:
-            if sent < len(req.output):
-                out: list[bytes] = []
-                if sent == 0 and chat:
-                    out.append(p.token_chunk(header, True, "", None, role=True))
-                last = len(req.output)
-                for i in range(sent, last):
-                    finish = "length" if req.status is Status.FINISHED and i == last - 1 else None
-                    out.append(p.token_chunk(header, chat, piece(req.output[i]), finish))
-                sent = last
-                await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
-            if req.done and sent == len(req.output):
-                break
-            req.event.clear()
-            if sent == len(req.output) and not req.done:
-                await req.event.wait()
+        async for ids in self._deltas():
+            out: list[bytes] = []
+            if sent == 0 and chat:
+                out.append(p.token_chunk(header, True, "", None, role=True))
+                if tool is not None:
+                    call = p.tool_call(p.new_tool_call_id(), tool, p.ARGS_OPEN)
+                    out.append(p.tool_call_chunk(header, call))
+            sent += len(ids)
+            last = len(ids) - 1
+            for i, token in enumerate(ids):
+                done = req.status is Status.FINISHED and i == last
+                if tool is None:
+                    finish = "length" if done else None
+                    out.append(p.token_chunk(header, chat, piece(token), finish))
+                    continue
+                args = p.escape_piece(piece(token)) + (p.ARGS_CLOSE if done else "")
+                call = {"function": {"arguments": args}}
+                out.append(p.tool_call_chunk(header, call, "tool_calls" if done else None))
+            await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
         tail: list[bytes] = []
         if req.status is Status.ABORTED:
             err = p.ApiError("The engine is shutting down.", status=503)
@@ -149,12 +160,25 @@ class GenerationResponse(Response):
         await send({"type": "http.response.body", "body": b"".join(tail), "more_body": False})
 
 
+async def start_event_stream(send: Send) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"),
+            ],
+        }
+    )
+
+
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def _send_bytes(send: Send, status: int, body: bytes, media_type: str) -> None:
+async def send_bytes(send: Send, status: int, body: bytes, media_type: str) -> None:
     headers = [(b"content-type", media_type.encode()), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

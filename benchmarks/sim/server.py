@@ -3,8 +3,12 @@
 ``create_app(config)`` builds everything a replica needs (engine, tokenizer, metrics) with no
 globals. Generation requests are answered by ``responses.GenerationResponse``.
 
-Fault knobs (``POST /sim/faults``) apply to ``/v1/completions`` and ``/v1/chat/completions``
-only, so health checks and metrics keep answering while inference misbehaves.
+Besides completions and chat completions, a replica serves the agent APIs vLLM serves: the
+Anthropic Messages API (``anthropic_api``) and the OpenAI Responses API (``responses_api``),
+through the same engine, tokenizer and chat template.
+
+Fault knobs (``POST /sim/faults``) apply to the generation routes only (completions, chat,
+messages, responses), so health checks and metrics keep answering while inference misbehaves.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from . import anthropic_api, responses_api
 from . import protocol as p
 from .config import SimConfig
 from .engine import Engine
@@ -29,6 +34,7 @@ from .kv_events import KVEventPublisher
 from .metrics import CONTENT_TYPE, SimMetrics
 from .request import SimRequest
 from .responses import GenerationResponse, HangResponse, error_response, json_response
+from .responses_output import ResponseStore
 
 SIM_VERSION = "0.11.0"
 
@@ -78,6 +84,7 @@ class SimServer:
         self.metrics.attach(self.engine)
         self.faults = Faults()
         self._fault_rng = random.Random(config.seed)
+        self.responses = ResponseStore()
 
     def transfer_params(self, req: SimRequest) -> dict[str, Any]:
         """What a prefill server tells the proxy to forward to the decode server (Nixl)."""
@@ -96,6 +103,10 @@ class SimServer:
         return [
             Route("/v1/completions", self.completions, methods=post),
             Route("/v1/chat/completions", self.chat_completions, methods=post),
+            Route("/v1/messages", self.messages, methods=post),
+            Route("/v1/responses", self.create_response, methods=post),
+            Route("/v1/responses/{response_id}", self.get_response, methods=get),
+            Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
             Route("/v1/completions/render", self.render_completion, methods=post),
             Route("/v1/chat/completions/render", self.render_chat, methods=post),
             Route("/v1/models", self.models, methods=get),
@@ -120,36 +131,60 @@ class SimServer:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
 
+    async def messages(self, request: Request) -> Response:
+        return await anthropic_api.handle(self, request)
+
+    async def create_response(self, request: Request) -> Response:
+        return await responses_api.create(self, request)
+
+    async def get_response(self, request: Request) -> Response:
+        return responses_api.retrieve(self, request.path_params["response_id"])
+
+    async def delete_response(self, request: Request) -> Response:
+        return responses_api.delete(self, request.path_params["response_id"])
+
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
+        fault = await self.injected_fault()
+        if fault is not None:
+            return fault if isinstance(fault, Response) else error_response(fault)
+        try:
+            body = p.parse_json(await request.body())
+            params = p.parse_generation(body, self.config, self.engine.tokenizer, chat)
+        except p.ApiError as err:
+            return error_response(err)
+        too_big = self.capacity_error(params)
+        if too_big is not None:
+            return error_response(too_big)
+        return GenerationResponse(
+            self.engine, self.new_request(params), params, self.transfer_params
+        )
+
+    async def injected_fault(self) -> Response | p.ApiError | None:
+        """The fault knobs applied to one generation request: after the delay, a response that
+        never comes, an error to answer (in the API's own shape), or None to serve it."""
         faults = self.faults
         if faults.delay_ms > 0:
             await asyncio.sleep(faults.delay_ms / 1000.0)
         if faults.hang:
             return HangResponse()
         if faults.fail_rate > 0 and self._fault_rng.random() < faults.fail_rate:
-            return error_response(p.ApiError("Injected failure.", status=faults.status))
-        try:
-            body = p.parse_json(await request.body())
-            params = p.parse_generation(body, self.config, self.engine.tokenizer, chat)
-        except p.ApiError as err:
-            return error_response(err)
+            return p.ApiError("Injected failure.", status=faults.status)
+        return None
+
+    def capacity_error(self, params: p.GenerationParams) -> p.ApiError | None:
         total = len(params.prompt_ids) + params.max_tokens
-        if not self.engine.fits(total):
-            return error_response(
-                p.ApiError(
-                    f"The request needs {total} tokens of KV cache but the replica holds "
-                    f"{self.config.num_gpu_blocks * self.config.block_size}.",
-                    param="max_tokens",
-                )
-            )
-        return GenerationResponse(
-            self.engine, self._new_request(params), params, self.transfer_params
+        if self.engine.fits(total):
+            return None
+        return p.ApiError(
+            f"The request needs {total} tokens of KV cache but the replica holds "
+            f"{self.config.num_gpu_blocks * self.config.block_size}.",
+            param="max_tokens",
         )
 
-    def _new_request(self, params: p.GenerationParams) -> SimRequest:
+    def new_request(self, params: p.GenerationParams) -> SimRequest:
         raw = orjson.dumps(params.prompt_ids)
         seed = params.seed if params.seed is not None else self.config.seed
         out_seed = xxhash.xxh64_intdigest(raw, seed & 0xFFFFFFFFFFFFFFFF)

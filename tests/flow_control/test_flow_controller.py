@@ -265,12 +265,17 @@ async def test_band_limits_are_per_band_and_global_limits_span_bands() -> None:
                                              {"priority": 5, "maxRequests": 5}]}
     )
     held = run_now(ctl.admit(req("held")))
-    tasks = await queue_all(ctl, [req("low"), req("hi1", priority=5), req("hi2", priority=5)])
+    low, hi1, hi2 = await queue_all(
+        ctl, [req("low"), req("hi1", priority=5), req("hi2", priority=5)]
+    )
     with pytest.raises(SaturatedError):
-        await ctl.admit(req("low2"))  # band 0 full
+        await ctl.admit(req("low2"))  # band 0 full, and its only flow is the newcomer's own
+    # Band 5 has room, the global limit not: the lower-priority request makes way.
+    (hi3,) = await queue_all(ctl, [req("hi3", priority=5)])
+    assert isinstance(low.exception(), SaturatedError)
     with pytest.raises(SaturatedError):
-        await ctl.admit(req("hi3", priority=5))  # band 5 has room, the global limit not
-    await serve_one_by_one(held, tasks)
+        await ctl.admit(req("hi4", priority=5))  # nothing below it, and its own flow is longest
+    assert await serve_one_by_one(held, [hi1, hi2, hi3]) == ["hi1", "hi2", "hi3"]
 
 
 async def test_sheddable_requests() -> None:
