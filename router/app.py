@@ -113,7 +113,14 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
         observers.append(precise.tracker)
     scheduler = Scheduler(profile, producers=producers, observers=observers)
     candidates = stores.candidates(pool)
-    flow = FlowController(config.flow_control, candidates, registry=metrics.registry)
+    scrape = config.pool.metrics_scrape
+    flow = FlowController(
+        config.flow_control,
+        candidates,
+        registry=metrics.registry,
+        scrape_interval=scrape.interval_seconds,
+        scrape_timeout=scrape.timeout_seconds,
+    )
     if precise is not None:
         router: Router = PreciseRouter(
             config, pool, candidates, scheduler, flow, metrics, tracker=precise.tracker,

@@ -57,7 +57,6 @@ class HealthCheckConfig(Strict):
 class MetricsScrapeConfig(Strict):
     interval_seconds: float = Field(0.1, gt=0, le=60)
     timeout_seconds: float = Field(0.5, gt=0)
-    stale_after_seconds: float = Field(1.0, gt=0)
 
 
 class OutlierDetectionConfig(Strict):
