@@ -197,7 +197,7 @@ async def test_killed_replica_fails_only_its_in_flight_streams() -> None:
         async with sim_process(port) as proc, running_gateway(fault_config(urls)) as gw:
             state = gw.gateway.pool.get(victim)
             assert state is not None and state.eligible
-            async with SteadyLoad(gw.url, WORKERS, max_tokens=300) as load:
+            async with SteadyLoad(gw.url, WORKERS, max_tokens=1000) as load:
                 await asyncio.sleep(PHASE)
                 assert await _wait_for(lambda: load.streaming_from(victim), 5)
                 in_flight_at_kill = state.in_flight

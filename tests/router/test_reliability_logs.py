@@ -87,7 +87,10 @@ async def test_access_log_one_json_line_per_request_and_no_key(json_log: io.Stri
                 "/v1/chat/completions", json=CHAT, headers={"x-api-key": CLIENT_KEY + "x"}
             )
             invalid = await http.post("/v1/completions", content=b"{", headers=good)
-            await asyncio.sleep(0.2)  # the writer thread
+            for _ in range(250):  # the writer thread
+                if json_log.getvalue().count(f'"logger":"{ACCESS_LOGGER}"') >= 3:
+                    break
+                await asyncio.sleep(0.02)
     assert (ok.status_code, bad.status_code, invalid.status_code) == (200, 401, 400)
     text = json_log.getvalue()
     lines = [orjson.loads(line) for line in text.splitlines()]

@@ -107,18 +107,18 @@ async def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path: Path) -> N
     async with (
         start_replicas(2, SimConfig(speed=20.0)) as replicas,
         gateway_process(
-            tmp_path, replicas, {"shutdownDelaySeconds": 0.8, "drainTimeoutSeconds": 10}
+            tmp_path, replicas, {"shutdownDelaySeconds": 1.5, "drainTimeoutSeconds": 10}
         ) as (proc, url, log_path),
         httpx.AsyncClient(base_url=url, timeout=20) as http,
     ):
-        # About 1.5 s of tokens at 20x speed: it outlives the shutdown delay.
-        async with http.stream("POST", "/v1/chat/completions", json=_body(2500, True)) as resp:
+        # About 3 s of tokens at 20x speed: it outlives the shutdown delay.
+        async with http.stream("POST", "/v1/chat/completions", json=_body(5000, True)) as resp:
             body = resp.aiter_bytes()
             chunks = [await anext(body)]
             proc.send_signal(signal.SIGTERM)
-            status = await _poll(lambda: _ready_status(url), lambda s: s == 503, 0.7)
+            status = await _poll(lambda: _ready_status(url), lambda s: s != 200, 1.2)
             assert status == 503, "readiness turns false at once"
-            refused = await _poll(lambda: _ready_status(url), lambda s: s == "refused", 3)
+            refused = await _poll(lambda: _ready_status(url), lambda s: s == "refused", 5)
             assert refused == "refused", "new connections are refused after the delay"
             assert proc.returncode is None, "still draining the stream"
             chunks += [chunk async for chunk in body]
