@@ -124,11 +124,12 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     if precise is not None:
         router: Router = PreciseRouter(
             config, pool, candidates, scheduler, flow, metrics, tracker=precise.tracker,
-            responses=stores.responses,
+            responses=stores.responses, calibrator=calibrator,
         )
     else:
         router = Router(
-            config, pool, candidates, scheduler, flow, metrics, responses=stores.responses
+            config, pool, candidates, scheduler, flow, metrics, responses=stores.responses,
+            calibrator=calibrator,
         )
     proxy = Proxy(config, router, metrics)
     if prefill_profile is not None:

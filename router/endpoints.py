@@ -132,30 +132,55 @@ class OutlierSettings:
 
 
 class Lease:
-    """One request's claim on an endpoint: counted in-flight until released, exactly once."""
+    """One request's claim on an endpoint: counted in-flight until released, exactly once.
 
-    __slots__ = ("_first_byte_seen", "_pool", "_released", "prefill_tokens", "state")
+    Its uncached prompt tokens count as prefill queued on the endpoint until the first byte
+    (or until presumed done: a non-streaming answer's first byte is its last, and decode time
+    must not pass for queued prefill). ``on_first_byte`` learns the time to first byte.
+    """
+
+    __slots__ = (
+        "_first_byte_seen", "_on_first_byte", "_pool", "_released", "_started",
+        "prefill_tokens", "state",
+    )
 
     def __init__(
-        self, state: EndpointState, prefill_tokens: int, pool: EndpointPool | None = None
+        self,
+        state: EndpointState,
+        prefill_tokens: int,
+        pool: EndpointPool | None = None,
+        on_first_byte: Callable[[float], None] | None = None,
     ) -> None:
         self.state = state
         self._pool = pool
         self.prefill_tokens = prefill_tokens
         self._first_byte_seen = False
         self._released = False
+        self._on_first_byte = on_first_byte
+        self._started = time.monotonic() if on_first_byte is not None else 0.0
         state.in_flight += 1
         state.pending_prefill_tokens += prefill_tokens
 
     def first_byte(self) -> None:
         if not self._first_byte_seen:
-            self._first_byte_seen = True
-            self.state.pending_prefill_tokens -= self.prefill_tokens
+            self._settle()
+            if self._on_first_byte is not None:
+                self._on_first_byte(time.monotonic() - self._started)
+
+    def presume_prefilled(self) -> None:
+        """The prefill is surely done by now, though no byte has come back yet."""
+        if not self._first_byte_seen:
+            self._settle()
+
+    def _settle(self) -> None:
+        self._first_byte_seen = True
+        self.state.pending_prefill_tokens -= self.prefill_tokens
 
     def release(self) -> None:
         if self._released:
             return
-        self.first_byte()
+        if not self._first_byte_seen:
+            self._settle()
         self._released = True
         self.state.in_flight -= 1
 
@@ -224,11 +249,16 @@ class EndpointPool:
             if s.healthy and not s.ejected and s.serves(model)
         ]
 
-    def lease(self, endpoint_id: str, prefill_tokens: int = 0) -> Lease:
+    def lease(
+        self,
+        endpoint_id: str,
+        prefill_tokens: int = 0,
+        on_first_byte: Callable[[float], None] | None = None,
+    ) -> Lease:
         state = self._states.get(endpoint_id)
         if state is None:
             raise KeyError(endpoint_id)
-        return Lease(state, prefill_tokens, self)
+        return Lease(state, prefill_tokens, self, on_first_byte)
 
     # -- passive health ------------------------------------------------------------------------
 

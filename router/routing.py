@@ -6,11 +6,13 @@ control, the prefix index and affinity behave the same whichever way a request a
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Mapping
 
 from flow_control.controller import FlowController
 from flow_control.request import Ticket
+from router.calibration import Calibrator
 from router.config import GatewayConfig
 from router.endpoints import EndpointPool, EndpointSnapshot, Lease
 from router.errors import ModelNotFoundError, NoEndpointsError
@@ -34,6 +36,7 @@ class Router:
         metrics: GatewayMetrics,
         *,
         responses: ResponseRoutes | None = None,
+        calibrator: Calibrator | None = None,
     ) -> None:
         self._config = config
         self._pool = pool
@@ -43,6 +46,7 @@ class Router:
         self._metrics = metrics
         # Which endpoint holds each stored response (Responses API previous_response_id).
         self.responses = responses
+        self._calibrator = calibrator or Calibrator()
 
     def routing_request(
         self, parsed: ParsedRequest, headers: Mapping[str, str], request_id: str
@@ -56,6 +60,7 @@ class Router:
             request_id=request_id,
             model=parsed.model,
             api=parsed.api,
+            stream=parsed.stream,
             session_id=headers.get(SESSION_HEADER) or parsed.session_hint or None,
             previous_response_id=parsed.previous_response_id,
             prompt_bytes=len(data),
@@ -132,8 +137,27 @@ class Router:
         return candidates if allowed is None else [c for c in candidates if allowed(c)]
 
     def lease(self, routing: RoutingRequest, endpoint_id: str) -> Lease:
-        """Count the request against the endpoint until the lease is released."""
-        return self._pool.lease(endpoint_id, routing.uncached_tokens(endpoint_id))
+        """Count the request against the endpoint until the lease is released.
+
+        A streamed answer's first byte teaches the calibrator what the endpoint's prefill
+        costs: the time it took against the prefill queued there plus this request's own.
+        """
+        state = self._pool.get(endpoint_id)
+        uncached = routing.uncached_tokens(endpoint_id)
+        ahead = uncached + (state.pending_prefill_tokens if state is not None else 0)
+        calibrator = self._calibrator
+        if routing.stream:
+
+            def learn(seconds: float) -> None:
+                calibrator.observe(endpoint_id, ahead, seconds)
+
+            return self._pool.lease(endpoint_id, uncached, learn)
+        lease = self._pool.lease(endpoint_id, uncached)
+        # The first byte of a non-streaming answer is its last: presume the prefill done after
+        # a generous multiple of its predicted time, so decode time is not taken for queue.
+        delay = min(600.0, 3.0 * calibrator.predict(endpoint_id, ahead))
+        asyncio.get_running_loop().call_later(delay, lease.presume_prefilled)
+        return lease
 
     def picked(self, routing: RoutingRequest, endpoint_id: str) -> None:
         """Learn from the pick: prefix index and affinity updates, match-ratio metric."""

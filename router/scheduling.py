@@ -27,6 +27,7 @@ class RoutingRequest:
     request_id: str
     model: str
     api: str = "chat"
+    stream: bool = False
     session_id: str | None = None
     fairness_id: str = "default"
     priority: int = 0

@@ -1,4 +1,10 @@
-"""Built-in strategies: the default profile and the baselines used for comparisons.
+"""Built-in strategies: the default, the llm-d-style weighted profile, and baselines.
+
+``default`` prices every endpoint in one common unit, the predicted time to first token
+(scorers/ttft_cost.py): measured on the agentic workload at moderate load and overload, with
+roomy and tight KV caches, it beat the weighted profile, the baselines and the peer routers on
+TTFT p90 and on the share of reuse captured (README, "Routing quality"). ``weighted`` is llm-d's
+weighted sum of [0, 1] scores, for users who want that model or to tune weights themselves.
 
 Each is plain config (plugins + one profile), exactly what a user could write in YAML, so a
 baseline is never a special code path.
@@ -30,19 +36,19 @@ def _weighted(weights: dict[str, float], picker: str = "max-score-picker") -> St
 
 
 STRATEGIES: dict[str, Strategy] = {
-    "default": _weighted(_DEFAULT_WEIGHTS),
+    # Predicted time to first token in one common unit (scorers/ttft_cost.py).
+    "default": _weighted({"ttft-cost-scorer": 1.0}),
+    "weighted": _weighted(_DEFAULT_WEIGHTS),
     "round-robin": _weighted({}, "round-robin-picker"),
     "random": _weighted({}, "random-picker"),
     "least-loaded": _weighted({"inflight-scorer": 1.0}),
     "prefix-only": _weighted({"prefix-cache-scorer": 1.0}),
     "session-hash": _weighted({"session-hash-scorer": 1.0}),
-    # The default, with the prefix share read from the replicas' KV events (issue 9).
+    # The weighted profile, with the prefix share read from the replicas' KV events (issue 9).
     "precise": _weighted(
         {("precise-prefix-cache-scorer" if t == "prefix-cache-scorer" else t): w
          for t, w in _DEFAULT_WEIGHTS.items()}
     ),
-    # Predicted time to first token in one common unit (scorers/ttft_cost.py).
-    "ttft-cost": _weighted({"ttft-cost-scorer": 1.0}),
 }
 
 
