@@ -19,6 +19,7 @@ import orjson
 
 _MSG = "\x1e"  # record separator: between messages
 _FIELD = "\x1f"  # unit separator: between fields of a message
+_ESC = "\x1a"  # substitute: escapes the three inside text
 
 
 def _canonical_json(value: Any) -> str:
@@ -54,20 +55,21 @@ def _render_part(part: Mapping[str, Any]) -> str:
 
 
 def _escape(text: str) -> str:
-    # Rare: content carrying our separators is escaped so it cannot fake a message boundary.
-    if _MSG in text or _FIELD in text:
-        return text.replace("\\", "\\\\").replace(_MSG, "\\x1e").replace(_FIELD, "\\x1f")
+    # Rare: text carrying our separators (or the escape character) is escaped, injectively, so
+    # that no content, role or name can fake a message boundary.
+    if _MSG in text or _FIELD in text or _ESC in text:
+        return text.replace(_ESC, _ESC + _ESC).replace(_MSG, _ESC + "m").replace(_FIELD, _ESC + "f")
     return text
 
 
 def render_message(message: Mapping[str, Any]) -> str:
     role = message.get("role")
     content = _escape(render_content(message.get("content")))
-    fields = [role if isinstance(role, str) else "", content]
+    fields = [_escape(role) if isinstance(role, str) else "", content]
     for key in ("name", "tool_call_id"):
         value = message.get(key)
         if isinstance(value, str):
-            fields.append(f"{key}={value}")
+            fields.append(f"{key}={_escape(value)}")
     tool_calls = message.get("tool_calls")
     if tool_calls:
         fields.append(_canonical_json(tool_calls))
