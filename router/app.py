@@ -144,6 +144,7 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
         precise.tracker if precise else None,
         precise.expect_events if precise else None,
     )
+    proxy.prediction = gateway.prediction
     return gateway
 
 

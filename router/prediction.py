@@ -191,3 +191,26 @@ class PredictionTracker:
         s.abs_error_tokens += abs(error)
         s.over += error > self.block_size
         s.under += error < -self.block_size
+
+
+class UsageTap:
+    """Keeps the tail of a relayed answer, where its ``usage`` is (the non-streaming body, or
+    the last SSE events), and hands it to the tracker when the answer ends."""
+
+    __slots__ = ("_endpoint_id", "_routing", "_tail", "_tracker")
+    TAIL_BYTES = 16384
+
+    def __init__(
+        self, tracker: PredictionTracker, endpoint_id: str, routing: RoutingRequest
+    ) -> None:
+        self._tracker = tracker
+        self._endpoint_id = endpoint_id
+        self._routing = routing
+        self._tail = b""
+
+    def __call__(self, chunk: bytes) -> None:
+        tail = self._tail + chunk
+        self._tail = tail[-self.TAIL_BYTES :] if len(tail) > self.TAIL_BYTES else tail
+
+    def finish(self) -> None:
+        self._tracker.observe(self._endpoint_id, self._routing, find_usage(self._tail))

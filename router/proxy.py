@@ -48,6 +48,7 @@ from router.errors import (
 from router.logs import AccessLog
 from router.metrics import GatewayMetrics
 from router.parsing import UPSTREAM_PATHS, Api, ParsedRequest, parse_request
+from router.prediction import PredictionTracker, UsageTap
 from router.routing import Router
 from router.scheduling import RoutingRequest
 from router.streaming import DisconnectWatch, ErrorEvent, UpstreamResponse, sse_error_event
@@ -151,6 +152,7 @@ class Proxy:
         self.client: UpstreamClient | None = None
         # Prefill/decode disaggregation, set by build_gateway when it is enabled.
         self.disagg: Disaggregator | None = None
+        self.prediction: PredictionTracker | None = None
         self.auth = build_authenticator(config.auth, environ)
         self.upstream_keys = build_upstream_keys(config.pool, environ)
         drop = set(_DROP_REQUEST_HEADERS)
@@ -343,11 +345,7 @@ class Proxy:
                 self._router.picked(routing, endpoint.id)
             lease.first_byte()
             self._note_pick(ex, routing, endpoint.id)
-            observe = None
-            responses = self._router.responses
-            if parsed.api == "responses" and attempt.reply.status == 200 and responses is not None:
-                observe = responses.tap(endpoint.id)  # learn which endpoint stores the answer
-            return self._relay(attempt, endpoint, lease, watch, ticket, ex, observe)
+            return self._relay(attempt, endpoint, lease, watch, ticket, ex, routing)
         if isinstance(last_error, TimeoutError):
             raise UpstreamTimeoutError("no endpoint answered within the first-byte timeout")
         reason = type(last_error).__name__ if last_error is not None else "none left"
@@ -419,15 +417,18 @@ class Proxy:
         watch: DisconnectWatch,
         ticket: Ticket,
         ex: Exchange,
-        observe: Callable[[bytes], None] | None = None,
+        routing: RoutingRequest,
     ) -> Response:
         upstream = attempt.reply
         ex.status = upstream.status
         headers = response_headers(upstream.raw_headers, endpoint.id, ex.request_id)
+        observe, usage = self._taps(ex.api, upstream.status, endpoint.id, routing)
 
         def finish(outcome: str) -> None:
             ticket.release()
             ex.outcome = outcome
+            if usage is not None and outcome == "ok":
+                usage.finish()
             if outcome == "client_disconnect":
                 self._metrics.client_disconnects.inc()
             elif outcome == "stream_error":
@@ -447,6 +448,27 @@ class Proxy:
             error_event=_ERROR_EVENTS.get(ex.api, sse_error_event),
             observe=observe,
         )
+
+    def _taps(
+        self, api: str, status: int, endpoint_id: str, routing: RoutingRequest
+    ) -> tuple[Callable[[bytes], None] | None, UsageTap | None]:
+        """What reads the relayed answer: the usage (how right the prefix index was) and,
+        for the Responses API, which endpoint stores the answer."""
+        if status != 200:
+            return None, None
+        usage = None
+        if self.prediction is not None:
+            usage = UsageTap(self.prediction, endpoint_id, routing)
+        responses = self._router.responses
+        stored = responses.tap(endpoint_id) if api == "responses" and responses else None
+        if stored is None or usage is None:
+            return (stored or usage), usage
+
+        def both(chunk: bytes) -> None:
+            usage(chunk)
+            stored(chunk)
+
+        return both, usage
 
     def _finish(self, ex: Exchange) -> None:
         self.active -= 1

@@ -209,3 +209,27 @@ async def test_client_disconnect_cancels_upstream(
     assert await _wait_for(lambda: running() == 0)
     assert await _wait_for(lambda: all(s.in_flight == 0 for s in gateway.gateway.pool))
     assert sum(r.engine.stats.requests_aborted for r in replicas) == 1
+
+
+async def test_index_predictions_are_checked_against_usage(gateway: RunningGateway) -> None:
+    """Every answer's cached_tokens is compared with what the prefix index predicted."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": "agent " * 400}]
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"turn {turn} " * 50})
+            body = {"model": MODEL, "messages": messages, "max_tokens": 8, "stream": turn == 2}
+            if turn == 2:
+                body["stream_options"] = {"include_usage": True}
+            resp = await http.post(
+                "/v1/chat/completions", json=body, headers={"x-session-id": "s1"}
+            )
+            assert resp.status_code == 200
+            if turn < 2:
+                messages.append(resp.json()["choices"][0]["message"])
+        text = (await http.get("/metrics")).text
+    counts = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith('prefixgate_prefix_prediction_error_tokens_count{mode="approximate"}')
+    ]
+    assert counts == [3.0], "one comparison per answer, streaming or not"
