@@ -25,7 +25,6 @@ from router.config import ExtProcConfig
 from router.endpoints import EndpointSnapshot, Lease
 from router.errors import GatewayError, NoEndpointsError, PayloadTooLargeError
 from router.extproc_messages import (
-    DESTINATION_HEADER,
     continue_body,
     continue_request_headers,
     continue_response_headers,
@@ -39,6 +38,7 @@ from router.extproc_messages import (
     subset_hint,
     trailers,
 )
+from router.headers import DESTINATION_HEADER
 from router.parsing import Api, parse_request
 
 log = logging.getLogger("prefixgate.extproc")

@@ -15,10 +15,8 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import time
-import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge
@@ -45,6 +43,14 @@ from router.errors import (
     UpstreamError,
     UpstreamTimeoutError,
 )
+from router.exchange import Exchange
+from router.headers import (
+    DROP_REQUEST_HEADERS,
+    FAIRNESS_HEADERS,
+    REQUEST_ID_HEADER,
+    request_id_of,
+    response_headers,
+)
 from router.logs import AccessLog
 from router.metrics import GatewayMetrics
 from router.parsing import UPSTREAM_PATHS, Api, ParsedRequest, parse_request
@@ -56,35 +62,6 @@ from router.upstream import UPSTREAM_ERRORS, UpstreamClient, UpstreamReply
 
 log = logging.getLogger("prefixgate.proxy")
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-REQUEST_ID_HEADER = "x-request-id"
-# A client's request id is echoed in headers and logs: only a short, plain token is honoured.
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-
-# Headers a client may never set for the upstream: hop-by-hop ones, and the gateway's own
-# routing headers (a client-chosen destination or prefiller would be an SSRF hole).
-_DROP_REQUEST_HEADERS = frozenset(
-    h.encode()
-    for h in (
-        "host", "content-length", "connection", "keep-alive", "proxy-authenticate",
-        "proxy-authorization", "proxy-connection", "te", "trailer", "transfer-encoding",
-        "upgrade", "expect", DESTINATION_HEADER, "x-gateway-destination-endpoint-subset",
-        "x-gateway-destination-endpoint-served", "x-prefiller-host-port", "x-prefiller-url",
-        "x-decoder-host-port", "x-gateway-request-dropped-reason", REQUEST_ID_HEADER,
-    )
-)
-_DROP_RESPONSE_HEADERS = frozenset(
-    h.encode()
-    for h in (
-        "connection", "keep-alive", "transfer-encoding", "upgrade", "trailer", "server",
-        "date", DESTINATION_HEADER, REQUEST_ID_HEADER,
-    )
-)
-_FAIRNESS_HEADERS = frozenset(
-    h.encode() for h in ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
-)
-
-
 # Mid-stream errors in each API's own event shape (chat and completions: OpenAI's data event).
 _ERROR_EVENTS: dict[str, ErrorEvent] = {
     "messages": anthropic.stream_error_event,
@@ -92,49 +69,10 @@ _ERROR_EVENTS: dict[str, ErrorEvent] = {
 }
 
 
-def request_id_of(headers: Mapping[str, str]) -> str:
-    value = headers.get(REQUEST_ID_HEADER)
-    return value if value and _REQUEST_ID.fullmatch(value) else uuid.uuid4().hex
-
-
 @dataclass(slots=True)
 class Attempt:
     reply: UpstreamReply
     first_chunk: bytes
-
-
-@dataclass(slots=True)
-class Exchange:
-    """What the access log and metrics say of one request; filled in as it goes."""
-
-    api: Api
-    request_id: str
-    started: float
-    status: int = 0
-    outcome: str = "ok"
-    endpoint: str | None = None
-    model: str | None = None
-    stream: bool | None = None
-    tenant: str | None = None
-    attempts: int = 0
-    ttfb: float | None = None
-    prefix_match: float | None = None
-
-    def fields(self, finished: float) -> dict[str, object]:
-        return {
-            "request_id": self.request_id,
-            "api": self.api,
-            "model": self.model,
-            "stream": self.stream,
-            "tenant": self.tenant,
-            "endpoint": self.endpoint,
-            "status": self.status,
-            "outcome": self.outcome,
-            "attempts": self.attempts,
-            "ttfb_ms": None if self.ttfb is None else round(self.ttfb * 1000, 2),
-            "duration_ms": round((finished - self.started) * 1000, 2),
-            "prefix_match": None if self.prefix_match is None else round(self.prefix_match, 3),
-        }
 
 
 class Proxy:
@@ -155,9 +93,9 @@ class Proxy:
         self.prediction: PredictionTracker | None = None
         self.auth = build_authenticator(config.auth, environ)
         self.upstream_keys = build_upstream_keys(config.pool, environ)
-        drop = set(_DROP_REQUEST_HEADERS)
+        drop = set(DROP_REQUEST_HEADERS)
         if self.auth is not None:
-            drop |= _FAIRNESS_HEADERS  # replaced by the tenant's
+            drop |= FAIRNESS_HEADERS  # replaced by the tenant's
             if not config.auth.forward_client_key:
                 drop |= {h.encode() for h in KEY_HEADERS}
         self._drop = frozenset(drop)
@@ -460,7 +398,9 @@ class Proxy:
         if self.prediction is not None:
             usage = UsageTap(self.prediction, endpoint_id, routing)
         responses = self._router.responses
-        stored = responses.tap(endpoint_id) if api == "responses" and responses else None
+        stored = None
+        if api == "responses" and responses is not None:
+            stored = responses.tap(endpoint_id)  # learn which endpoint stores the answer
         if stored is None or usage is None:
             return (stored or usage), usage
 
@@ -484,12 +424,3 @@ class Proxy:
             async with asyncio.timeout(seconds):
                 await self._idle.wait()
         return self.active == 0
-
-
-def response_headers(
-    raw: Iterable[tuple[bytes, bytes]], endpoint_id: str, request_id: str
-) -> list[tuple[bytes, bytes]]:
-    headers = [(k.lower(), v) for k, v in raw if k.lower() not in _DROP_RESPONSE_HEADERS]
-    headers.append((DESTINATION_HEADER.encode(), endpoint_id.encode()))
-    headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
-    return headers

@@ -16,7 +16,8 @@ from router.auth import TenantHeaders
 from router.config import GatewayConfig
 from router.endpoints import EndpointPool, EndpointSnapshot
 from router.errors import UpstreamError, UpstreamTimeoutError
-from router.proxy import Proxy, request_id_of, response_headers
+from router.headers import request_id_of, response_headers
+from router.proxy import Proxy
 from router.response_store import Probe, ResponseRoutes
 from router.streaming import DisconnectWatch, UpstreamResponse
 from router.upstream import UPSTREAM_ERRORS, UpstreamClient, UpstreamReply
