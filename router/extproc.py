@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from flow_control.request import Ticket
 from router.app import Gateway
 from router.config import ExtProcConfig
+from router.disagg import PREFILLER_HEADER
 from router.endpoints import EndpointSnapshot, Lease
 from router.errors import GatewayError, NoEndpointsError, PayloadTooLargeError
 from router.extproc_messages import (
@@ -40,6 +41,7 @@ from router.extproc_messages import (
 )
 from router.headers import DESTINATION_HEADER
 from router.parsing import Api, parse_request
+from router.scheduling import RoutingRequest
 
 log = logging.getLogger("prefixgate.extproc")
 
@@ -99,6 +101,8 @@ class Exchange:
         self._status = "none"
         self._ticket: Ticket | None = None
         self._lease: Lease | None = None
+        self._prefill_lease: Lease | None = None
+        self._extra: dict[str, str] = {}
         self._closed = False
         self.done = False
 
@@ -175,9 +179,9 @@ class Exchange:
         self._body = bytearray()
         destination = await self._pick(api, body) if api is not None else self._pick_any()
         if not self._duplex:
-            return [routed_body(destination)]
+            return [routed_body(destination, self._extra)]
         chunks = streamed_chunks(body, self._settings.body_chunk_bytes, end_of_stream)
-        return [routed_headers(destination), *chunks]
+        return [routed_headers(destination, self._extra), *chunks]
 
     def _allowed(self) -> Callable[[EndpointSnapshot], bool] | None:
         """Envoy's subset hint, as a filter on the candidates (None: every endpoint)."""
@@ -198,8 +202,25 @@ class Exchange:
         picked = ranked[0].id
         self._lease = router.lease(routing, picked)
         router.picked(routing, picked)
+        await self._choose_prefiller(routing, ranked[0])
         destination = ",".join(e.id for e in ranked[: 1 + self._settings.fallback_endpoints])
         return self._routed(destination, "routed")
+
+    async def _choose_prefiller(self, routing: RoutingRequest, decode: EndpointSnapshot) -> None:
+        """With disaggregation, Envoy reaches one destination: the decode endpoint, whose
+        routing sidecar runs the prefill step on the endpoint named in x-prefiller-host-port
+        (llm-d's sidecar mode, whatever ``disaggregation.mode`` says for the HTTP gateway)."""
+        disagg = self._gw.proxy.disagg
+        if disagg is None:
+            return
+        choice = await disagg.choose_prefiller(routing, decode)
+        if choice is None:
+            return
+        prefill_routing, prefill = choice
+        router = self._gw.router
+        self._prefill_lease = router.lease(prefill_routing, prefill.id)
+        router.picked(prefill_routing, prefill.id)
+        self._extra = {PREFILLER_HEADER: prefill.id}
 
     def _pick_any(self) -> str:
         """No body to read (GET, or a path the gateway does not parse): the least loaded."""
@@ -254,6 +275,8 @@ class Exchange:
         self._closed = True
         if self._lease is not None:
             self._lease.release()
+        if self._prefill_lease is not None:
+            self._prefill_lease.release()
         if self._ticket is not None:
             self._ticket.release()
         if self._destination is not None:

@@ -88,27 +88,28 @@ def lb_metadata(destination: str) -> Any:
     return metadata
 
 
-def _routed(destination: str) -> Any:
+def _routed(destination: str, extra: Mapping[str, str]) -> Any:
     return pb.CommonResponse(
         header_mutation=header_mutation(
-            {DESTINATION_HEADER: destination}, CLIENT_FORBIDDEN_HEADERS
+            {DESTINATION_HEADER: destination, **extra}, CLIENT_FORBIDDEN_HEADERS
         ),
         clear_route_cache=True,
     )
 
 
-def routed_headers(destination: str) -> Any:
-    """FULL_DUPLEX_STREAMED: the (held back) answer to the request headers carries the pick."""
+def routed_headers(destination: str, extra: Mapping[str, str] | None = None) -> Any:
+    """FULL_DUPLEX_STREAMED: the (held back) answer to the request headers carries the pick
+    (and ``extra`` headers for the upstream, such as the prefiller for a P/D sidecar)."""
     return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=_routed(destination)),
+        request_headers=pb.HeadersResponse(response=_routed(destination, extra or {})),
         dynamic_metadata=lb_metadata(destination),
     )
 
 
-def routed_body(destination: str) -> Any:
+def routed_body(destination: str, extra: Mapping[str, str] | None = None) -> Any:
     """BUFFERED: the answer to the buffered body carries the pick (headers are still held)."""
     return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=_routed(destination)),
+        request_body=pb.BodyResponse(response=_routed(destination, extra or {})),
         dynamic_metadata=lb_metadata(destination),
     )
 

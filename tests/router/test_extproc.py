@@ -93,6 +93,14 @@ class Routed:
         assert len(values) == 1
         return values[0]
 
+    def set_header(self, name: str) -> str | None:
+        a = self._mutation_answer()
+        common = getattr(a, a.WhichOneof("response")).response
+        for h in common.header_mutation.set_headers:
+            if h.header.key == name:
+                return str(h.header.raw_value.decode())
+        return None
+
     @property
     def metadata(self) -> str:
         meta = json_format.MessageToDict(self._mutation_answer().dynamic_metadata)
@@ -425,3 +433,27 @@ async def test_a_body_mode_that_cannot_route_is_refused(envoy: Envoy) -> None:
     reply = (await call.read()).immediate_response
     assert reply.status.code == 500
     assert b"FULL_DUPLEX_STREAMED or BUFFERED" in reply.body
+
+
+async def test_disaggregation_names_the_prefiller_for_the_decode_sidecar() -> None:
+    """Envoy reaches one destination: with P/D the decode pick carries x-prefiller-host-port."""
+    async with start_replicas(4, SimConfig(speed=20.0)) as reps:
+        roles = ["prefill", "prefill", "decode", "decode"]
+        config = epp_config(
+            reps,
+            pool={"endpoints": [{"url": r.url, "role": role} for r, role in zip(reps, roles)]},
+            disaggregation={"enabled": True, "nonCachedTokens": 256},
+        )
+        prefill_ids = {f"{r.host}:{r.port}" for r in reps[:2]}
+        decode_ids = {f"{r.host}:{r.port}" for r in reps[2:]}
+        async with running_epp(config) as epp, grpc.aio.insecure_channel(epp.target) as channel:
+            envoy = Envoy(channel)
+            call, routed = await envoy.send_request(chat_body("long prompt " * 600))
+            assert routed.header in decode_ids
+            assert routed.set_header("x-prefiller-host-port") in prefill_ids
+            await envoy.finish(call)
+            call, routed = await envoy.send_request(chat_body("hi"))
+            assert routed.header in decode_ids
+            assert routed.set_header("x-prefiller-host-port") is None  # short: decode alone
+            await envoy.finish(call)
+            await eventually(lambda: in_flight(epp) == 0)
