@@ -441,7 +441,11 @@ async def test_disaggregation_names_the_prefiller_for_the_decode_sidecar() -> No
         roles = ["prefill", "prefill", "decode", "decode"]
         config = epp_config(
             reps,
-            pool={"endpoints": [{"url": r.url, "role": role} for r, role in zip(reps, roles, strict=True)]},
+            pool={
+                "endpoints": [
+                    {"url": r.url, "role": role} for r, role in zip(reps, roles, strict=True)
+                ]
+            },
             disaggregation={"enabled": True, "nonCachedTokens": 256},
         )
         prefill_ids = {f"{r.host}:{r.port}" for r in reps[:2]}
