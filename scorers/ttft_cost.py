@@ -1,9 +1,9 @@
 """TTFT-cost scorer: every endpoint priced in one common unit, the predicted time to first token.
 
     predicted TTFT(e) = overhead(e) + per_token(e) * (prefill queued on e + this request's
-                        uncached tokens on e) + per_running * requests running on e
+                        uncached tokens on e + 5 tokens per request running on e
                         + a KV-admission penalty when e's cache cannot take the request
-                        - a small bonus for the endpoint that holds the session
+                        - a small bonus for the endpoint that served the session last)
 
 The prefill queued on an endpoint is what the gateway itself sent there that has not produced a
 first byte yet (``pending_prefill_tokens``), plus, for requests waiting in the replica that the
@@ -31,17 +31,24 @@ from router.scheduling import RoutingRequest
 
 
 class TTFTCostParameters(Strict):
+    """Every term but the measured prefill is in prompt-token equivalents, priced at the
+    endpoint's learned cost per token: the model means the same at any hardware speed."""
+
     # Uncached tokens assumed for each request waiting in a replica that this gateway did not
     # send (another gateway's, or one sent before a restart).
     foreign_request_tokens: int = Field(512, ge=0)
-    # Seconds each running request adds: steps shared with decodes are slower for everyone.
-    seconds_per_running: float = Field(0.001, ge=0)
+    # Each running request slows the steps this request's prefill shares with decodes.
+    running_request_tokens: float = Field(5.0, ge=0)
+    # This request's uncached tokens weigh this much against tokens already queued: above 1,
+    # a session moves off its cache only when the queue there costs that much more than
+    # recomputing its context elsewhere (which also delays everything queued behind it there).
+    recompute_weight: float = Field(1.0, ge=1.0, le=4.0)
     # KV use above which admission of new blocks is expected to wait (or preempt).
     kv_headroom: float = Field(0.95, gt=0, le=1)
     # Penalty once the request's blocks would overflow the headroom by 10% of the cache.
-    kv_penalty_seconds: float = Field(2.0, ge=0)
+    kv_penalty_tokens: float = Field(10_000.0, ge=0)
     # A nudge towards the endpoint that served the session last, for near ties.
-    affinity_bonus_seconds: float = Field(0.005, ge=0)
+    affinity_bonus_tokens: float = Field(25.0, ge=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,23 +73,26 @@ class TTFTCostScorer:
 
     def terms(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> CostTerms:
         p = self._p
+        overhead, per_token = self._calibrator.cost(endpoint.id)
         uncached = request.uncached_tokens(endpoint.id)
         foreign = max(0.0, endpoint.waiting - endpoint.in_flight) * p.foreign_request_tokens
         queued = endpoint.pending_prefill_tokens + foreign
-        prefill = self._calibrator.predict(endpoint.id, queued + uncached)
-        load = p.seconds_per_running * max(float(endpoint.in_flight), endpoint.running)
-        bonus = p.affinity_bonus_seconds if request.affinity_endpoint == endpoint.id else 0.0
-        penalty = self._kv_penalty(endpoint, uncached)
+        prefill = overhead + per_token * (queued + p.recompute_weight * uncached)
+        running = max(float(endpoint.in_flight), endpoint.running)
+        load = per_token * p.running_request_tokens * running
+        home = request.affinity_endpoint == endpoint.id
+        bonus = per_token * p.affinity_bonus_tokens if home else 0.0
+        penalty = per_token * self._kv_penalty_tokens(endpoint, uncached)
         return CostTerms(endpoint.id, queued, uncached, prefill, load, penalty, bonus)
 
-    def _kv_penalty(self, endpoint: EndpointSnapshot, uncached: int) -> float:
+    def _kv_penalty_tokens(self, endpoint: EndpointSnapshot, uncached: int) -> float:
         if not endpoint.num_gpu_blocks or not endpoint.block_size:
             return 0.0
         capacity = endpoint.num_gpu_blocks * endpoint.block_size
         overflow = endpoint.kv_usage + uncached / capacity - self._p.kv_headroom
         if overflow <= 0:
             return 0.0
-        return self._p.kv_penalty_seconds * min(1.0, overflow * 10)
+        return self._p.kv_penalty_tokens * min(1.0, overflow * 10)
 
     def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
         costs = [self.terms(request, e).total_s for e in endpoints]

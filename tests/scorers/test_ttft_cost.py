@@ -96,3 +96,18 @@ def test_affinity_breaks_near_ties_and_calibration_is_used() -> None:
     scores = slow_aware.score(req(tokens=5_000, hits={"slow": 40}), [snap("slow"), snap("fast")])
     assert scores[1] == 1.0
     assert s.score(req(), []) == []
+
+
+def test_recompute_weight_makes_moving_dearer_and_terms_scale_with_speed() -> None:
+    request = req(tokens=10_000, hits={"home": 150})  # ~9,600 tokens cached at home
+    endpoints = [snap("home", pending_prefill_tokens=12_000), snap("b")]
+    assert scorer().score(request, endpoints)[1] == 1.0  # the queue costs more: move
+    assert scorer(recompute_weight=1.5).score(request, endpoints)[0] == 1.0  # stay
+    # On hardware ten times faster every term, not only the prefill, is ten times cheaper.
+    fast = Calibrator()
+    for tokens in range(1_000, 20_000, 500):
+        fast.observe("a", tokens, 0.003 + 0.00002 * tokens)
+    slow_terms = scorer().terms(req(tokens=500), snap("a", in_flight=10, kv_usage=0.99))
+    fast_terms = TTFTCostScorer(fast).terms(req(tokens=500), snap("a", in_flight=10, kv_usage=0.99))
+    assert fast_terms.load_s == pytest.approx(slow_terms.load_s / 10, rel=0.05)
+    assert fast_terms.kv_penalty_s == pytest.approx(slow_terms.kv_penalty_s / 10, rel=0.05)
