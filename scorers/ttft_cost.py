@@ -42,7 +42,7 @@ class TTFTCostParameters(Strict):
     # This request's uncached tokens weigh this much against tokens already queued: above 1,
     # a session moves off its cache only when the queue there costs that much more than
     # recomputing its context elsewhere (which also delays everything queued behind it there).
-    recompute_weight: float = Field(1.0, ge=1.0, le=4.0)
+    recompute_weight: float = Field(1.5, ge=1.0, le=4.0)
     # KV use above which admission of new blocks is expected to wait (or preempt).
     kv_headroom: float = Field(0.95, gt=0, le=1)
     # Penalty once the request's blocks would overflow the headroom by 10% of the cache.

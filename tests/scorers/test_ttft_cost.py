@@ -101,8 +101,8 @@ def test_affinity_breaks_near_ties_and_calibration_is_used() -> None:
 def test_recompute_weight_makes_moving_dearer_and_terms_scale_with_speed() -> None:
     request = req(tokens=10_000, hits={"home": 150})  # ~9,600 tokens cached at home
     endpoints = [snap("home", pending_prefill_tokens=12_000), snap("b")]
-    assert scorer().score(request, endpoints)[1] == 1.0  # the queue costs more: move
-    assert scorer(recompute_weight=1.5).score(request, endpoints)[0] == 1.0  # stay
+    assert scorer(recompute_weight=1.0).score(request, endpoints)[1] == 1.0  # queue dearer: move
+    assert scorer().score(request, endpoints)[0] == 1.0  # the default weight 1.5: stay
     # On hardware ten times faster every term, not only the prefill, is ten times cheaper.
     fast = Calibrator()
     for tokens in range(1_000, 20_000, 500):
