@@ -137,7 +137,7 @@ class SchedulingProfile:
 
 
 class Scheduler:
-    """Runs the producers, one profile, then the observers."""
+    """Holds one profile with its producers (run before scoring) and observers (after the pick)."""
 
     def __init__(
         self,
@@ -154,12 +154,6 @@ class Scheduler:
             await self._producers[0].produce(request, endpoints)
         elif self._producers:
             await asyncio.gather(*(p.produce(request, endpoints) for p in self._producers))
-
-    async def schedule(
-        self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
-    ) -> Decision:
-        await self.gather(request, endpoints)
-        return self.profile.run(request, endpoints)
 
     def picked(self, request: RoutingRequest, endpoint_id: str) -> None:
         for observer in self._observers:

@@ -93,12 +93,14 @@ async def test_gather_score_update_cycle() -> None:
     scheduler = Scheduler(profile, [prefix, sessions], [prefix, sessions])
     endpoints = [snap("a"), snap("b"), snap("c")]
     first = req(session_id="s", block_hashes=(1, 2, 3))
-    decision = await scheduler.schedule(first, endpoints)
+    await scheduler.gather(first, endpoints)
+    decision = scheduler.profile.run(first, endpoints)
     home = decision.ranked[0].id
     scheduler.picked(first, home)
     # The next turn of the session extends the chain: it must go home, via index and affinity.
     second = req(session_id="s", block_hashes=(1, 2, 3, 4, 5))
-    decision = await scheduler.schedule(second, endpoints)
+    await scheduler.gather(second, endpoints)
+    decision = scheduler.profile.run(second, endpoints)
     assert second.prefix_hits[home] == 3
     assert second.affinity_endpoint == home
     assert decision.ranked[0].id == home
