@@ -166,7 +166,7 @@ async def test_5xx_ejects_and_the_probe_readmits(replicas: list[Replica]) -> Non
 
 async def test_a_hung_replica_hangs_no_request(replicas: list[Replica]) -> None:
     pool = {"endpoints": [{"url": r.url} for r in replicas], **outliers(baseEjectionSeconds=30)}
-    config = gateway_config([], pool=pool, proxy={"firstByteTimeoutSeconds": 0.3})
+    config = gateway_config([], pool=pool, proxy={"firstByteTimeoutSeconds": 1.0})
     hung = ids(replicas)[0]
     async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
         await http.post(f"{replicas[0].url}/sim/faults", json={"hang": True})
