@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -19,51 +17,22 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-import yaml
 
 from benchmarks.sim.cli import Replica, start_replicas
 from benchmarks.sim.config import SimConfig
 from tests.router.conftest import MODEL
-from tests.router.test_reliability_faults import free_port
+from tests.router.processes import gateway_process
 
 pytestmark = pytest.mark.slow
 
 
 @contextlib.asynccontextmanager
-async def gateway_process(
+async def shutdown_gateway(
     tmp_path: Path, replicas: list[Replica], server: dict[str, Any]
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, Path]]:
-    port = free_port()
-    config = {
-        "server": {"host": "127.0.0.1", "port": port, **server},
-        "pool": {"endpoints": [{"url": r.url} for r in replicas]},
-    }
-    path = tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log_path = tmp_path / "gateway.log"
-    args = ["-m", "router.cli", "serve", "--config", str(path),
-            "--log-level", "info", "--log-format", "json"]
-    with log_path.open("wb") as log:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, *args, stdout=subprocess.DEVNULL, stderr=log
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with httpx.AsyncClient(timeout=1) as http:
-            for _ in range(400):
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await http.get(f"{url}/ready")).status_code == 200:
-                        break
-                assert proc.returncode is None, log_path.read_text()
-                await asyncio.sleep(0.05)
-            else:
-                raise AssertionError("the gateway did not become ready")
-        yield proc, url, log_path
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-        async with asyncio.timeout(10):
-            await proc.wait()
+    config = {"server": server, "pool": {"endpoints": [{"url": r.url} for r in replicas]}}
+    async with gateway_process(tmp_path, config) as gw:
+        yield gw.proc, gw.url, gw.log_path
 
 
 async def _exit_code(proc: asyncio.subprocess.Process, seconds: float) -> int | None:
@@ -106,7 +75,7 @@ def _access_lines(log_path: Path) -> list[dict[str, Any]]:
 async def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path: Path) -> None:
     async with (
         start_replicas(2, SimConfig(speed=20.0)) as replicas,
-        gateway_process(
+        shutdown_gateway(
             tmp_path, replicas, {"shutdownDelaySeconds": 1.5, "drainTimeoutSeconds": 10}
         ) as (proc, url, log_path),
         httpx.AsyncClient(base_url=url, timeout=20) as http,
@@ -134,7 +103,7 @@ async def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path: Path) -> N
 async def test_past_the_drain_deadline_requests_end_cleanly(tmp_path: Path) -> None:
     async with (
         start_replicas(2, SimConfig(speed=20.0)) as replicas,
-        gateway_process(
+        shutdown_gateway(
             tmp_path, replicas, {"shutdownDelaySeconds": 0, "drainTimeoutSeconds": 0.5}
         ) as (proc, url, _),
         httpx.AsyncClient(base_url=url, timeout=20) as http,

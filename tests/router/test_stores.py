@@ -1,7 +1,7 @@
 """Several gateways sharing one Redis route as one; a Redis outage loses no request.
 
-The gateways are separate app instances in this process: nothing is shared between them but
-Redis (no module state), so each behaves like its own replica behind a load balancer. Each
+The gateways are separate ``prefixgate serve`` processes: nothing is shared between them but
+Redis, as with gateway replicas behind a load balancer. Each
 session's turns are spread across the gateways at random, as a load balancer would.
 """
 
@@ -12,6 +12,7 @@ import contextlib
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,9 +24,9 @@ from benchmarks.sim.cli import start_replicas
 from benchmarks.sim.config import SimConfig
 from benchmarks.sim.tokenizer import Tokenizer
 from benchmarks.workloads import MultiSessionWorkload, multi_session_chat
-from router.server import RunningGateway, running_gateway
 from tests.redis_server import FlakyProxy
-from tests.router.conftest import MODEL, gateway_config
+from tests.router.conftest import MODEL
+from tests.router.processes import gateway_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -89,31 +90,46 @@ async def spread(
 
 
 @contextlib.asynccontextmanager
-async def gateways(urls: list[str], n: int, index: dict[str, Any]) -> AsyncIterator[list[str]]:
+async def gateways(
+    tmp_path: Path, urls: list[str], n: int, index: dict[str, Any]
+) -> AsyncIterator[list[str]]:
+    """``n`` gateway processes in front of ``urls``, sharing nothing but ``index``'s Redis."""
+    config = {
+        "pool": {
+            "endpoints": [{"url": u} for u in urls],
+            "healthCheck": {"intervalSeconds": 0.2, "unhealthyThreshold": 2},
+            "metricsScrape": {"intervalSeconds": 0.05},
+        },
+        "prefixIndex": index,
+    }
     async with contextlib.AsyncExitStack() as stack:
-        running: list[RunningGateway] = []
-        for _ in range(n):
-            config = gateway_config(urls, prefixIndex=index)
-            running.append(await stack.enter_async_context(running_gateway(config)))
+        running = await asyncio.gather(
+            *(
+                stack.enter_async_context(gateway_process(tmp_path, config, f"gateway{i}"))
+                for i in range(n)
+            )
+        )
         yield [g.url for g in running]
 
 
-async def captured(n_gateways: int, index: dict[str, Any]) -> float:
+async def captured(tmp_path: Path, n_gateways: int, index: dict[str, Any]) -> float:
     """Share of the workload's reusable tokens served from the replicas' caches."""
     async with start_replicas(4, SimConfig(num_gpu_blocks=768, speed=50.0)) as replicas:
         urls = [r.url for r in replicas]
-        async with gateways(urls, n_gateways, index) as gw_urls:
+        async with gateways(tmp_path, urls, n_gateways, index) as gw_urls:
             outcome = await spread(gw_urls, workload(), seed=11)
         stats = await cache_stats(urls)
     assert outcome.failed == 0 and outcome.reuse is not None
     return sum(s.hits for s in stats.values()) / outcome.reuse.reusable_tokens
 
 
-async def test_gateways_sharing_redis_route_as_one(redis_url: str, redis_namespace: str) -> None:
+async def test_gateways_sharing_redis_route_as_one(
+    tmp_path: Path, redis_url: str, redis_namespace: str
+) -> None:
     redis_index = {"backend": "redis", "url": redis_url, "namespace": redis_namespace}
-    single = await captured(1, {})
-    shared = await captured(3, {**redis_index, "timeoutMs": 50})
-    separate = await captured(3, {})
+    single = await captured(tmp_path, 1, {})
+    shared = await captured(tmp_path, 3, {**redis_index, "timeoutMs": 50})
+    separate = await captured(tmp_path, 3, {})
     print(
         f"captured reuse: 1 gateway {single:.3f}, 3 on Redis {shared:.3f}, 3 apart {separate:.3f}"
     )
@@ -137,7 +153,9 @@ async def until_recovered(gateway: str, seconds: float = 20.0) -> str:
     return text
 
 
-async def test_redis_outage_fails_no_request(redis_url: str, redis_namespace: str) -> None:
+async def test_redis_outage_fails_no_request(
+    tmp_path: Path, redis_url: str, redis_namespace: str
+) -> None:
     flaky = FlakyProxy(redis_url)
     url = await flaky.start()
     index = {"backend": "redis", "url": url, "namespace": redis_namespace, "timeoutMs": 20}
@@ -152,7 +170,7 @@ async def test_redis_outage_fails_no_request(redis_url: str, redis_namespace: st
     try:
         async with start_replicas(4, SimConfig(num_gpu_blocks=768, speed=50.0)) as replicas:
             urls = [r.url for r in replicas]
-            async with gateways(urls, 2, index) as gw_urls:
+            async with gateways(tmp_path, urls, 2, index) as gw_urls:
                 outcome = await spread(gw_urls, workload(), seed=3, between=outage)
                 text = await until_recovered(gw_urls[0])
     finally:
