@@ -4,9 +4,12 @@
 
 Prompts of 1K, 32K and 200K tokens (4 bytes a token, hashed at the default block size) against
 8 and 64 endpoints. Endpoint 0 holds the whole chain and the others its first half, so a lookup
-walks every block. "lookup" is ``match`` (for Redis: the local walk plus one script round trip);
-"record" is the in-memory ``record``; "update" is Redis ``record`` plus the shipped round trip.
-Also prints Redis bytes per entry measured with MEMORY USAGE. Runs in well under a minute.
+walks every block. "lookup" is ``match`` (for Redis: the local walk plus one script round trip).
+"record" (in-memory ``record``) and "update" (Redis ``record`` plus the shipped round trip) are
+an agent's next turn: the chain the endpoint holds plus 1,000 new tokens, in turn on each
+endpoint. "new chain" is the same for a chain no endpoint has seen (a cold start: every block
+is new, so its cost is linear in the prompt). Also prints Redis bytes per entry measured with
+MEMORY USAGE. Runs in well under a minute.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex
 from router.redis_index import RedisPrefixIndex
 
 MODEL = "bench-model"
+TURN_BLOCKS = -(-1_000 * 4 // DEFAULT_BLOCK_BYTES)  # 1,000 new tokens a turn
 PROMPT_TOKENS = (1_000, 32_000, 200_000)
 ENDPOINTS = (8, 64)
 Row = dict[str, str]
@@ -52,19 +56,45 @@ async def timed(n: int, op: Callable[[int], Awaitable[object]]) -> list[float]:
     return samples
 
 
+class Turns:
+    """Each endpoint's session chain, one turn longer at every call; and never-seen chains."""
+
+    def __init__(self, hashes: list[int], ids: list[str], seed: int) -> None:
+        self._rng = random.Random(seed)
+        self._ids = ids
+        self._chains = {e: hashes if i == 0 else hashes[: len(hashes) // 2]
+                        for i, e in enumerate(ids)}
+        self._length = len(hashes)
+
+    def _fresh(self, blocks: int) -> list[int]:
+        return [self._rng.getrandbits(64) for _ in range(blocks)]
+
+    def next_turn(self, i: int) -> tuple[str, list[int]]:
+        endpoint = self._ids[i % len(self._ids)]
+        chain = self._chains[endpoint] + self._fresh(TURN_BLOCKS)
+        self._chains[endpoint] = chain
+        return endpoint, chain
+
+    def new_chain(self, i: int) -> tuple[str, list[int]]:
+        return self._ids[i % len(self._ids)], self._fresh(self._length)
+
+
 async def bench_memory(hashes: list[int], ids: list[str], n: int) -> Row:
     index = InMemoryPrefixIndex()
     populate(index, hashes, ids)
+    turns = Turns(hashes, ids, seed=len(hashes))
 
     async def lookup(i: int) -> object:
         return await index.match(hashes, ids)
 
-    async def record(i: int) -> object:
-        index.record(ids[i % len(ids)], hashes)
-        return None
+    def record(make: Callable[[int], tuple[str, list[int]]]) -> Callable[[int], Awaitable[None]]:
+        async def op(i: int) -> None:
+            index.record(*make(i))
+        return op
 
     return {"mem lookup": quantiles(await timed(n, lookup)),
-            "mem record": quantiles(await timed(n, record))}
+            "mem record": quantiles(await timed(n, record(turns.next_turn))),
+            "mem new chain": quantiles(await timed(n, record(turns.new_chain)))}
 
 
 async def bench_redis(url: str, hashes: list[int], ids: list[str], n: int) -> Row:
@@ -74,18 +104,25 @@ async def bench_redis(url: str, hashes: list[int], ids: list[str], n: int) -> Ro
         populate(index, hashes, ids)
         await index.flush()
 
+        turns = Turns(hashes, ids, seed=len(hashes))
+
         async def lookup(i: int) -> object:
             return await index.match(hashes, ids)
 
-        async def update(i: int) -> object:
-            index.record(ids[i % len(ids)], hashes)
-            await index.flush()
-            return None
+        def update(
+            make: Callable[[int], tuple[str, list[int]]]
+        ) -> Callable[[int], Awaitable[None]]:
+            async def op(i: int) -> None:
+                index.record(*make(i))
+                await index.flush()
+            return op
 
         lookups = await timed(n, lookup)
-        updates = await timed(n, update)
+        updates = await timed(n, update(turns.next_turn))
+        cold = await timed(n, update(turns.new_chain))
         fallbacks = sum(m.samples[0].value for m in index.metrics.fallbacks.collect() if m.samples)
-        row = {"redis lookup": quantiles(lookups), "redis update": quantiles(updates)}
+        row = {"redis lookup": quantiles(lookups), "redis update": quantiles(updates),
+               "redis new chain": quantiles(cold)}
         if fallbacks:
             row["redis lookup"] += f" ({fallbacks:.0f} fallbacks)"
         return row
@@ -152,7 +189,7 @@ async def bytes_per_entry(url: str, endpoints: int = 8, blocks: int = 20_000) ->
 async def main(url: str, quick: bool) -> None:
     have_redis = await redis_answers(url)
     header = ["prompt tokens", "blocks", "endpoints", "mem lookup", "mem record",
-              "redis lookup", "redis update"]
+              "redis lookup", "redis update", "mem new chain", "redis new chain"]
     print("p50 / p99 in ms" + ("" if have_redis else f" (no Redis at {url}: memory only)"))
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))

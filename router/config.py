@@ -96,6 +96,9 @@ class PrefixIndexConfig(Strict):
     url: str | None = None
     namespace: str = "prefixgate"
     timeout_ms: float = Field(5.0, gt=0)
+    # Redis: the most blocks one update script touches; a longer cold chain goes in pieces, one
+    # round trip each, so no script holds the server long. 0: always one round trip.
+    max_blocks_per_write: int = Field(256, ge=0)
 
     @model_validator(mode="after")
     def _redis_url(self) -> PrefixIndexConfig:

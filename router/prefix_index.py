@@ -8,8 +8,11 @@ ages out roughly as the replica's own cache does.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection, Sequence
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 DEFAULT_CAPACITY_BLOCKS = 31_250
@@ -41,12 +44,88 @@ class PrefixIndex(Protocol):
     async def aclose(self) -> None: ...
 
 
+def fresh_window(capacity: int) -> int:
+    """How many touches ago a block may have been touched and still count as fresh.
+
+    A fresh block is not touched again, and at most this many blocks can have been touched
+    since, so it cannot be evicted while fresh: the window is a quarter of the capacity.
+    """
+    return max(1, capacity // 4)
+
+
+def fresh_prefix(
+    score_of: Callable[[int], float | None], hashes: Sequence[int], fresh: float
+) -> int:
+    """How many leading blocks of the chain have a score above ``fresh`` (a binary search).
+
+    Scores never increase along a chain (a touch scores a chain head highest) and the held
+    part of a chain is a prefix of it, so "fresh" holds for a prefix of the chain.
+    """
+    lo, hi = 0, len(hashes)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        score = score_of(hashes[mid - 1])
+        if score is not None and score > fresh:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def tail_scores(top: float, fresh: float, count: int) -> list[float] | None:
+    """Scores for ``count`` blocks touched after a fresh prefix whose last block scores ``top``.
+
+    They go just below ``top`` (so the chain still evicts from its tail) and above ``fresh``
+    (so above whatever stale score they had); None when doubles cannot tell them apart.
+    """
+    low = max(fresh, top - 1.0)
+    step = (top - low) / (count + 1)
+    scores = [top - k * step for k in range(1, count + 1)]
+    if not scores or scores[0] >= top or scores[-1] <= low:
+        return None
+    if any(a <= b for a, b in itertools.pairwise(scores)):
+        return None
+    return scores
+
+
+@dataclass(slots=True)
+class _Lru:
+    """Per-endpoint recency: block -> score, and a touch clock.
+
+    Eviction order is kept lazily (an entry is live while it matches ``scores``) in two
+    queues: whole touches score above everything, so they append to ``ordered`` in ascending
+    order at C speed; tails slotted under a fresh head go to the min-heap ``heap``.
+    """
+
+    scores: dict[int, float] = field(default_factory=dict)
+    ordered: deque[tuple[float, int]] = field(default_factory=deque)
+    heap: list[tuple[float, int]] = field(default_factory=list)
+    clock: int = 0
+
+    def pop_oldest(self) -> tuple[float, int]:
+        ordered, heap = self.ordered, self.heap
+        if ordered and (not heap or ordered[0] <= heap[0]):
+            return ordered.popleft()
+        return heapq.heappop(heap)
+
+    def compact(self) -> None:
+        """Drop superseded entries: rare (they pile up only while nothing is evicted)."""
+        if len(self.ordered) + len(self.heap) > 3 * len(self.scores) + 1024:
+            self.heap = [(score, h) for h, score in self.scores.items()]
+            heapq.heapify(self.heap)
+            self.ordered.clear()
+
+
 class InMemoryPrefixIndex:
-    """Block hash -> bitmask of holding endpoints, plus one LRU of hashes per endpoint.
+    """Block hash -> bitmask of holding endpoints, plus a recency order per endpoint.
 
     A bitmask per hash (instead of a set) keeps an entry small and makes the chain walk a few
-    integer operations per block. Hashes of a request are touched last-block-first, so the
-    LRU evicts a chain from its tail, the way vLLM frees a finished request's blocks.
+    integer operations per block. A record touches a chain last block first, so eviction (the
+    lowest score first) frees a chain from its tail, the way vLLM frees a finished request's
+    blocks. A record touches only what is not fresh (:func:`fresh_window`): an agent's next turn
+    re-sends a long chain whose head was touched moments ago, and touching only its new tail
+    makes the record cost the new blocks plus a binary search, not the whole chain. The same
+    rules run in Redis (router/redis_index.py), so both indexes evict alike.
     """
 
     def __init__(self, default_capacity: int = DEFAULT_CAPACITY_BLOCKS) -> None:
@@ -55,7 +134,7 @@ class InMemoryPrefixIndex:
         self._default_capacity = default_capacity
         self._holders: dict[int, int] = {}
         self._bits: dict[str, int] = {}
-        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._lru: dict[str, _Lru] = {}
         self._capacity: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -63,7 +142,7 @@ class InMemoryPrefixIndex:
 
     def entries(self, endpoint_id: str) -> int:
         lru = self._lru.get(endpoint_id)
-        return len(lru) if lru is not None else 0
+        return len(lru.scores) if lru is not None else 0
 
     def capacity(self, endpoint_id: str) -> int:
         return self._capacity.get(endpoint_id, self._default_capacity)
@@ -74,7 +153,7 @@ class InMemoryPrefixIndex:
             used = set(self._bits.values())
             bit = next(1 << i for i in range(len(used) + 1) if (1 << i) not in used)
             self._bits[endpoint_id] = bit
-            self._lru[endpoint_id] = OrderedDict()
+            self._lru[endpoint_id] = _Lru()
         return bit
 
     def match_now(self, hashes: Sequence[int], endpoint_ids: Collection[str]) -> dict[str, int]:
@@ -106,17 +185,43 @@ class InMemoryPrefixIndex:
             return
         bit = self._bit(endpoint_id)
         lru = self._lru[endpoint_id]
-        holders = self._holders
-        for h in reversed(hashes):
-            if h in lru:
-                lru.move_to_end(h)
-            else:
-                lru[h] = None
-                holders[h] = holders.get(h, 0) | bit
         capacity = self.capacity(endpoint_id)
-        while len(lru) > capacity:
-            old, _ = lru.popitem(last=False)
-            self._drop(old, bit)
+        fresh = lru.clock - fresh_window(capacity)
+        scores = lru.scores
+        first = fresh_prefix(scores.get, hashes, fresh)
+        if first == len(hashes):
+            return
+        tail = hashes[first:]
+        new = tail_scores(scores[hashes[first - 1]], fresh, len(tail)) if first else None
+        added = [h for h in (hashes if new is None else tail) if h not in scores]
+        if new is None:
+            # A whole touch: the chain head becomes the most recent block.
+            tail = hashes[::-1]
+            ascending = [float(lru.clock + 1 + k) for k in range(len(tail))]
+            scores.update(zip(tail, ascending, strict=True))
+            lru.ordered.extend(zip(ascending, tail, strict=True))
+        else:
+            scores.update(zip(tail, new, strict=True))
+            for item in zip(new, tail, strict=True):
+                heapq.heappush(lru.heap, item)
+        lru.clock += len(tail)
+        holders = self._holders
+        for h in added:
+            holders[h] = holders.get(h, 0) | bit
+        self._evict(lru, bit, capacity)
+
+    def _evict(self, lru: _Lru, bit: int, capacity: int) -> None:
+        scores, pop, holders = lru.scores, lru.pop_oldest, self._holders
+        while len(scores) > capacity:
+            score, h = pop()
+            if scores.get(h) == score:  # else a later touch superseded this entry
+                del scores[h]
+                mask = holders.get(h, 0) & ~bit
+                if mask:
+                    holders[h] = mask
+                else:
+                    holders.pop(h, None)
+        lru.compact()
 
     def _drop(self, h: int, bit: int) -> None:
         mask = self._holders.get(h, 0) & ~bit
@@ -136,18 +241,14 @@ class InMemoryPrefixIndex:
         lru = self._lru.pop(endpoint_id, None)
         if bit is None or lru is None:
             return
-        for h in lru:
+        for h in lru.scores:
             self._drop(h, bit)
 
     def set_capacity(self, endpoint_id: str, blocks: int) -> None:
         self._capacity[endpoint_id] = max(1, blocks)
         lru = self._lru.get(endpoint_id)
-        if lru is None:
-            return
-        bit = self._bits[endpoint_id]
-        while len(lru) > self._capacity[endpoint_id]:
-            old, _ = lru.popitem(last=False)
-            self._drop(old, bit)
+        if lru is not None:
+            self._evict(lru, self._bits[endpoint_id], self._capacity[endpoint_id])
 
     async def aclose(self) -> None:
         return None

@@ -12,9 +12,11 @@ so that every key a script touches lives in one Redis Cluster slot:
 - ``<tag>:h``  one hash: field = the block hash as 8 raw bytes, value = a bitmap of the endpoint
   slots that hold it (trailing zero bytes stripped, so one byte for up to 8 endpoints).
 - ``<tag>:s``  one hash: endpoint id -> its slot number (lowest free slot, freed by a purge).
-- ``<tag>:l:<endpoint>``  a sorted set per endpoint: member = block hash, score = a per-endpoint
-  touch counter. The LRU: a record touches its chain last block first, so eviction (ZPOPMIN
-  past the capacity) frees a chain from its tail, exactly like the in-memory index.
+- ``<tag>:l:<endpoint>``  a sorted set per endpoint: member = block hash, score = its recency.
+  The LRU: a chain head always scores at least as high as its tail, so eviction (ZPOPMIN past
+  the capacity) frees a chain from its tail, exactly like the in-memory index, whose touch
+  rules (touch only what is not fresh; see router/prefix_index.py) the record script repeats.
+- ``<tag>:c``  one hash: endpoint id -> its touch clock (blocks touched so far).
 
 Measured on Redis 7.0 (``python -m benchmarks.index_bench`` prints it): about 61 bytes per block
 in the holder hash plus about 113 bytes per (endpoint, block) LRU entry. The bound for the
@@ -53,6 +55,7 @@ from router.redis_link import (
 
 DEFAULT_KEY_TTL_SECONDS = 86_400.0
 _CHUNK = 1024  # hashes per HMGET/ZADD inside a script: well under Lua's unpack() limit
+DEFAULT_MAX_BLOCKS_PER_WRITE = 256  # ~1.5 ms of Redis time, evictions included
 
 # Shared by the scripts below. A holder bitmap is a string, one bit per endpoint slot; it stays
 # canonical (no trailing zero bytes) so that equal holder sets are equal strings, which lets the
@@ -166,25 +169,45 @@ search(0, n, cands)
 return res
 """)
 
-# KEYS: holders, slots, this endpoint's LRU. ARGV: endpoint, capacity, ttl ms, refresh-all flag,
-# LRU key prefix, packed hashes (possibly empty: then it only trims to the capacity).
+# KEYS: holders, slots, this endpoint's LRU, clocks. ARGV: endpoint, capacity, ttl ms,
+# refresh-all flag, LRU key prefix, packed hashes (possibly empty: then it only trims), the most
+# blocks to touch in this call (0: no limit). Returns 0, or 1 + the fresh head's length when the
+# touch would exceed that limit (nothing is written: the caller ships the chain in pieces).
+# The touch rules of InMemoryPrefixIndex.record (router/prefix_index.py), step for step and in
+# the same double arithmetic, so both indexes score and evict alike: a binary search for the
+# fresh head of the chain, then only the rest is touched.
 _RECORD = LuaScript(_PRELUDE + """
-local holders, slots, lru = KEYS[1], KEYS[2], KEYS[3]
+local holders, slots, lru, clocks = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local ep, cap, ttl, blob = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[6]
+local most = tonumber(ARGV[7])
 local n = #blob / 8
 local slot = slot_of(slots, ep, n > 0)
-if n > 0 then
+local function at(k) return sub(blob, k * 8 - 7, k * 8) end
+local function score_of(k)
+  local s = redis.call('ZSCORE', lru, at(k))
+  return s and tonumber(s)
+end
+local function tail_scores(top, fresh, count)
+  local low = math.max(fresh, top - 1)
+  local step = (top - low) / (count + 1)
+  local out, prev = {}, top
+  for k = 1, count do
+    local s = top - k * step
+    if s >= prev then return nil end
+    out[k] = s; prev = s
+  end
+  if out[count] <= low then return nil end
+  return out
+end
+local function touch(first, scores)
   local byte, mask = math.floor(slot / 8) + 1, 2 ^ (slot % 8)
-  local top = redis.call('ZREVRANGE', lru, 0, 0, 'WITHSCORES')
-  local score = top[2] and tonumber(top[2]) or 0
-  local i = n
-  while i >= 1 do
-    local lo = math.max(1, i - CHUNK + 1)
+  local i = first
+  while i <= n do
+    local last = math.min(n, i + CHUNK - 1)
     local f, z = {}, {}
-    for k = i, lo, -1 do
-      local h = sub(blob, k * 8 - 7, k * 8)
-      score = score + 1
-      f[#f + 1] = h; z[#z + 1] = score; z[#z + 1] = h
+    for k = i, last do
+      local h = at(k)
+      f[#f + 1] = h; z[#z + 1] = scores[k - first + 1]; z[#z + 1] = h
     end
     redis.call('ZADD', lru, unpack(z))
     local vals = redis.call('HMGET', holders, unpack(f))
@@ -194,13 +217,39 @@ if n > 0 then
       if nv then set[#set + 1] = f[k]; set[#set + 1] = nv end
     end
     if #set > 0 then redis.call('HSET', holders, unpack(set)) end
-    i = lo - 1
+    i = last + 1
+  end
+end
+if n > 0 then
+  local clock = tonumber(redis.call('HGET', clocks, ep) or false)
+  if not clock then  -- entries written before the clock existed: continue above them
+    local top = redis.call('ZREVRANGE', lru, 0, 0, 'WITHSCORES')
+    clock = top[2] and math.ceil(tonumber(top[2])) or 0
+  end
+  local fresh = clock - math.max(1, math.floor(cap / 4))
+  local lo, hi = 0, n
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    local s = score_of(mid)
+    if s and s > fresh then lo = mid else hi = mid - 1 end
+  end
+  if lo < n then
+    local first, scores = lo + 1, nil
+    if lo > 0 then scores = tail_scores(score_of(lo), fresh, n - lo) end
+    if most > 0 and (scores and #scores or n) > most then return lo + 1 end
+    if not scores then
+      first, scores = 1, {}
+      for k = 1, n do scores[k] = clock + n - k + 1 end
+    end
+    touch(first, scores)
+    redis.call('HSET', clocks, ep, clock + #scores)
   end
 end
 pop_oldest(holders, lru, slot, redis.call('ZCARD', lru) - cap)
 redis.call('PEXPIRE', holders, ttl)
 redis.call('PEXPIRE', slots, ttl)
 redis.call('PEXPIRE', lru, ttl)
+redis.call('PEXPIRE', clocks, ttl)
 if ARGV[4] == '1' then
   -- LRU keys are derived from the slots hash; they share the hash tag, so the same Cluster slot.
   for _, e in ipairs(redis.call('HKEYS', slots)) do redis.call('PEXPIRE', ARGV[5] .. e, ttl) end
@@ -208,13 +257,16 @@ end
 return 0
 """)
 
-# KEYS: holders, slots, the endpoint's LRU. ARGV: endpoint, chunk. Purges one chunk of the
-# endpoint's entries, frees its slot when none are left; returns how many are left.
+# KEYS: holders, slots, the endpoint's LRU, clocks. ARGV: endpoint, chunk. Purges one chunk of
+# the endpoint's entries, frees its slot when none are left; returns how many are left.
 _FORGET = LuaScript(_PRELUDE + """
 local slot = slot_of(KEYS[2], ARGV[1], false)
 pop_oldest(KEYS[1], KEYS[3], slot, tonumber(ARGV[2]))
 local left = redis.call('ZCARD', KEYS[3])
-if left == 0 then redis.call('HDEL', KEYS[2], ARGV[1]) end
+if left == 0 then
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  redis.call('HDEL', KEYS[4], ARGV[1])
+end
 return left
 """)
 
@@ -259,10 +311,12 @@ class RedisPrefixIndex:
         max_pending_bytes: int = 16 << 20,
         forget_chunk: int = 1000,
         flush_timeout: float = 0.5,
+        max_blocks_per_write: int = DEFAULT_MAX_BLOCKS_PER_WRITE,
     ) -> None:
         tag = key_tag(namespace, partition)
         self.local = InMemoryPrefixIndex(default_capacity)
         self._holders, self._slots, self._lru_prefix = tag + ":h", tag + ":s", tag + ":l:"
+        self._clocks = tag + ":c"
         if metrics is None and registry is not None:
             metrics = RedisMetrics(registry)
         self.metrics = default_metrics(metrics)
@@ -274,6 +328,7 @@ class RedisPrefixIndex:
         self._refresh_every = key_ttl_seconds / 10
         self._refreshed_at = -float("inf")
         self._forget_chunk = max(1, forget_chunk)
+        self._max_touch = max(0, max_blocks_per_write)
         self._flush_timeout = flush_timeout
         # Value: the capacity at enqueue time, so a later set_capacity cannot rewrite history.
         self._queue: UpdateQueue[_Op, int] = UpdateQueue(
@@ -346,18 +401,21 @@ class RedisPrefixIndex:
         await self._queue.aclose(self._flush_timeout)
         await self._link.aclose()
 
-    def _script_args(self, op: _Op, capacity: int, refresh: bool) -> _Call:
+    def _script_args(self, op: _Op, capacity: int, refresh: bool, most: int = 0) -> _Call:
         kind, endpoint_id, blob = op
-        keys = [self._holders, self._slots, self._lru_prefix + endpoint_id]
+        keys = [self._holders, self._slots, self._lru_prefix + endpoint_id, self._clocks]
         if kind == "forget":
             return _FORGET, keys, [endpoint_id, self._forget_chunk]
         flag = "1" if refresh else "0"
-        return _RECORD, keys, [endpoint_id, capacity, self._ttl_ms, flag, self._lru_prefix, blob]
+        args = [endpoint_id, capacity, self._ttl_ms, flag, self._lru_prefix, blob, most]
+        return _RECORD, keys, args
 
     async def _ship(self, batch: list[tuple[_Op, int]]) -> None:
         """One pipelined round trip for a batch of updates; purges continue chunk by chunk."""
         refresh = time.monotonic() - self._refreshed_at > self._refresh_every
-        calls = [self._script_args(op, capacity, refresh) for op, capacity in batch]
+        calls = [
+            self._script_args(op, capacity, refresh, self._max_touch) for op, capacity in batch
+        ]
 
         async def run(client: Any) -> list[Any]:
             results = await self._pipeline(client, calls)
@@ -377,6 +435,30 @@ class RedisPrefixIndex:
         for (op, capacity), result in zip(batch, results, strict=True):
             if op[0] == "forget" and isinstance(result, int) and result > 0:
                 self._queue.put(op, capacity)  # bounded work per call: the rest in a later batch
+            elif op[0] == "record" and isinstance(result, int) and result > 0:
+                await self._record_in_pieces(op, capacity, result - 1)
+
+    async def _record_in_pieces(self, op: _Op, capacity: int, fresh: int) -> None:
+        """Touch a long chain as growing prefixes, one round trip each.
+
+        One script runs alone on the Redis server: a cold 200K-token prompt touched at once
+        would hold it for 10 ms or more, and every gateway's lookups would time out meanwhile.
+        Recorded piece by piece, each piece is the next turn of the one before.
+        """
+        blob, step = op[2], self._max_touch
+        ends = range(fresh + step, len(blob) // 8 + step, step)
+        for end in ends:
+            piece = (op[0], op[1], blob[: min(end * 8, len(blob))])
+            _, keys, args = self._script_args(piece, capacity, False)
+
+            async def run(client: Any, keys: list[str] = keys, args: list[Any] = args) -> Any:
+                return await eval_script(client, _RECORD, keys, args)
+
+            try:
+                await self._link.call("index_update", run, self._write_budget)
+            except Unavailable as exc:
+                self.metrics.dropped.labels("index_update", exc.reason).inc()
+                return
 
     @staticmethod
     async def _pipeline(client: Any, calls: list[_Call]) -> list[Any]:

@@ -30,6 +30,8 @@ class Stores:
     shared_in_flight: SharedInFlight | None = None
     # Responses API: which endpoint stored each response.
     responses: ResponseRoutes = dataclasses.field(default_factory=ResponseRoutes)
+    # The Redis metrics, registered once, for other Redis users (the shared precise index).
+    redis_metrics: RedisMetrics | None = None
 
     def candidates(self, pool: EndpointPool) -> Candidates:
         """The pool's candidates, with the other gateway replicas' in-flight counts added."""
@@ -75,7 +77,8 @@ def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorR
     metrics = RedisMetrics(registry)
     url, namespace, budget = cfg.url, cfg.namespace, cfg.timeout_ms
     index = RedisPrefixIndex(
-        url, namespace=namespace, timeout_ms=budget, metrics=metrics, default_capacity=capacity
+        url, namespace=namespace, timeout_ms=budget, metrics=metrics, default_capacity=capacity,
+        max_blocks_per_write=cfg.max_blocks_per_write,
     )
     affinity = RedisAffinityStore(
         url,
@@ -101,4 +104,4 @@ def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorR
         probe_timeout_seconds=rc.probe_timeout_seconds,
         metrics=metrics,
     )
-    return Stores(index, affinity, shared, responses)
+    return Stores(index, affinity, shared, responses, metrics)

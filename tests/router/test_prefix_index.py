@@ -80,3 +80,42 @@ def test_bits_are_reused_after_forget() -> None:
 def test_invalid_capacity() -> None:
     with pytest.raises(ValueError):
         InMemoryPrefixIndex(default_capacity=0)
+
+
+def test_a_fresh_head_is_not_touched_again() -> None:
+    index = InMemoryPrefixIndex(default_capacity=1000)
+    chain = list(range(1, 101))
+    index.record("a", chain)
+    lru = index._lru["a"]
+    before = dict(lru.scores)
+    index.record("a", [*chain, 500, 501])  # the next turn of a session: two new blocks
+    assert lru.clock == 102, "only the new tail was touched"
+    assert all(lru.scores[h] == before[h] for h in chain)
+    # The new blocks sit just below the head they extend: the chain still evicts tail first.
+    assert lru.scores[100] > lru.scores[500] > lru.scores[501] > before[100] - 1
+    index.set_capacity("a", 101)
+    assert index.match_now([*chain, 500, 501], ["a"]) == {"a": 101}
+
+
+def test_a_hot_head_survives_pressure_it_is_part_of() -> None:
+    """Blocks referenced at least every quarter capacity stay, however much else comes and goes."""
+    index = InMemoryPrefixIndex(default_capacity=200)
+    system = list(range(1, 21))
+    for turn in range(300):
+        session = [10_000 + turn * 10 + i for i in range(8)]  # a new 8-block tail each time
+        index.record("a", [*system, *session])
+        assert index.match_now(system, ["a"]) == {"a": 20}, turn
+        assert index.entries("a") <= 200
+    # Old sessions went, oldest first.
+    assert index.match_now([10_000 + i for i in range(8)], ["a"]) == {"a": 0}
+    assert index.match_now([*system, *(10_000 + 2990 + i for i in range(8))], ["a"]) == {"a": 28}
+
+
+def test_stale_blocks_are_touched_again() -> None:
+    index = InMemoryPrefixIndex(default_capacity=8)  # fresh window: 2 touches
+    index.record("a", [1, 2])
+    index.record("a", [5, 6, 7])  # 1, 2 are now stale
+    index.record("a", [1, 2, 3])  # so the whole chain is touched: 1, 2 become the newest
+    index.record("a", [8, 9, 10, 11])  # 10 entries > 8: the two oldest, 7 then 6, go
+    assert index.match_now([5, 6, 7], ["a"]) == {"a": 1}
+    assert index.match_now([1, 2, 3], ["a"]) == {"a": 3}

@@ -345,3 +345,53 @@ async def test_burst_while_redis_hangs_is_bounded(make_index: Factory, proxy: Fl
         async with asyncio.timeout(1):
             await index.flush()
     assert len(index._queue) == 0
+
+
+async def test_branching_chains_under_pressure_match_memory(make_index: Factory) -> None:
+    """Sessions that grow turn by turn and fork sub-agents off a shared head, over capacity:
+    Redis scores, touches and evicts exactly as the in-memory index does."""
+    rng = random.Random(11)
+    memory = InMemoryPrefixIndex(default_capacity=60)
+    writer = make_index(default_capacity=60)
+    chains: list[list[int]] = [[1, 2, 3, 4]]
+    fresh = 1000
+    for step in range(120):
+        endpoint = f"e{rng.randrange(3)}"
+        base = rng.choice(chains)
+        cut = rng.randrange(1, len(base) + 1)
+        grown = [*base[:cut], *range(fresh, fresh + rng.randrange(1, 6))]
+        fresh += 10
+        chains.append(grown)
+        memory.record(endpoint, grown)
+        writer.record(endpoint, grown)
+        if step % 10 == 9:
+            await writer.flush()
+            reader = make_index(default_capacity=60)
+            for query in rng.sample(chains, 8):
+                ids = ["e0", "e1", "e2"]
+                assert await reader.match(query, ids) == memory.match_now(query, ids), step
+    await writer.flush()
+    client = writer.link.client
+    for e in ("e0", "e1", "e2"):
+        remote = dict(await client.zrange(writer._lru_prefix + e, 0, -1, withscores=True))
+        local = memory._lru[e].scores
+        assert {int.from_bytes(k, "little"): v for k, v in remote.items()} == local
+
+
+async def test_a_long_cold_chain_is_touched_in_pieces(make_index: Factory) -> None:
+    """No script touches more than max_blocks_per_write blocks; the pieces add up to the whole
+    chain, which still evicts from its tail."""
+    writer = make_index(default_capacity=100, max_blocks_per_write=4)
+    chain = list(range(1, 11))
+    writer.record("a", chain)
+    writer.record("a", [*chain, 11, 12])  # the next turn: within the limit, one call
+    reader = await remote_view(make_index, writer)
+    assert await reader.match([*chain, 11, 12], ["a"]) == {"a": 12}
+    scores = await writer.link.client.zrange(writer._lru_prefix + "a", 0, -1, withscores=True)
+    order = [int.from_bytes(member, "little") for member, _ in scores]
+    assert order == list(range(12, 0, -1)), "lowest score first: the chain's tail"
+    assert dict(scores)[(5).to_bytes(8, "little")] % 1, "block 5 came in the second piece"
+    writer.set_capacity("a", 12)
+    writer.record("a", [100, 101, 102])  # over capacity: the old chain's tail goes
+    reader = await remote_view(make_index, writer)
+    assert await reader.match([*chain, 11, 12], ["a"]) == {"a": 9}
