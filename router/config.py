@@ -140,6 +140,9 @@ class ServerConfig(Strict):
     drain_timeout_seconds: float = Field(30.0, ge=0)
     access_log: bool = True
     log_format: Literal["text", "json"] = "text"
+    # Answer "x-prefixgate-explain: 1" with the routing decision in "x-prefixgate-decision"
+    # (scores and cost terms of the best endpoints). Off by default: it shows fleet internals.
+    explain_header: bool = False
 
 
 class ProxyConfig(Strict):

@@ -5,9 +5,17 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterable, Mapping
+from typing import Any
+
+import orjson
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 REQUEST_ID_HEADER = "x-request-id"
+# A client asks why its request went where it went (honoured when server.explainHeader is on);
+# the answer comes back in DECISION_HEADER.
+EXPLAIN_HEADER = "x-prefixgate-explain"
+DECISION_HEADER = "x-prefixgate-decision"
+DECISION_HEADER_ENDPOINTS = 8  # the best few: a header must stay well under proxies' limits
 # A client's request id is echoed in headers and logs: only a short, plain token is honoured.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -21,13 +29,14 @@ DROP_REQUEST_HEADERS = frozenset(
         "upgrade", "expect", DESTINATION_HEADER, "x-gateway-destination-endpoint-subset",
         "x-gateway-destination-endpoint-served", "x-prefiller-host-port", "x-prefiller-url",
         "x-decoder-host-port", "x-gateway-request-dropped-reason", REQUEST_ID_HEADER,
+        EXPLAIN_HEADER, DECISION_HEADER,
     )
 )
 DROP_RESPONSE_HEADERS = frozenset(
     h.encode()
     for h in (
         "connection", "keep-alive", "transfer-encoding", "upgrade", "trailer", "server",
-        "date", DESTINATION_HEADER, REQUEST_ID_HEADER,
+        "date", DESTINATION_HEADER, REQUEST_ID_HEADER, DECISION_HEADER,
     )
 )
 FAIRNESS_HEADERS = frozenset(
@@ -41,9 +50,15 @@ def request_id_of(headers: Mapping[str, str]) -> str:
 
 
 def response_headers(
-    raw: Iterable[tuple[bytes, bytes]], endpoint_id: str, request_id: str
+    raw: Iterable[tuple[bytes, bytes]],
+    endpoint_id: str,
+    request_id: str,
+    explanation: Mapping[str, Any] | None = None,
 ) -> list[tuple[bytes, bytes]]:
     headers = [(k.lower(), v) for k, v in raw if k.lower() not in DROP_RESPONSE_HEADERS]
     headers.append((DESTINATION_HEADER.encode(), endpoint_id.encode()))
     headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+    if explanation is not None:
+        shown = {**explanation, "endpoints": explanation["endpoints"][:DECISION_HEADER_ENDPOINTS]}
+        headers.append((DECISION_HEADER.encode(), orjson.dumps(shown)))
     return headers

@@ -41,6 +41,10 @@ class PrefixIndex(Protocol):
         """Bound the entries kept for ``endpoint_id`` (from its reported KV capacity)."""
         ...
 
+    def room(self, endpoint_id: str) -> int:
+        """Blocks ``endpoint_id`` can take before its entries must be evicted."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -146,6 +150,9 @@ class InMemoryPrefixIndex:
 
     def capacity(self, endpoint_id: str) -> int:
         return self._capacity.get(endpoint_id, self._default_capacity)
+
+    def room(self, endpoint_id: str) -> int:
+        return max(0, self.capacity(endpoint_id) - self.entries(endpoint_id))
 
     def _bit(self, endpoint_id: str) -> int:
         bit = self._bits.get(endpoint_id)

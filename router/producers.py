@@ -21,6 +21,7 @@ class PrefixTracker:
             request.prefix_hits = await self.index.match(
                 request.block_hashes, [e.id for e in endpoints]
             )
+            request.cache_room = {e.id: self.index.room(e.id) for e in endpoints}
 
     def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
         if request.block_hashes:

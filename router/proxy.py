@@ -359,7 +359,8 @@ class Proxy:
     ) -> Response:
         upstream = attempt.reply
         ex.status = upstream.status
-        headers = response_headers(upstream.raw_headers, endpoint.id, ex.request_id)
+        explained = routing.explanation if routing.explain_to_client else None
+        headers = response_headers(upstream.raw_headers, endpoint.id, ex.request_id, explained)
         observe, usage = self._taps(ex.api, upstream.status, endpoint.id, routing)
 
         def finish(outcome: str) -> None:

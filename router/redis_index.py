@@ -389,6 +389,11 @@ class RedisPrefixIndex:
         self._queue.discard_if(lambda op: op[1] == endpoint_id)
         self._queue.put(("forget", endpoint_id, b""), 0)
 
+    def room(self, endpoint_id: str) -> int:
+        # The local view, no round trip: it fills with this gateway's share of the traffic, so
+        # with several gateways it reports room a while longer than the shared index would.
+        return self.local.room(endpoint_id)
+
     def set_capacity(self, endpoint_id: str, blocks: int) -> None:
         self.local.set_capacity(endpoint_id, blocks)
         self._queue.put(("trim", endpoint_id, b""), self.local.capacity(endpoint_id))

@@ -7,8 +7,11 @@ control, the prefix index and affinity behave the same whichever way a request a
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping
+
+import orjson
 
 from flow_control.controller import FlowController
 from flow_control.request import Ticket
@@ -17,12 +20,15 @@ from router.config import GatewayConfig
 from router.endpoints import EndpointPool, EndpointSnapshot, Lease
 from router.errors import ModelNotFoundError, NoEndpointsError
 from router.hashing import block_hashes, estimate_tokens
+from router.headers import EXPLAIN_HEADER
 from router.metrics import GatewayMetrics
 from router.parsing import ParsedRequest
 from router.response_store import ResponseRoutes
 from router.scheduling import RoutingRequest, Scheduler, SchedulingProfile
 
 SESSION_HEADER = "x-session-id"
+# At DEBUG, one line per routing decision: every endpoint's scores and cost terms, the pick.
+decision_log = logging.getLogger("prefixgate.decision")
 
 
 class Router:
@@ -56,6 +62,7 @@ class Router:
             raise ModelNotFoundError(f"The model `{parsed.model}` does not exist.", param="model")
         index = self._config.prefix_index
         data = parsed.rendered.encode("utf-8", "surrogatepass")
+        to_client = self._config.server.explain_header and headers.get(EXPLAIN_HEADER) == "1"
         return RoutingRequest(
             request_id=request_id,
             model=parsed.model,
@@ -63,6 +70,8 @@ class Router:
             stream=parsed.stream,
             session_id=headers.get(SESSION_HEADER) or parsed.session_hint or None,
             previous_response_id=parsed.previous_response_id,
+            explain=to_client or decision_log.isEnabledFor(logging.DEBUG),
+            explain_to_client=to_client,
             prompt_bytes=len(data),
             prompt_tokens=estimate_tokens(len(data)),
             block_bytes=index.block_bytes,
@@ -111,6 +120,10 @@ class Router:
         if not decision.ranked:
             raise NoEndpointsError(f"no endpoint is eligible for model {routing.model!r}")
         self._metrics.decision_seconds.observe(time.perf_counter() - started)
+        if routing.explanation is not None and decision_log.isEnabledFor(logging.DEBUG):
+            decision_log.debug(
+                "request %s: %s", routing.request_id, orjson.dumps(routing.explanation).decode()
+            )
         return decision.ranked
 
     async def _pinned(

@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from router.endpoints import EndpointSnapshot
 
@@ -37,9 +37,17 @@ class RoutingRequest:
     block_hashes: Sequence[int] = ()
     # Responses API: the stored response this request continues; only its endpoint can serve it.
     previous_response_id: str | None = None
+    # Report why this request went where it went: to the debug log, and to the client when
+    # it asked and the gateway allows it (``explain_to_client``).
+    explain: bool = False
+    explain_to_client: bool = False
     # Filled by producers:
     prefix_hits: dict[str, int] = field(default_factory=dict)
     affinity_endpoint: str | None = None
+    # Per endpoint, index blocks it can take before its cache (as the index sees it) must evict.
+    cache_room: dict[str, int] = field(default_factory=dict)
+    # Filled by the ranking when ``explain`` is set:
+    explanation: dict[str, Any] | None = None
 
     def uncached_tokens(self, endpoint_id: str) -> int:
         """This request's prompt tokens the endpoint probably has to compute."""
@@ -55,6 +63,14 @@ class Filter(Protocol):
     def filter(
         self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
     ) -> list[EndpointSnapshot]: ...
+
+
+@runtime_checkable
+class Explains(Protocol):
+    """A scorer that can say why: its terms for one endpoint, in its own units."""
+
+    def explain(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> dict[str, float]:
+        ...
 
 
 @runtime_checkable
@@ -108,6 +124,23 @@ class Decision:
     ranked: list[EndpointSnapshot]
     scores: dict[str, float]
     breakdown: dict[str, dict[str, float]]
+    profile: str = ""
+
+    def explanation(
+        self, request: RoutingRequest, scorers: Sequence[WeightedScorer]
+    ) -> dict[str, Any]:
+        """The pick and, best first, every endpoint's weighted total, scores and cost terms."""
+        explainers = [(ws.name, ws.scorer) for ws in scorers if isinstance(ws.scorer, Explains)]
+        endpoints = []
+        for e in self.ranked:
+            row: dict[str, Any] = {"id": e.id, "total": round(self.scores.get(e.id, 0.0), 4)}
+            row.update({k: round(v, 4) for k, v in self.breakdown.get(e.id, {}).items()})
+            for name, scorer in explainers:
+                terms = scorer.explain(request, e)
+                row[name + ".terms"] = {k: round(v, 4) for k, v in terms.items()}
+            endpoints.append(row)
+        pick = self.ranked[0].id if self.ranked else None
+        return {"profile": self.profile, "pick": pick, "endpoints": endpoints}
 
 
 @dataclass(slots=True)
@@ -133,7 +166,10 @@ class SchedulingProfile:
                 breakdown[candidates[i].id][ws.name] = clipped
         ranked = self.picker.pick(request, candidates, totals)
         scores = {e.id: t for e, t in zip(candidates, totals, strict=True)}
-        return Decision(ranked, scores, breakdown)
+        decision = Decision(ranked, scores, breakdown, self.name)
+        if request.explain:
+            request.explanation = decision.explanation(request, self.scorers)
+        return decision
 
 
 class Scheduler:

@@ -1,7 +1,8 @@
 """TTFT-cost scorer: every endpoint priced in one common unit, the predicted time to first token.
 
     predicted TTFT(e) = overhead(e) + per_token(e) * (prefill queued on e + this request's
-                        uncached tokens on e + 40 tokens per request running on e
+                        uncached tokens on e + the cached context they would evict on e
+                        + 40 tokens per request running on e
                         + a KV-admission penalty when e's cache cannot take the request
                         - a small bonus for the endpoint that served the session last)
 
@@ -46,6 +47,11 @@ class TTFTCostParameters(Strict):
     # a session moves off its cache only when the queue there costs that much more than
     # recomputing its context elsewhere (which also delays everything queued behind it there).
     recompute_weight: float = Field(1.5, ge=1.0, le=4.0)
+    # Each token of cached context that this request's new blocks would evict on an endpoint
+    # (its cache full, as the prefix index sees it) weighs this much: someone's context, most
+    # likely recomputed later (agent sessions come back after each tool call). It is what keeps
+    # sessions home when every cache is full, and costs nothing while caches have room.
+    eviction_weight: float = Field(1.0, ge=0.0, le=4.0)
     # KV use above which admission of new blocks is expected to wait (or preempt).
     kv_headroom: float = Field(0.95, gt=0, le=1)
     # Penalty once the request's blocks would overflow the headroom by 10% of the cache.
@@ -59,6 +65,7 @@ class CostTerms:
     endpoint: str
     queued_tokens: float
     uncached_tokens: int
+    evicted_tokens: int
     prefill_s: float
     load_s: float
     kv_penalty_s: float
@@ -78,15 +85,34 @@ class TTFTCostScorer:
         p = self._p
         overhead, per_token = self._calibrator.cost(endpoint.id)
         uncached = request.uncached_tokens(endpoint.id)
+        evicted = self._evicted_tokens(request, endpoint.id, uncached)
         foreign = max(0.0, endpoint.waiting - endpoint.in_flight) * p.foreign_request_tokens
         queued = endpoint.pending_prefill_tokens + foreign
-        prefill = overhead + per_token * (queued + p.recompute_weight * uncached)
+        work = queued + p.recompute_weight * uncached + p.eviction_weight * evicted
+        prefill = overhead + per_token * work
         running = max(float(endpoint.in_flight), endpoint.running)
         load = per_token * p.running_request_tokens * running
         home = request.affinity_endpoint == endpoint.id
         bonus = per_token * p.affinity_bonus_tokens if home else 0.0
         penalty = per_token * self._kv_penalty_tokens(endpoint, uncached)
-        return CostTerms(endpoint.id, queued, uncached, prefill, load, penalty, bonus)
+        return CostTerms(endpoint.id, queued, uncached, evicted, prefill, load, penalty, bonus)
+
+    @staticmethod
+    def _evicted_tokens(request: RoutingRequest, endpoint_id: str, uncached: int) -> int:
+        room = request.cache_room.get(endpoint_id)
+        if room is None or not request.block_hashes:
+            return 0
+        tokens_per_block = request.prompt_tokens / len(request.block_hashes)
+        return max(0, uncached - round(room * tokens_per_block))
+
+    def explain(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> dict[str, float]:
+        t = self.terms(request, endpoint)
+        return {
+            "predicted_ttft_s": t.total_s, "queued_tokens": t.queued_tokens,
+            "uncached_tokens": t.uncached_tokens, "evicted_tokens": t.evicted_tokens,
+            "prefill_s": t.prefill_s, "load_s": t.load_s, "kv_penalty_s": t.kv_penalty_s,
+            "affinity_bonus_s": t.affinity_bonus_s,
+        }
 
     def _kv_penalty_tokens(self, endpoint: EndpointSnapshot, uncached: int) -> float:
         if not endpoint.num_gpu_blocks or not endpoint.block_size:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from benchmarks.sim.cli import Replica
@@ -233,3 +234,32 @@ async def test_index_predictions_are_checked_against_usage(gateway: RunningGatew
         if line.startswith('prefixgate_prefix_prediction_error_tokens_count{mode="approximate"}')
     ]
     assert counts == [3.0], "one comparison per answer, streaming or not"
+
+
+async def test_a_routing_decision_is_explained_on_request(
+    replicas: list[Replica], caplog: pytest.LogCaptureFixture
+) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "why here? " * 50}],
+            "max_tokens": 3}
+    ask = {"x-prefixgate-explain": "1"}
+    urls = [r.url for r in replicas]
+    async with running_gateway(gateway_config(urls)) as gw, httpx.AsyncClient() as http:
+        refused = await http.post(f"{gw.url}/v1/chat/completions", json=body, headers=ask)
+    config = gateway_config(urls, server={"port": 0, "explainHeader": True})
+    async with running_gateway(config) as gw, httpx.AsyncClient() as http:
+        with caplog.at_level("DEBUG", logger="prefixgate.decision"):
+            plain = await http.post(f"{gw.url}/v1/chat/completions", json=body)
+            asked = await http.post(f"{gw.url}/v1/chat/completions", json=body, headers=ask)
+    assert "x-prefixgate-decision" not in refused.headers, "off unless the gateway allows it"
+    assert "x-prefixgate-decision" not in plain.headers, "only for a client that asks"
+    decision = orjson.loads(asked.headers["x-prefixgate-decision"])
+    assert decision["pick"] == asked.headers["x-gateway-destination-endpoint"]
+    assert {e["id"] for e in decision["endpoints"]} == replica_ids(replicas)
+    best = decision["endpoints"][0]
+    assert best["id"] == decision["pick"]
+    terms = best["ttft-cost-scorer.terms"]
+    assert terms["uncached_tokens"] < decision["endpoints"][-1]["ttft-cost-scorer.terms"][
+        "uncached_tokens"], "the second request found its prefix where the first went"
+    assert {"predicted_ttft_s", "queued_tokens", "evicted_tokens", "load_s"} <= set(terms)
+    logged = [r.getMessage() for r in caplog.records if r.name == "prefixgate.decision"]
+    assert len(logged) == 2 and all('"pick"' in line for line in logged)

@@ -229,6 +229,8 @@ async def test_routing_headers_never_reach_nor_steer_upstream() -> None:
                 "x-prefiller-host-port": canary.address,
                 "x-prefiller-url": f"http://{canary.address}",
                 "x-gateway-request-dropped-reason": "x",
+                "x-prefixgate-explain": "1",
+                "x-prefixgate-decision": "{}",
                 "proxy-authorization": "Basic x",
                 "x-custom": "kept",
             }

@@ -111,3 +111,35 @@ def test_recompute_weight_makes_moving_dearer_and_terms_scale_with_speed() -> No
     fast_terms = TTFTCostScorer(fast).terms(req(tokens=500), snap("a", in_flight=10, kv_usage=0.99))
     assert fast_terms.load_s == pytest.approx(slow_terms.load_s / 10, rel=0.05)
     assert fast_terms.kv_penalty_s == pytest.approx(slow_terms.kv_penalty_s / 10, rel=0.05)
+
+
+def test_evicting_cached_context_is_priced_only_when_the_cache_is_full() -> None:
+    # 10,000 tokens, nothing cached anywhere; "full" must evict all but 10 blocks to take them.
+    request = req(tokens=10_000, cache_room={"full": 10, "roomy": 10_000})
+    s = scorer(eviction_weight=1.0)
+    full, roomy = s.terms(request, snap("full")), s.terms(request, snap("roomy"))
+    assert roomy.evicted_tokens == 0
+    assert full.evicted_tokens == pytest.approx(10_000 - 10 * 64, abs=5)  # ~64 tokens a block
+    assert full.total_s > roomy.total_s
+    assert s.score(request, [snap("full"), snap("roomy")])[1] == 1.0
+
+
+def test_a_full_cache_keeps_a_session_home_longer() -> None:
+    """Home holds the context but has a queue; moving would evict someone else's context."""
+    hits = {"home": 140}  # 8,960 of 10,000 tokens cached at home
+    queued = {"pending_prefill_tokens": 14_000}
+    endpoints = [snap("home", **queued), snap("other")]
+    with_room = req(tokens=10_000, hits=hits, cache_room={"home": 10**6, "other": 10**6})
+    full = req(tokens=10_000, hits=hits, cache_room={"home": 0, "other": 0})
+    s = scorer()
+    assert s.score(with_room, endpoints)[1] == 1.0, "caches with room: the queue decides, move"
+    assert s.score(full, endpoints)[0] == 1.0, "full caches: moving costs an eviction, stay"
+
+
+def test_explain_reports_every_term() -> None:
+    request = req(tokens=1_000, cache_room={"a": 0})
+    terms = scorer().explain(request, snap("a", in_flight=2))
+    assert terms["evicted_tokens"] == terms["uncached_tokens"] == 1_000
+    assert terms["predicted_ttft_s"] == pytest.approx(
+        terms["prefill_s"] + terms["load_s"] + terms["kv_penalty_s"] - terms["affinity_bonus_s"]
+    )
