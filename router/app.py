@@ -95,7 +95,7 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     calibrator = Calibrator(registry=metrics.registry)
     precise = None
     if precise_enabled(config, (p.type for p in plugins)):
-        precise = PreciseRuntime(config, metrics.registry)
+        precise = PreciseRuntime(config, metrics.registry, stores.redis_metrics)
     context = PluginContext(rng, calibrator, precise.tracker if precise else None)
     prefill_profile: SchedulingProfile | None = None
     if config.disaggregation.enabled:
@@ -154,7 +154,11 @@ async def _start_discovery(gateway: Gateway, stack: AsyncExitStack) -> Kubernete
     client, namespace = await asyncio.to_thread(api_client, config)
     await stack.enter_async_context(client)
     forget = [gateway.stores.index.forget_endpoint, gateway.stores.affinity.forget_endpoint]
-    sink = LivePool(gateway.pool, gateway.monitor, forget)
+    joined = []
+    if gateway.precise is not None:
+        forget.append(gateway.precise.forget_endpoint)
+        joined.append(gateway.precise.endpoint_joined)
+    sink = LivePool(gateway.pool, gateway.monitor, forget, joined)
     discovery = KubernetesDiscovery(config, sink, client, namespace)
     stack.push_async_callback(discovery.stop)
     await discovery.start()
@@ -187,6 +191,10 @@ async def gateway_running(gateway: Gateway) -> AsyncIterator[None]:
         gateway.monitor = monitor
         stack.push_async_callback(gateway.stores.aclose)
         stack.push_async_callback(monitor.stop)
+        if gateway.precise is not None:
+            # Before discovery, which adds (and removes) subscribers as endpoints come and go.
+            gateway.precise.start({s.endpoint.id: s.endpoint.url for s in gateway.pool})
+            stack.push_async_callback(gateway.precise.stop)
         if config.discovery is not None:
             gateway.discovery = await _start_discovery(gateway, stack)
         await monitor.check_all()
@@ -194,9 +202,6 @@ async def gateway_running(gateway: Gateway) -> AsyncIterator[None]:
         gateway.flow.start()
         stack.push_async_callback(gateway.flow.stop)
         gateway.stores.start()
-        if gateway.precise is not None:
-            gateway.precise.start({s.endpoint.id: s.endpoint.url for s in gateway.pool})
-            stack.push_async_callback(gateway.precise.stop)
         yield
 
 

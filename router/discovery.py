@@ -312,14 +312,17 @@ class KubernetesDiscovery:
 
 
 Forget = Callable[[str], Awaitable[None]]
+Join = Callable[[Endpoint], None]
 
 
 class LivePool:
     """The sink of a running gateway: pool membership, health polling, index and affinity.
 
     A pod that turns unready leaves the pool but keeps its prefix-index entries (its cache
-    survives a readiness blip); one that disappears is forgotten everywhere. Endpoints from
-    the static config are never touched.
+    survives a readiness blip); one that disappears is forgotten everywhere. ``joined`` hears
+    of each endpoint discovery starts managing, ready or not (KV event subscribers follow a
+    pod from its creation, so its cache is known once it turns ready). Endpoints from the
+    static config are never touched.
     """
 
     def __init__(
@@ -327,10 +330,12 @@ class LivePool:
         pool: EndpointPool,
         monitor: EndpointMonitor | None = None,
         forget: Sequence[Forget] = (),
+        joined: Sequence[Join] = (),
     ) -> None:
         self._pool = pool
         self._monitor = monitor
         self._forget = list(forget)
+        self._joined = list(joined)
         self._managed: dict[str, Endpoint] = {}
 
     def _leave(self, endpoint_id: str) -> None:
@@ -352,6 +357,9 @@ class LivePool:
             present = self._pool.get(endpoint_id) is not None
             if endpoint_id not in self._managed and present:
                 continue  # a static endpoint of the config
+            if endpoint_id not in self._managed:
+                for join in self._joined:
+                    join(endpoint)
             self._managed[endpoint_id] = endpoint
             if ready and not present:
                 state = self._pool.add(endpoint)

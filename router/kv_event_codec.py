@@ -51,6 +51,19 @@ Event = Stored | Removed | Cleared
 
 
 @dataclass(frozen=True, slots=True)
+class Mapped:
+    """A ``Stored`` (GPU) as applied to the local index: its blocks with their keys."""
+
+    block_hashes: list[EngineHash]
+    keys: list[int]
+
+
+# What a batch did to the local index, in order, for mirroring it elsewhere (a shared index):
+# a Stored here is one the local index could not map (its parent is unknown locally).
+AppliedOp = Mapped | Stored | Removed | Cleared
+
+
+@dataclass(frozen=True, slots=True)
 class EventBatch:
     ts: float
     events: list[Event]
@@ -122,19 +135,36 @@ def decode_batch(payload: bytes) -> EventBatch:
     return EventBatch(float(ts), decoded, rank if isinstance(rank, int) else None)
 
 
-def apply_batch(index: PreciseIndex, endpoint_id: str, batch: EventBatch) -> int:
-    """Apply a batch's events in order; the number of events that could not be mapped."""
+def apply_batch(
+    index: PreciseIndex,
+    endpoint_id: str,
+    batch: EventBatch,
+    applied: list[AppliedOp] | None = None,
+) -> int:
+    """Apply a batch's events in order; the number of events that could not be mapped.
+
+    With ``applied``, appends what was done (see :data:`AppliedOp`)."""
     failed = 0
+    out: list[AppliedOp] = [] if applied is None else applied
     for event in batch.events:
         if isinstance(event, Stored):
             # Offloaded copies (CPU, disk) are not what a prefix-cache hit on the GPU reuses.
-            if event.medium in _GPU_MEDIA and not index.stored(
+            if event.medium not in _GPU_MEDIA:
+                continue
+            keys = index.stored_keys(
                 endpoint_id, event.block_hashes, event.parent, event.token_ids, event.block_size
-            ):
+            )
+            if keys is None:
                 failed += 1
+                if event.block_size == index.block_size:
+                    out.append(event)
+            else:
+                out.append(Mapped(event.block_hashes, keys))
         elif isinstance(event, Removed):
             if event.medium in _GPU_MEDIA:
                 index.removed(endpoint_id, event.block_hashes)
+                out.append(event)
         else:
             index.cleared(endpoint_id)
+            out.append(event)
     return failed

@@ -21,8 +21,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -30,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from zmq.utils.monitor import parse_monitor_message
 
 from router.kv_event_codec import (
+    AppliedOp,
     Cleared,
     DecodeError,
     EventBatch,
@@ -39,17 +41,23 @@ from router.kv_event_codec import (
     decode_batch,
     decode_event,
 )
+from router.kv_event_sources import EventSource, derive_sources
 from router.precise_index import PreciseIndex
 
 __all__ = [
-    "Cleared", "DecodeError", "EndpointSubscriber", "EventBatch", "EventSource",
-    "KVEventsManager", "Removed", "Stored", "SubscriberSettings", "apply_batch",
-    "decode_batch", "decode_event", "derive_sources",
+    "BatchMirror", "Cleared", "DecodeError", "EndpointSubscriber", "EventBatch", "EventSource",
+    "KVEventsManager", "Removed", "Stored", "SubscriberSettings", "apply_batch", "decode_batch",
+    "decode_event", "derive_sources",
 ]
 
 log = logging.getLogger("prefixgate.kv_events")
 _MAX_DRAIN = 1024
 
+
+class BatchMirror(Protocol):
+    """Receives every batch as applied locally, in sequence order (a shared index)."""
+
+    def batch(self, endpoint_id: str, seq: int, ts: float, ops: list[AppliedOp]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +68,6 @@ class SubscriberSettings:
     replay_timeout_seconds: float = 1.0
     tick_seconds: float = 0.1
     receive_hwm: int = 100_000
-
-
-@dataclass(frozen=True, slots=True)
-class EventSource:
-    endpoint_id: str
-    address: str
-    replay_address: str | None = None
 
 
 class SubscriberMetrics:
@@ -107,8 +108,10 @@ class EndpointSubscriber:
         settings: SubscriberSettings,
         metrics: SubscriberMetrics,
         clock: Callable[[], float] = time.monotonic,
+        mirror: BatchMirror | None = None,
     ) -> None:
         self.source = source
+        self._mirror = mirror
         self.endpoint_id = source.endpoint_id
         self._index = index
         self._ctx = ctx
@@ -127,10 +130,10 @@ class EndpointSubscriber:
 
     # -- trust ----------------------------------------------------------------------------
 
-    def _distrust(self, reason: str) -> None:
+    def _distrust(self, reason: str, stale: bool = False) -> None:
         if self._index.trusted(self.endpoint_id):
             log.warning("kv events %s: untrusted (%s)", self.endpoint_id, reason)
-        self._index.set_trusted(self.endpoint_id, False, reason)
+        self._index.set_trusted(self.endpoint_id, False, reason, stale)
         self._metrics.trusted.labels(self.endpoint_id).set(0)
 
     def _maybe_trust(self, now: float) -> None:
@@ -161,7 +164,7 @@ class EndpointSubscriber:
                 self._expect = None
                 self._problem("silent")
                 self._need_batch = True
-                self._distrust("silent publisher")
+                self._distrust("silent publisher", stale=True)
         if self.connected:
             self._maybe_trust(now)
         self._metrics.entries.labels(self.endpoint_id).set(self._index.entries(self.endpoint_id))
@@ -205,7 +208,10 @@ class EndpointSubscriber:
             self._problem("decode_error")
             self._start_resync(seq + 1)
             return
-        unmapped = apply_batch(self._index, self.endpoint_id, batch)
+        ops: list[AppliedOp] | None = None if self._mirror is None else []
+        unmapped = apply_batch(self._index, self.endpoint_id, batch, ops)
+        if self._mirror is not None and ops is not None:
+            self._mirror.batch(self.endpoint_id, seq, batch.ts, ops)
         if unmapped:
             self._metrics.problems.labels(self.endpoint_id, "unmapped").inc(unmapped)
         if any(isinstance(e, Cleared) for e in batch.events):
@@ -257,7 +263,7 @@ class EndpointSubscriber:
             self.connected = False
             self._need_batch = True
             self._problem("disconnected")
-            self._distrust("publisher disconnected")
+            self._distrust("publisher disconnected", stale=True)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -307,7 +313,9 @@ class EndpointSubscriber:
 
 
 class KVEventsManager:
-    """Starts a subscriber per endpoint with an events address; owns their ZMQ context."""
+    """Runs a subscriber per endpoint with an events address; owns their ZMQ context.
+
+    Endpoints may join (:meth:`add`) and leave (:meth:`remove`) while it runs: discovery."""
 
     def __init__(
         self,
@@ -315,21 +323,52 @@ class KVEventsManager:
         sources: Iterable[EventSource],
         settings: SubscriberSettings,
         registry: CollectorRegistry,
+        mirror: BatchMirror | None = None,
     ) -> None:
         self.index = index
         self._settings = settings
         self._metrics = SubscriberMetrics(registry)
+        self._mirror = mirror
         self._ctx = zmq.asyncio.Context()
-        self.subscribers = {
-            s.endpoint_id: EndpointSubscriber(s, index, self._ctx, settings, self._metrics)
-            for s in sources
-        }
-        self._tasks: list[asyncio.Task[None]] = []
+        self.subscribers: dict[str, EndpointSubscriber] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._started = False
+        for source in sources:
+            self.add(source)
 
     def start(self) -> None:
+        self._started = True
+        for sub in self.subscribers.values():
+            self._spawn(sub)
+
+    def _spawn(self, sub: EndpointSubscriber) -> None:
         loop = asyncio.get_running_loop()
-        for eid, sub in self.subscribers.items():
-            self._tasks.append(loop.create_task(self._guarded(sub), name=f"kv-events-{eid}"))
+        eid = sub.endpoint_id
+        self._tasks[eid] = loop.create_task(self._guarded(sub), name=f"kv-events-{eid}")
+
+    def add(self, source: EventSource) -> bool:
+        """Subscribe to one more endpoint (now, if running); False if it already has one."""
+        if source.endpoint_id in self.subscribers:
+            return False
+        sub = EndpointSubscriber(
+            source, self.index, self._ctx, self._settings, self._metrics, mirror=self._mirror
+        )
+        self.subscribers[source.endpoint_id] = sub
+        if self._started:
+            self._spawn(sub)
+        return True
+
+    async def remove(self, endpoint_id: str) -> None:
+        """Stop following an endpoint that left the pool (its index entries stay: see forget)."""
+        self.subscribers.pop(endpoint_id, None)
+        task = self._tasks.pop(endpoint_id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for gauge in (self._metrics.trusted, self._metrics.entries):
+            with contextlib.suppress(KeyError):
+                gauge.remove(endpoint_id)
 
     async def _guarded(self, sub: EndpointSubscriber) -> None:
         # A bug in one subscriber must not end event intake for good: restart it, bounded.
@@ -352,45 +391,11 @@ class KVEventsManager:
             sub.expect_events(since)
 
     async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
+        tasks, self._tasks = list(self._tasks.values()), {}
+        self._started = False
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._ctx.term()
-
-
-def derive_sources(
-    endpoint_urls: Mapping[str, str],
-    addresses: Mapping[str, str],
-    replay_addresses: Mapping[str, str],
-    port: int | None,
-    port_offset: int | None,
-    replay_port: int | None = None,
-    replay_port_offset: int | None = None,
-) -> list[EventSource]:
-    """Each endpoint's events address: configured per endpoint, else host + port (or offset).
-
-    ``endpoint_urls`` maps endpoint id (``host:port``) to URL; endpoints without an address
-    get no subscriber and are always scored from the approximate index.
-    """
-    sources = []
-    for eid in endpoint_urls:
-        host, _, http_port = eid.rpartition(":")
-        address = addresses.get(eid) or _derived(host, http_port, port, port_offset)
-        if address is None:
-            continue
-        replay = replay_addresses.get(eid) or _derived(
-            host, http_port, replay_port, replay_port_offset
-        )
-        sources.append(EventSource(eid, address, replay))
-    return sources
-
-
-def _derived(host: str, http_port: str, port: int | None, offset: int | None) -> str | None:
-    if port is not None:
-        return f"tcp://{host}:{port}"
-    if offset is not None:
-        return f"tcp://{host}:{int(http_port) + offset}"
-    return None

@@ -14,6 +14,9 @@ Example::
         # portOffset: -2543              # ... or on its HTTP port + offset ...
         endpoints:                       # ... or per endpoint, by id (host:port)
           "10.0.0.7:8000": {address: "tcp://10.0.0.7:5557"}
+      index:                             # where the index lives: memory (default) or redis,
+        backend: redis                   # shared by every gateway replica (router/precise_redis.py)
+        url: redis://redis:6379/0
 """
 
 from __future__ import annotations
@@ -73,6 +76,23 @@ class KVEventsConfig(_Strict):
         return self
 
 
+class PreciseIndexConfig(_Strict):
+    backend: Literal["memory", "redis"] = "memory"
+    url: str | None = None
+    namespace: str = "prefixgate"
+    timeout_ms: float = Field(5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _redis(self) -> PreciseIndexConfig:
+        if self.backend == "redis" and not self.url:
+            raise ValueError("url: the redis backend needs url: redis://host:port/db")
+        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("url: must be redis://, rediss:// or unix://")
+        if not self.namespace or any(c in self.namespace for c in "{} "):
+            raise ValueError("namespace: must be non-empty, without braces or spaces")
+        return self
+
+
 class PrecisePrefixConfig(_Strict):
     # None: on when the strategy or a plugin uses precise-prefix-cache-scorer.
     enabled: bool | None = None
@@ -82,3 +102,4 @@ class PrecisePrefixConfig(_Strict):
     max_blocks_per_request: int = Field(32_768, ge=1)
     tokenizer: TokenizerConfig = TokenizerConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
+    index: PreciseIndexConfig = PreciseIndexConfig()

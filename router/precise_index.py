@@ -69,6 +69,9 @@ class _Endpoint:
     spec_until: dict[int, float] = field(default_factory=dict)
     trusted: bool = False
     reason: str = "no events yet"
+    # Untrusted because the stream itself looks broken (silent, disconnected), not because this
+    # gateway is still catching up with it: a shared view cannot vouch for it either.
+    stale: bool = False
     capacity: int = DEFAULT_MAX_BLOCKS
 
 
@@ -121,10 +124,18 @@ class PreciseIndex:
             self._eps[endpoint_id] = ep
         return ep
 
-    def set_trusted(self, endpoint_id: str, trusted: bool, reason: str = "") -> None:
+    def set_trusted(
+        self, endpoint_id: str, trusted: bool, reason: str = "", stale: bool = False
+    ) -> None:
         ep = self._ep(endpoint_id)
         ep.trusted = trusted
         ep.reason = "" if trusted else reason
+        ep.stale = stale and not trusted
+
+    def catching_up(self, endpoint_id: str) -> bool:
+        """Untrusted only for lack of history (late start, gap, restart), not a broken stream."""
+        ep = self._eps.get(endpoint_id)
+        return ep is None or (not ep.trusted and not ep.stale)
 
     def trusted(self, endpoint_id: str) -> bool:
         ep = self._eps.get(endpoint_id)
@@ -140,6 +151,10 @@ class PreciseIndex:
         ep.capacity = max(1, min(blocks, self._max_blocks))
         self._trim(endpoint_id, ep)
 
+    def capacity(self, endpoint_id: str) -> int:
+        ep = self._eps.get(endpoint_id)
+        return ep.capacity if ep is not None else self._max_blocks
+
     # -- events -------------------------------------------------------------------------
 
     def stored(
@@ -151,13 +166,25 @@ class PreciseIndex:
         block_size: int,
     ) -> bool:
         """Apply a ``BlockStored``; False when it cannot be mapped (unknown parent, bad size)."""
+        keys = self.stored_keys(endpoint_id, block_hashes, parent, token_ids, block_size)
+        return keys is not None
+
+    def stored_keys(
+        self,
+        endpoint_id: str,
+        block_hashes: Sequence[EngineHash],
+        parent: EngineHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> list[int] | None:
+        """:meth:`stored`, returning the keys the blocks were mapped to (None: not mapped)."""
         ep = self._ep(endpoint_id)
         if block_size != self.block_size:
             self.stats.block_size_mismatch += 1
-            return False
+            return None
         if len(token_ids) < len(block_hashes) * block_size:
             self.stats.orphans += 1
-            return False
+            return None
         if parent is None:
             parent_key = KEY_SEED
         else:
@@ -166,14 +193,21 @@ class PreciseIndex:
                 found = ep.recent.get(parent)
             if found is None:
                 self.stats.orphans += 1
-                return False
+                return None
             parent_key = found
         keys = block_keys(token_ids, block_size, parent_key, len(block_hashes))
         for engine_hash, key in zip(block_hashes, keys, strict=True):
             self._add(ep, engine_hash, key)
         self.stats.stored += len(keys)
         self._trim(endpoint_id, ep)
-        return True
+        return keys
+
+    def learn_parent(self, endpoint_id: str, engine_hash: EngineHash, key: int) -> None:
+        """Remember a block's key learnt elsewhere (a shared index), so that later blocks
+        naming it as parent can be mapped; it is not counted as held."""
+        ep = self._eps.get(endpoint_id)
+        if ep is not None and engine_hash not in ep.to_key:
+            self._remember_removed(ep, engine_hash, key)
 
     def _add(self, ep: _Endpoint, engine_hash: EngineHash, key: int) -> None:
         old = ep.to_key.get(engine_hash)
@@ -294,9 +328,16 @@ class PreciseIndex:
     # -- lookups ------------------------------------------------------------------------
 
     def match(
-        self, keys: Sequence[int], endpoint_ids: Collection[str], speculative: bool = True
+        self,
+        keys: Sequence[int],
+        endpoint_ids: Collection[str],
+        speculative: bool = True,
+        confirmed: bool = True,
     ) -> dict[str, int]:
-        """Per endpoint, the number of leading ``keys`` it holds (0 when none)."""
+        """Per endpoint, the number of leading ``keys`` it holds (0 when none).
+
+        ``confirmed=False`` counts speculative entries only (an endpoint whose events this
+        gateway does not follow yet, but which it just picked)."""
         result = dict.fromkeys(endpoint_ids, 0)
         bits = {eid: self._eps[eid].bit for eid in endpoint_ids if eid in self._eps}
         active = 0
@@ -305,7 +346,7 @@ class PreciseIndex:
         if speculative and self._spec:
             self._expire(self._clock())
         spec = self._spec if speculative else {}
-        holders = self._holders
+        holders = self._holders if confirmed else {}
         for i, key in enumerate(keys):
             held = (holders.get(key, 0) | spec.get(key, 0)) & active
             if held != active:

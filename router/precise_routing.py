@@ -6,6 +6,11 @@ parsed body to the tracker, which keeps per-request state in a bounded side tabl
 request id: the prompt's block keys, the match per endpoint, and what was predicted at the pick
 (for :mod:`router.prediction`). Entries leave the table when the prediction is read, or as the
 oldest once the table is full (requests shed before they were routed).
+
+With a shared index in Redis (router/precise_redis.py) ``produce`` also asks Redis, once per
+request, and the scores merge both views: an endpoint this replica trusts is never scored below
+what its local index knows; one it does not trust only because it is still catching up (late
+start, gap, restart) is scored from Redis when Redis trusts it.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from prometheus_client import CollectorRegistry
 
 from router import anthropic, responses_api
 from router.config import GatewayConfig
-from router.endpoints import EndpointSnapshot
+from router.endpoints import Endpoint, EndpointSnapshot
 from router.kv_events import EventSource, KVEventsManager, SubscriberSettings, derive_sources
 from router.parsing import ParsedRequest
 from router.precise_config import TokenizerConfig
 from router.precise_index import PreciseIndex, block_keys
+from router.precise_redis import RemoteMatch, SharedPreciseIndex
+from router.redis_link import RedisMetrics
 from router.routing import Router
 from router.scheduling import RoutingRequest
 from router.tokenizers import (
@@ -58,6 +65,9 @@ class PreciseState:
     confirmed: dict[str, int] = field(default_factory=dict)
     expected: dict[str, int] = field(default_factory=dict)
     trusted: frozenset[str] = frozenset()
+    # Trusted through the shared index only (this replica's own stream is catching up).
+    shared_only: frozenset[str] = frozenset()
+    remote: dict[str, RemoteMatch] = field(default_factory=dict)
     picked_at: float | None = None
 
 
@@ -78,8 +88,10 @@ class PreciseTracker:
         tokenizer: Tokenizer,
         settings: PreciseSettings,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedPreciseIndex | None = None,
     ) -> None:
         self.index = index
+        self.shared = shared
         self.tokenizer = tokenizer
         self.settings = settings
         self._clock = clock
@@ -126,6 +138,29 @@ class PreciseTracker:
         state.num_tokens = len(tokens)
         state.keys = await self._keys(tokens)
         state.trusted = frozenset(e.id for e in endpoints if self.index.trusted(e.id))
+        if self.shared is not None and state.keys:
+            remote = await self.shared.lookup(state.keys, [e.id for e in endpoints])
+            if remote:
+                state.remote = remote
+                state.shared_only = frozenset(
+                    eid for eid, r in remote.items()
+                    if r.trusted and eid not in state.trusted and self.index.catching_up(eid)
+                )
+                state.trusted |= state.shared_only
+
+    def _match(self, state: PreciseState, ids: Sequence[str], speculative: bool) -> dict[str, int]:
+        """Local and shared views merged (see the module doc)."""
+        local = [eid for eid in ids if eid not in state.shared_only]
+        hits = self.index.match(state.keys, local, speculative)
+        shared = [eid for eid in ids if eid in state.shared_only]
+        if shared and speculative:
+            hits.update(self.index.match(state.keys, shared, confirmed=False))
+        for eid in ids:
+            r = state.remote.get(eid)
+            if r is not None:
+                remote = r.held if speculative else (r.confirmed if r.trusted else 0)
+                hits[eid] = max(hits.get(eid, 0), remote)
+        return hits
 
     def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
         state = self._states.get(request.request_id)
@@ -134,11 +169,12 @@ class PreciseTracker:
         state.picked_at = self._clock()
         if state.keys:
             # What the replica should hit, before this pick's own speculation.
-            state.confirmed.update(
-                self.index.match(state.keys, [endpoint_id], speculative=False)
-            )
-            state.expected.update(self.index.match(state.keys, [endpoint_id]))
-            self.index.speculate(endpoint_id, state.keys, self.settings.speculative_ttl_seconds)
+            state.confirmed.update(self._match(state, [endpoint_id], speculative=False))
+            state.expected.update(self._match(state, [endpoint_id], speculative=True))
+            ttl = self.settings.speculative_ttl_seconds
+            self.index.speculate(endpoint_id, state.keys, ttl)
+            if self.shared is not None:
+                self.shared.speculated(endpoint_id, state.keys, ttl)
 
     def scores(
         self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
@@ -153,7 +189,7 @@ class PreciseTracker:
         # Matched here, not in produce: scoring, picking and on_pick run without a suspension
         # point in between, so each request of a burst sees the picks made before it.
         trusted = [e.id for e in endpoints if e.id in state.trusted]
-        state.hits = self.index.match(state.keys, trusted)
+        state.hits = self._match(state, trusted, speculative=True)
         total = len(state.keys)
         approx_total = len(request.block_hashes)
         out = []
@@ -206,21 +242,37 @@ def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
 
 
 class PreciseRuntime:
-    """Everything precise routing owns: index, tokenizer, tracker, and the event subscribers."""
+    """Everything precise routing owns: index (local, and shared when so configured),
+    tokenizer, tracker, and the event subscribers, which follow the pool's joins and leaves."""
 
-    def __init__(self, config: GatewayConfig, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        registry: CollectorRegistry,
+        redis_metrics: RedisMetrics | None = None,
+    ) -> None:
         pp = config.precise_prefix
         self._config = config
         self._registry = registry
         self.index = PreciseIndex(pp.block_size, pp.max_blocks_per_endpoint)
+        self.shared: SharedPreciseIndex | None = None
+        ic = pp.index
+        if ic.backend == "redis" and ic.url is not None:
+            self.shared = SharedPreciseIndex(
+                self.index, ic.url, namespace=ic.namespace, timeout_ms=ic.timeout_ms,
+                metrics=redis_metrics or RedisMetrics(registry),
+                resync_seconds=pp.kv_events.resync_seconds, registry=registry,
+            )
         self.tracker = PreciseTracker(
             self.index,
             build_tokenizer(pp.tokenizer),
             PreciseSettings(
                 pp.block_size, pp.speculative_ttl_seconds, pp.max_blocks_per_request
             ),
+            shared=self.shared,
         )
         self.events: KVEventsManager | None = None
+        self._joined: dict[str, str] = {}  # endpoints that joined before start
 
     def sources(self, endpoint_urls: Mapping[str, str]) -> list[EventSource]:
         ev = self._config.precise_prefix.kv_events
@@ -240,12 +292,34 @@ class PreciseRuntime:
             resync_seconds=ev.resync_seconds,
             replay_timeout_seconds=ev.replay_timeout_seconds,
         )
-        sources = self.sources(endpoint_urls)
-        if not sources:
+        sources = self.sources({**self._joined, **endpoint_urls})
+        self._joined.clear()
+        if not sources and self._config.discovery is None:
             log.warning("precise prefix routing has no KV events address for any endpoint; "
                         "every endpoint is scored from the approximate index")
-        self.events = KVEventsManager(self.index, sources, settings, self._registry)
+        self.events = KVEventsManager(
+            self.index, sources, settings, self._registry, mirror=self.shared
+        )
         self.events.start()
+
+    def endpoint_joined(self, endpoint: Endpoint) -> None:
+        """A discovered endpoint: follow its events from now on (router.discovery.LivePool)."""
+        if self.events is None:
+            self._joined[endpoint.id] = endpoint.url
+            return
+        for source in self.sources({endpoint.id: endpoint.url}):
+            if self.events.add(source):
+                log.info("kv events %s: subscribing to %s", source.endpoint_id, source.address)
+
+    async def forget_endpoint(self, endpoint_id: str) -> None:
+        """An endpoint left for good: stop following it and purge its entries (Redis too)."""
+        self._joined.pop(endpoint_id, None)
+        if self.events is not None:
+            await self.events.remove(endpoint_id)
+        if self.shared is not None:
+            await self.shared.forget_endpoint(endpoint_id)
+        else:
+            self.index.forget(endpoint_id)
 
     def expect_events(self, endpoint_id: str, since: float) -> None:
         if self.events is not None:
@@ -259,4 +333,6 @@ class PreciseRuntime:
         if self.events is not None:
             await self.events.stop()
             self.events = None
+        if self.shared is not None:
+            await self.shared.aclose()
         await self.tracker.tokenizer.aclose()
