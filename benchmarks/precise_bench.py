@@ -29,7 +29,6 @@ from benchmarks.sim.tokenizer import Tokenizer
 from benchmarks.workloads import Conversation, Step, SubAgent, Workload, agentic_sessions
 from router.app import Gateway
 from router.config import parse_config
-from router.scheduling import RoutingRequest
 from router.server import running_gateway
 
 MODEL = "sim-model"
@@ -62,15 +61,6 @@ class Client:
     ) -> None:
         self.url, self.gateway, self.http, self.speed = url, gateway, http, speed
         self.run = Run("")
-        self.routing: dict[str, RoutingRequest] = {}
-        router = gateway.router
-        picked = router.picked
-
-        def capture(routing: RoutingRequest, endpoint_id: str) -> None:
-            self.routing[routing.request_id] = routing
-            picked(routing, endpoint_id)
-
-        router.picked = capture  # type: ignore[method-assign]  # bench-only hook
 
     async def chat(self, conv: Conversation, messages: list[Message], max_tokens: int) -> str:
         rid = uuid.uuid4().hex
@@ -86,7 +76,6 @@ class Client:
                 self.run.errors += 1
                 await resp.read()
                 return ""
-            dest = resp.headers.get("x-gateway-destination-endpoint", "")
             async for line in resp.content:
                 if not line.startswith(b"data: {"):
                     continue
@@ -96,10 +85,7 @@ class Client:
                         ttft = ttft or time.perf_counter() - started
                         parts.append(choice["delta"]["content"])
                 usage = chunk.get("usage") or usage
-        routing = self.routing.pop(rid, None)
-        prediction = self.gateway.prediction
-        if routing is not None and prediction is not None:
-            prediction.observe(dest, routing, usage)
+        # The gateway compares each index's prediction with this usage itself (UsageTap).
         answer = "".join(parts)
         details = (usage or {}).get("prompt_tokens_details") or {}
         self.run.records.append(Record(
@@ -166,6 +152,7 @@ def summarize(run: Run, gateway: Gateway) -> dict[str, Any]:
     for mode, s in gateway.prediction.summary.items():
         out[f"{mode}_within_one_block"] = s.as_dict()["within_one_block_ratio"]
         out[f"{mode}_predictions"] = s.count
+        out[f"{mode}_over"], out[f"{mode}_under"] = s.over, s.under
     return out
 
 
