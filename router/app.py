@@ -96,6 +96,7 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     precise = None
     if precise_enabled(config, (p.type for p in plugins)):
         precise = PreciseRuntime(config, metrics.registry, stores.redis_metrics)
+        precise.tracker.same_step = lambda endpoint_id: calibrator.cost(endpoint_id)[0]
     context = PluginContext(rng, calibrator, precise.tracker if precise else None)
     prefill_profile: SchedulingProfile | None = None
     if config.disaggregation.enabled:

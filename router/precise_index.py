@@ -109,6 +109,9 @@ class PreciseIndex:
         self._eps: dict[str, _Endpoint] = {}
         self._holders: dict[int, int] = {}
         self._spec: dict[int, int] = {}
+        # The part of _spec whose request has produced its first byte: its prefill is done, so
+        # the replica holds those blocks even if their events have not arrived yet.
+        self._settled: dict[int, int] = {}
         self._spec_queue: deque[tuple[float, str, list[int]]] = deque()
         self._spec_count = 0
         self.stats = IndexStats()
@@ -319,11 +322,39 @@ class PreciseIndex:
                 self._drop_spec_bit(key, ep.bit)
 
     def _drop_spec_bit(self, key: int, bit: int) -> None:
-        mask = self._spec.get(key, 0) & ~bit
-        if mask:
-            self._spec[key] = mask
-        else:
-            self._spec.pop(key, None)
+        for table in (self._spec, self._settled):
+            mask = table.get(key, 0) & ~bit
+            if mask:
+                table[key] = mask
+            else:
+                table.pop(key, None)
+
+    def held_before(
+        self, endpoint_id: str, keys: Sequence[int], picked_before: float, ttl: float
+    ) -> int:
+        """Leading ``keys`` the endpoint holds by its events, by a finished prefill, or by a
+        speculative entry picked at or before ``picked_before`` (a pick of ``ttl``)."""
+        ep = self._eps.get(endpoint_id)
+        if ep is None:
+            return 0
+        self._expire(self._clock())
+        bit, holders, settled, until = ep.bit, self._holders, self._settled, ep.spec_until
+        cutoff = picked_before + ttl
+        for i, key in enumerate(keys):
+            if (holders.get(key, 0) | settled.get(key, 0)) & bit:
+                continue
+            if until.get(key, float("inf")) > cutoff:
+                return i
+        return len(keys)
+
+    def settle(self, endpoint_id: str, keys: Sequence[int]) -> None:
+        """The request that speculated ``keys`` on ``endpoint_id`` has been prefilled."""
+        ep = self._eps.get(endpoint_id)
+        if ep is None:
+            return
+        for key in keys:
+            if key in ep.spec_until:
+                self._settled[key] = self._settled.get(key, 0) | ep.bit
 
     # -- lookups ------------------------------------------------------------------------
 
@@ -333,11 +364,13 @@ class PreciseIndex:
         endpoint_ids: Collection[str],
         speculative: bool = True,
         confirmed: bool = True,
+        settled_only: bool = False,
     ) -> dict[str, int]:
         """Per endpoint, the number of leading ``keys`` it holds (0 when none).
 
         ``confirmed=False`` counts speculative entries only (an endpoint whose events this
-        gateway does not follow yet, but which it just picked)."""
+        gateway does not follow yet, but which it just picked); ``settled_only`` counts only
+        speculative entries whose request has been prefilled."""
         result = dict.fromkeys(endpoint_ids, 0)
         bits = {eid: self._eps[eid].bit for eid in endpoint_ids if eid in self._eps}
         active = 0
@@ -345,7 +378,7 @@ class PreciseIndex:
             active |= bit
         if speculative and self._spec:
             self._expire(self._clock())
-        spec = self._spec if speculative else {}
+        spec = (self._settled if settled_only else self._spec) if speculative else {}
         holders = self._holders if confirmed else {}
         for i, key in enumerate(keys):
             held = (holders.get(key, 0) | spec.get(key, 0)) & active

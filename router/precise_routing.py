@@ -96,6 +96,8 @@ class PreciseTracker:
         self.settings = settings
         self._clock = clock
         self._states: OrderedDict[str, PreciseState] = OrderedDict()
+        # How long after a pick a later one still shares its engine step (app.py: calibrated).
+        self.same_step: Callable[[str], float] = lambda endpoint_id: 0.0
 
     def attach(self, request_id: str, parsed: ParsedRequest) -> None:
         size = len(parsed.body)
@@ -162,6 +164,23 @@ class PreciseTracker:
                 hits[eid] = max(hits.get(eid, 0), remote)
         return hits
 
+    def _match_computed(self, state: PreciseState, endpoint_id: str) -> dict[str, int]:
+        """Blocks announced by events, or computed by a prefill that has finished on the
+        endpoint (its events may still be on the way): what the replica holds now."""
+        hits = self._match(state, [endpoint_id], speculative=False)
+        if endpoint_id not in state.shared_only:
+            ttl = self.settings.speculative_ttl_seconds
+            before = self._clock() - self.same_step(endpoint_id)
+            held = self.index.held_before(endpoint_id, state.keys, before, ttl)
+            hits[endpoint_id] = max(hits.get(endpoint_id, 0), held)
+        return hits
+
+    def prefilled(self, request_id: str, endpoint_id: str) -> None:
+        """The request's first byte came back: its blocks are computed on the endpoint."""
+        state = self._states.get(request_id)
+        if state is not None and state.keys:
+            self.index.settle(endpoint_id, state.keys)
+
     def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
         state = self._states.get(request.request_id)
         if state is None:
@@ -169,7 +188,7 @@ class PreciseTracker:
         state.picked_at = self._clock()
         if state.keys:
             # What the replica should hit, before this pick's own speculation.
-            state.confirmed.update(self._match(state, [endpoint_id], speculative=False))
+            state.confirmed.update(self._match_computed(state, endpoint_id))
             state.expected.update(self._match(state, [endpoint_id], speculative=True))
             ttl = self.settings.speculative_ttl_seconds
             self.index.speculate(endpoint_id, state.keys, ttl)
@@ -217,6 +236,9 @@ class PreciseRouter(Router):
         routing = super().routing_request(parsed, headers, request_id)
         self.tracker.attach(routing.request_id, parsed)
         return routing
+
+    def prefilled(self, routing: RoutingRequest, endpoint_id: str) -> None:
+        self.tracker.prefilled(routing.request_id, endpoint_id)
 
 
 def precise_enabled(config: GatewayConfig, plugin_types: Iterable[str]) -> bool:

@@ -6,13 +6,14 @@ chosen endpoint at pick time is compared with it:
 
 - ``approximate``: the approximate index's matched share of the rendered prompt, applied to the
   real prompt length and rounded down to whole engine blocks;
-- ``precise``: the leading blocks the endpoint's events announced, at the pick, for endpoints
-  whose stream was trusted. Speculative entries are left out: measured on the simulator, a
-  burst's siblings are admitted in the same engine step as their first and do not hit what it
-  is computing, so counting them over-predicts;
-- ``precise_speculative``: the same plus speculative entries of earlier picks, right when the
-  replica queues a burst's siblings until their first has computed the shared prefix (under KV
-  pressure). The two bracket the truth; operators see both.
+- ``precise``: the leading blocks the endpoint holds, at the pick, for endpoints whose stream
+  is trusted: announced by its events, computed by a prefill that has finished there (its first
+  byte came back; the events may still be on the way), or speculated by a pick older than one
+  engine step (the endpoint's calibrated fixed overhead). A burst's siblings picked within the
+  same step are admitted together and do not hit what the first is computing, so they are left
+  out (measured on the simulator: counting them over-predicts);
+- ``precise_speculative``: every speculative entry counted, however recent: an upper bound. The
+  two bracket the truth; operators see both.
 
 Both are capped like vLLM's lookup (at most ``prompt_tokens - 1`` tokens, whole blocks). The
 signed error (predicted - actual; positive = over-prediction) goes to histograms in tokens and

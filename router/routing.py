@@ -159,18 +159,22 @@ class Router:
         uncached = routing.uncached_tokens(endpoint_id)
         ahead = uncached + (state.pending_prefill_tokens if state is not None else 0)
         calibrator = self._calibrator
-        if routing.stream:
 
-            def learn(seconds: float) -> None:
+        def first_byte(seconds: float) -> None:
+            if routing.stream:  # a non-streaming first byte is the answer's last
                 calibrator.observe(endpoint_id, ahead, seconds)
+            self.prefilled(routing, endpoint_id)
 
-            return self._pool.lease(endpoint_id, uncached, learn)
-        lease = self._pool.lease(endpoint_id, uncached)
-        # The first byte of a non-streaming answer is its last: presume the prefill done after
-        # a generous multiple of its predicted time, so decode time is not taken for queue.
-        delay = min(600.0, 3.0 * calibrator.predict(endpoint_id, ahead))
-        asyncio.get_running_loop().call_later(delay, lease.presume_prefilled)
+        lease = self._pool.lease(endpoint_id, uncached, first_byte)
+        if not routing.stream:
+            # Its first byte is its last: presume the prefill done after a generous multiple
+            # of its predicted time, so decode time is not taken for queue.
+            delay = min(600.0, 3.0 * calibrator.predict(endpoint_id, ahead))
+            asyncio.get_running_loop().call_later(delay, lease.presume_prefilled)
         return lease
+
+    def prefilled(self, routing: RoutingRequest, endpoint_id: str) -> None:
+        """The request's prefill is done on the endpoint (hook for subclasses)."""
 
     def picked(self, routing: RoutingRequest, endpoint_id: str) -> None:
         """Learn from the pick: prefix index and affinity updates, match-ratio metric."""
