@@ -94,7 +94,7 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
         plugins, profile_cfg = config.plugins, config.scheduling_profiles[0]
     calibrator = Calibrator(registry=metrics.registry)
     precise = None
-    if precise_enabled(config, (p.type for p in plugins)):
+    if precise_enabled(config, plugins):
         precise = PreciseRuntime(config, metrics.registry, stores.redis_metrics)
         precise.tracker.same_step = lambda endpoint_id: calibrator.cost(endpoint_id)[0]
     context = PluginContext(rng, calibrator, precise.tracker if precise else None)

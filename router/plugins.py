@@ -99,7 +99,7 @@ def _seeded(cls: Callable[[random.Random], object]) -> Factory:
 
 
 def _ttft_cost(raw: Mapping[str, Any], context: PluginContext) -> object:
-    return TTFTCostScorer(context.calibrator, parameters(TTFTCostParameters, raw))
+    return TTFTCostScorer(context.calibrator, parameters(TTFTCostParameters, raw), context.precise)
 
 
 def _precise(raw: Mapping[str, Any], context: PluginContext) -> object:

@@ -26,7 +26,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from router import anthropic, responses_api
-from router.config import GatewayConfig
+from router.config import GatewayConfig, PluginConfig
 from router.endpoints import Endpoint, EndpointSnapshot
 from router.kv_events import EventSource, KVEventsManager, SubscriberSettings, derive_sources
 from router.parsing import ParsedRequest
@@ -241,12 +241,19 @@ class PreciseRouter(Router):
         self.tracker.prefilled(routing.request_id, endpoint_id)
 
 
-def precise_enabled(config: GatewayConfig, plugin_types: Iterable[str]) -> bool:
-    """On when configured so, or (by default) when a precise scorer is in use."""
+def precise_enabled(config: GatewayConfig, plugins: Iterable[PluginConfig]) -> bool:
+    """On when configured so, or (by default) when a scorer reads the precise index."""
     enabled = config.precise_prefix.enabled
     if enabled is not None:
         return enabled
-    return SCORER_TYPE in set(plugin_types)
+    return any(
+        p.type == SCORER_TYPE
+        or (
+            p.type == "ttft-cost-scorer"
+            and p.parameters.get("prefixSource", p.parameters.get("prefix_source")) == "precise"
+        )
+        for p in plugins
+    )
 
 
 def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:

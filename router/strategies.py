@@ -1,10 +1,10 @@
 """Built-in strategies: the default, the llm-d-style weighted profile, and baselines.
 
 ``default`` prices every endpoint in one common unit, the predicted time to first token
-(scorers/ttft_cost.py): measured on the agentic workload at moderate load and overload, with
-roomy and tight KV caches, it beat the weighted profile, the baselines and the peer routers on
-TTFT p90 and on the share of reuse captured (README, "Routing quality"). ``weighted`` is llm-d's
-weighted sum of [0, 1] scores, for users who want that model or to tune weights themselves.
+(scorers/ttft_cost.py); README, "Routing quality", measures it against the weighted profile,
+the baselines and the peer routers at two load levels and two KV capacities. ``weighted`` is
+llm-d's weighted sum of [0, 1] scores, for users who want that model or to tune weights
+themselves; ``precise`` is that profile with the prefix share read from the replicas' KV events.
 
 Each is plain config (plugins + one profile), exactly what a user could write in YAML, so a
 baseline is never a special code path.
@@ -44,7 +44,9 @@ STRATEGIES: dict[str, Strategy] = {
     "least-loaded": _weighted({"inflight-scorer": 1.0}),
     "prefix-only": _weighted({"prefix-cache-scorer": 1.0}),
     "session-hash": _weighted({"session-hash-scorer": 1.0}),
-    # The weighted profile, with the prefix share read from the replicas' KV events (issue 9).
+    # The weighted profile, with the prefix share read from the replicas' KV events. (The cost
+    # scorer can read them too, ttft-cost-scorer {prefixSource: precise}; on the simulator's
+    # agentic workload under KV pressure it measured worse than this, see README.)
     "precise": _weighted(
         {("precise-prefix-cache-scorer" if t == "prefix-cache-scorer" else t): w
          for t, w in _DEFAULT_WEIGHTS.items()}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import Field
 
@@ -29,6 +30,7 @@ from router.calibration import Calibrator
 from router.config import Strict
 from router.endpoints import EndpointSnapshot
 from router.scheduling import RoutingRequest
+from scorers.precise_prefix_cache import PreciseScores
 
 
 class TTFTCostParameters(Strict):
@@ -58,6 +60,9 @@ class TTFTCostParameters(Strict):
     kv_penalty_tokens: float = Field(10_000.0, ge=0)
     # A nudge towards the endpoint that served the session last, for near ties.
     affinity_bonus_tokens: float = Field(25.0, ge=0)
+    # Where the uncached tokens come from: the approximate index, or the replicas' KV events
+    # (precise prefix routing; endpoints without a trusted stream fall back to approximate).
+    prefix_source: Literal["approximate", "precise"] = "approximate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,14 +82,29 @@ class CostTerms:
 
 
 class TTFTCostScorer:
-    def __init__(self, calibrator: Calibrator, params: TTFTCostParameters | None = None) -> None:
+    def __init__(
+        self,
+        calibrator: Calibrator,
+        params: TTFTCostParameters | None = None,
+        precise: PreciseScores | None = None,
+    ) -> None:
         self._calibrator = calibrator
         self._p = params or TTFTCostParameters()
+        self._precise = precise if self._p.prefix_source == "precise" else None
+        # The precise shares of the request scored last, for explain() right after.
+        self._shares: tuple[str, dict[str, float]] = ("", {})
+
+    def _uncached(self, request: RoutingRequest, endpoint_id: str) -> int:
+        request_id, shares = self._shares
+        share = shares.get(endpoint_id) if request_id == request.request_id else None
+        if share is None:
+            return request.uncached_tokens(endpoint_id)
+        return max(1, round(request.prompt_tokens * (1.0 - share)))
 
     def terms(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> CostTerms:
         p = self._p
         overhead, per_token = self._calibrator.cost(endpoint.id)
-        uncached = request.uncached_tokens(endpoint.id)
+        uncached = self._uncached(request, endpoint.id)
         evicted = self._evicted_tokens(request, endpoint.id, uncached)
         foreign = max(0.0, endpoint.waiting - endpoint.in_flight) * p.foreign_request_tokens
         queued = endpoint.pending_prefill_tokens + foreign
@@ -124,6 +144,11 @@ class TTFTCostScorer:
         return self._p.kv_penalty_tokens * min(1.0, overflow * 10)
 
     def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
+        if self._precise is not None:
+            shares = self._precise.scores(request, endpoints)
+            if shares is not None:
+                ids = [e.id for e in endpoints]
+                self._shares = (request.request_id, dict(zip(ids, shares, strict=True)))
         costs = [self.terms(request, e).total_s for e in endpoints]
         if not costs:
             return []

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from router.calibration import Calibrator
+from router.config import parse_config
 from router.endpoints import EndpointSnapshot
+from router.precise_routing import precise_enabled
 from router.scheduling import RoutingRequest
 from scorers.ttft_cost import TTFTCostParameters, TTFTCostScorer
 
@@ -143,3 +146,38 @@ def test_explain_reports_every_term() -> None:
     assert terms["predicted_ttft_s"] == pytest.approx(
         terms["prefill_s"] + terms["load_s"] + terms["kv_penalty_s"] - terms["affinity_bonus_s"]
     )
+
+
+class FixedShares:
+    def __init__(self, shares: list[float] | None) -> None:
+        self.shares = shares
+
+    def scores(
+        self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
+    ) -> list[float] | None:
+        return self.shares
+
+
+def test_precise_prefix_source_prices_what_the_events_say() -> None:
+    request = req(tokens=10_000, hits={"a": 150})  # the approximate index: all on "a"
+    endpoints = [snap("a"), snap("b")]
+    params = TTFTCostParameters(prefix_source="precise")
+    precise = TTFTCostScorer(Calibrator(), params, FixedShares([0.0, 0.9]))
+    assert precise.score(request, endpoints)[1] == 1.0, "the events say b holds 90%"
+    assert precise.explain(request, endpoints[1])["uncached_tokens"] == 1_000
+    untokenized = TTFTCostScorer(Calibrator(), params, FixedShares(None))
+    assert untokenized.score(req(tokens=10_000, hits={"a": 150}), endpoints)[0] == 1.0
+    approximate = TTFTCostScorer(Calibrator(), TTFTCostParameters(), FixedShares([0.0, 0.9]))
+    assert approximate.score(request, endpoints)[0] == 1.0, "approximate by default"
+
+
+def test_precise_prefix_source_turns_precise_routing_on() -> None:
+    pool = {"endpoints": [{"url": "http://127.0.0.1:9"}]}
+    profile = {"name": "p", "plugins": [{"pluginRef": "ttft-cost-scorer"}]}
+    for source, on in (("precise", True), ("approximate", False)):
+        config = parse_config({
+            "pool": pool,
+            "plugins": [{"type": "ttft-cost-scorer", "parameters": {"prefixSource": source}}],
+            "schedulingProfiles": [profile],
+        })
+        assert precise_enabled(config, config.plugins or []) is on
