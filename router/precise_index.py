@@ -23,41 +23,19 @@ and a bounded number of speculative keys.
 from __future__ import annotations
 
 import time
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import xxhash
+from router.precise_keys import KEY_SEED, block_keys
+
+__all__ = ["KEY_SEED", "EngineHash", "IndexStats", "PreciseIndex", "block_keys"]
 
 EngineHash = int | bytes
-KEY_SEED = 0x7072_6566_6978_6761  # "prefixga": distinct from any engine's seed
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_BLOCKS = 1 << 20
 DEFAULT_RECENT_REMOVED = 1 << 14
 DEFAULT_MAX_SPECULATIVE = 1 << 20
-
-
-def block_keys(
-    tokens: Sequence[int], block_size: int, parent: int = KEY_SEED, max_blocks: int | None = None
-) -> list[int]:
-    """Chained keys of the full blocks of ``tokens``: ``xxh64(uint32 ids, seed=parent key)``."""
-    full = len(tokens) // block_size
-    if max_blocks is not None:
-        full = min(full, max_blocks)
-    if full <= 0:
-        return []
-    try:
-        raw = array("I", tokens[: full * block_size]).tobytes()
-    except OverflowError:  # an id past 2**32 (no tokenizer has one); keep it exact anyway
-        raw = array("q", tokens[: full * block_size]).tobytes()
-    step = len(raw) // full
-    digest = xxhash.xxh64_intdigest
-    keys = [0] * full
-    for i in range(full):
-        parent = digest(raw[i * step : (i + 1) * step], parent)
-        keys[i] = parent
-    return keys
 
 
 @dataclass(slots=True)

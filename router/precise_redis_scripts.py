@@ -10,7 +10,7 @@ one bit per endpoint slot, kept canonical (no trailing zero bytes).
 
 from __future__ import annotations
 
-from router.redis_link import LuaScript
+from router.redis_link import HOLDER_BITMAP_LUA, LuaScript
 
 # Batches whose publish time is older than the last applied one by more than this are from an
 # earlier incarnation of the publisher (a replica restart takes far longer).
@@ -26,33 +26,7 @@ local function now_ms()
 end
 local function int(x) return string.format('%d', x)
 end
-local function slot_of(slots, ep, create)
-  local s = redis.call('HGET', slots, ep)
-  if s then return tonumber(s) end
-  if not create then return nil end
-  local used = {}
-  for _, v in ipairs(redis.call('HVALS', slots)) do used[tonumber(v)] = true end
-  local i = 0
-  while used[i] do i = i + 1 end
-  redis.call('HSET', slots, ep, i)
-  return i
-end
-local function with_bit(v, byte, mask)
-  v = v or ''
-  if #v < byte then v = v .. string.rep('\\0', byte - #v) end
-  local b = string.byte(v, byte)
-  if band(b, mask) ~= 0 then return nil end
-  return sub(v, 1, byte - 1) .. string.char(bit.bor(b, mask)) .. sub(v, byte + 1)
-end
-local function without_bit(v, byte, mask)
-  if not v or #v < byte then return nil end
-  local b = string.byte(v, byte)
-  if band(b, mask) == 0 then return nil end
-  v = sub(v, 1, byte - 1) .. string.char(b - mask) .. sub(v, byte + 1)
-  local e = #v
-  while e > 0 and string.byte(v, e) == 0 do e = e - 1 end
-  return sub(v, 1, e)
-end
+""" + HOLDER_BITMAP_LUA + """
 -- Reclaim up to `budget` entries of one garbage map (an endpoint's map before a clear).
 local function gc_step(holders, slots, garbage, budget)
   local g = redis.call('SRANDMEMBER', garbage)

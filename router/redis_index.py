@@ -42,6 +42,7 @@ from redis.exceptions import NoScriptError
 
 from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex
 from router.redis_link import (
+    HOLDER_BITMAP_LUA,
     CircuitBreaker,
     LuaScript,
     RedisLink,
@@ -60,36 +61,10 @@ DEFAULT_MAX_BLOCKS_PER_WRITE = 256  # ~1.5 ms of Redis time, evictions included
 # Shared by the scripts below. A holder bitmap is a string, one bit per endpoint slot; it stays
 # canonical (no trailing zero bytes) so that equal holder sets are equal strings, which lets the
 # walk skip the per-endpoint test while consecutive blocks have the same holders.
-_PRELUDE = """
+_PRELUDE = ("""
 local CHUNK = @CHUNK@
 local sub, band = string.sub, bit.band
-local function slot_of(slots, ep, create)
-  local s = redis.call('HGET', slots, ep)
-  if s then return tonumber(s) end
-  if not create then return nil end
-  local used = {}
-  for _, v in ipairs(redis.call('HVALS', slots)) do used[tonumber(v)] = true end
-  local i = 0
-  while used[i] do i = i + 1 end
-  redis.call('HSET', slots, ep, i)
-  return i
-end
-local function with_bit(v, byte, mask)
-  v = v or ''
-  if #v < byte then v = v .. string.rep('\\0', byte - #v) end
-  local b = string.byte(v, byte)
-  if bit.band(b, mask) ~= 0 then return nil end
-  return string.sub(v, 1, byte - 1) .. string.char(bit.bor(b, mask)) .. string.sub(v, byte + 1)
-end
-local function without_bit(v, byte, mask)
-  if not v or #v < byte then return nil end
-  local b = string.byte(v, byte)
-  if bit.band(b, mask) == 0 then return nil end
-  v = string.sub(v, 1, byte - 1) .. string.char(b - mask) .. string.sub(v, byte + 1)
-  local e = #v
-  while e > 0 and string.byte(v, e) == 0 do e = e - 1 end
-  return string.sub(v, 1, e)
-end
+""" + HOLDER_BITMAP_LUA + """
 local function drop(holders, members, byte, mask)
   if #members == 0 then return end
   local vals = redis.call('HMGET', holders, unpack(members))
@@ -113,7 +88,7 @@ local function pop_oldest(holders, lru, slot, count)
     count = count - c
   end
 end
-""".replace("@CHUNK@", str(_CHUNK))
+""").replace("@CHUNK@", str(_CHUNK))
 
 # KEYS: holders, slots. ARGV: packed hashes, then the candidate endpoint ids.
 # Returns the consecutive match length per candidate, in ARGV order.

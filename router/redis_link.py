@@ -147,6 +147,39 @@ class CircuitBreaker:
             self._open_until = now + self._interval
 
 
+# Lua shared by the index scripts: endpoint slots, and holder bitmaps (a string, one bit per
+# endpoint slot, kept canonical, no trailing zero bytes, so equal sets are equal strings).
+HOLDER_BITMAP_LUA = """
+local function slot_of(slots, ep, create)
+  local s = redis.call('HGET', slots, ep)
+  if s then return tonumber(s) end
+  if not create then return nil end
+  local used = {}
+  for _, v in ipairs(redis.call('HVALS', slots)) do used[tonumber(v)] = true end
+  local i = 0
+  while used[i] do i = i + 1 end
+  redis.call('HSET', slots, ep, i)
+  return i
+end
+local function with_bit(v, byte, mask)
+  v = v or ''
+  if #v < byte then v = v .. string.rep('\\0', byte - #v) end
+  local b = string.byte(v, byte)
+  if bit.band(b, mask) ~= 0 then return nil end
+  return string.sub(v, 1, byte - 1) .. string.char(bit.bor(b, mask)) .. string.sub(v, byte + 1)
+end
+local function without_bit(v, byte, mask)
+  if not v or #v < byte then return nil end
+  local b = string.byte(v, byte)
+  if bit.band(b, mask) == 0 then return nil end
+  v = string.sub(v, 1, byte - 1) .. string.char(b - mask) .. string.sub(v, byte + 1)
+  local e = #v
+  while e > 0 and string.byte(v, e) == 0 do e = e - 1 end
+  return string.sub(v, 1, e)
+end
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class LuaScript:
     source: str
