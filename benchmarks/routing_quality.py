@@ -1,17 +1,20 @@
 """Routing quality at four points: moderate load and overload, roomy and tight KV caches.
 
-Runs ``prefixgate bench`` once per point (each point runs every target side by side on the
-same 8 simulated replicas and the same seeded agentic workload) and prints one condensed table
-per point: client TTFT p50/p90, the replicas' own TTFT p90, and the share of the workload's
-reusable prompt tokens that was served from cache.
+Runs ``prefixgate bench`` per point (each point runs every target side by side on the same 8
+simulated replicas and the same seeded agentic workload), ``--repeat`` times, and prints one
+condensed table per point: client TTFT p50/p90, the replicas' own TTFT p90, and the share of
+the workload's reusable prompt tokens that was served from cache. With several runs each
+figure is the median over the runs, with the range of TTFT p90 and reuse: on a small machine
+that runs the replicas, the routers and the load generator at once, one run moves by 10-30%.
 
-    python -m benchmarks.routing_quality --out bench-out/quality [--peers-dir DIR]
+    python -m benchmarks.routing_quality --out bench-out/quality [--repeat 3] [--peers-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -44,8 +47,42 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def run_point(out: Path, concurrency: int, blocks: int, args: argparse.Namespace) -> Path:
-    folder = out / f"c{concurrency}-kv{blocks}"
+def _median(runs: list[dict[str, Any]], get: Any) -> tuple[float, float, float]:
+    values = [get(r) for r in runs]
+    return statistics.median(values), min(values), max(values)
+
+
+def median_table(runs: list[list[dict[str, Any]]]) -> str:
+    """Per target, the median over runs (TTFT p90 and reuse with their range)."""
+    if len(runs) == 1:
+        return table(runs[0])
+    rows = [
+        "| target | TTFT p50 s | TTFT p90 s (range) | engine TTFT p90 s | reuse captured (range)"
+        " | errors |",
+        "|---|---|---|---|---|---|",
+    ]
+    names = [r["name"] for r in runs[0]]
+    for name in names:
+        mine = [r for run in runs for r in run if r["name"] == name and r.get("status") == "ok"]
+        if not mine:
+            rows.append(f"| {name} | not run | | | | |")
+            continue
+        p50 = _median(mine, lambda r: r["ttft"]["p50"])[0]
+        p90, p90_lo, p90_hi = _median(mine, lambda r: r["ttft"]["p90"])
+        engine = _median(mine, lambda r: r["server_ttft_p90"])[0]
+        reuse, reuse_lo, reuse_hi = _median(mine, lambda r: r["captured"])
+        errors = sum(r["errors"] for r in mine)
+        rows.append(
+            f"| {name} | {p50:.2f} | {p90:.2f} ({p90_lo:.2f}-{p90_hi:.2f}) | {engine:.2f} | "
+            f"{reuse:.1%} ({reuse_lo:.1%}-{reuse_hi:.1%}) | {errors} |"
+        )
+    return "\n".join(rows)
+
+
+def run_point(
+    out: Path, concurrency: int, blocks: int, args: argparse.Namespace, run: int = 0
+) -> Path:
+    folder = out / f"c{concurrency}-kv{blocks}" / f"run{run}"
     command = [
         sys.executable, "-m", "router.cli", "bench", "--workload", "agentic",
         "--preset", args.preset, "--concurrency", str(concurrency),
@@ -65,11 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default=TARGETS)
     parser.add_argument("--peers", default=PEERS)
     parser.add_argument("--peers-dir", action="append", default=[])
+    parser.add_argument("--repeat", type=int, default=1, help="runs per point (median shown)")
     args = parser.parse_args(argv)
     for label, concurrency, blocks in POINTS:
-        results = json.loads(run_point(args.out, concurrency, blocks, args).read_text())
+        runs = []
+        for run in range(max(1, args.repeat)):
+            path = run_point(args.out, concurrency, blocks, args, run)
+            runs.append(json.loads(path.read_text())["results"])
         print(f"\n#### {label}, concurrency {concurrency}\n")
-        print(table(results["results"]), flush=True)
+        print(median_table(runs), flush=True)
     return 0
 
 
