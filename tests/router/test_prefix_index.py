@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from router.prefix_index import InMemoryPrefixIndex
@@ -119,3 +121,22 @@ def test_stale_blocks_are_touched_again() -> None:
     index.record("a", [8, 9, 10, 11])  # 10 entries > 8: the two oldest, 7 then 6, go
     assert index.match_now([5, 6, 7], ["a"]) == {"a": 1}
     assert index.match_now([1, 2, 3], ["a"]) == {"a": 3}
+
+
+async def test_a_long_cold_chain_is_touched_in_pieces_between_loop_turns() -> None:
+    index = InMemoryPrefixIndex(default_capacity=1000, max_blocks_per_step=4)
+    chain = list(range(1, 11))
+    index.record("a", chain)
+    assert index.match_now(chain, ["a"]) == {"a": 4}, "the head at once"
+    assert index.pending_pieces == 1
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert index.pending_pieces == 0
+    assert index.match_now(chain, ["a"]) == {"a": 10}
+    scores = index._lru["a"].scores
+    assert [scores[h] for h in chain] == sorted(scores.values(), reverse=True), "tail lowest"
+    index.record("b", chain)
+    await index.forget_endpoint("b")  # its remaining pieces find it gone: no resurrection
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert index.entries("b") == 0 and index.pending_pieces == 0
