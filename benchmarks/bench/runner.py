@@ -75,6 +75,10 @@ async def reset_caches(http: aiohttp.ClientSession, urls: Sequence[str]) -> None
 
 
 def sim_command(settings: BenchSettings, base_port: int) -> list[str]:
+    events = []
+    if settings.kv_events_offset is not None and settings.kv_replay_offset is not None:
+        events = ["--kv-events-port", str(base_port + settings.kv_events_offset),
+                  "--kv-events-replay-port", str(base_port + settings.kv_replay_offset)]
     return [
         sys.executable, "-m", "router.cli", "sim",
         "--host", HOST,
@@ -86,6 +90,7 @@ def sim_command(settings: BenchSettings, base_port: int) -> list[str]:
         "--max-num-seqs", str(settings.max_num_seqs),
         "--speed", str(settings.speed),
         "--log-level", "warning",
+        *events,
         *settings.sim_args,
     ]  # fmt: skip
 
@@ -116,6 +121,9 @@ class Runner:
         report = BenchReport(s, self.workload, estimate)
         base = s.base_port or free_port_range(s.replicas)
         self.replicas = [f"http://{HOST}:{base + i}" for i in range(s.replicas)]
+        if any(getattr(t, "needs_kv_events", False) for t in targets):
+            events = free_port_range(2 * s.replicas, first=base + s.replicas)
+            s.kv_events_offset, s.kv_replay_offset = events - base, events + s.replicas - base
         sim = Process("sim", sim_command(s, base), s.out / "logs" / "sim.log")
         try:
             probes = [http_ok(f"{u}/health") for u in self.replicas]

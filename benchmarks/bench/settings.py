@@ -27,3 +27,7 @@ class BenchSettings:
     # Simulated seconds after a target is ready before the workload starts (first scrapes).
     settle_s: float = 0.5
     command: str = ""
+    # Set by the runner when a target routes on KV events: replica HTTP port + offset = its
+    # events PUB port (and + replay offset, its replay port).
+    kv_events_offset: int | None = None
+    kv_replay_offset: int | None = None

@@ -89,10 +89,32 @@ class Strategy:
     def unavailable(self) -> str | None:
         return None
 
-    def _config_file(self, replicas: Sequence[str], port: int) -> Path | None:
+    @property
+    def needs_kv_events(self) -> bool:
+        """Routes on the replicas' KV events: the built-in precise strategy, or a config with
+        a ``precisePrefix`` section."""
         if self.config is None:
+            return self.name == "precise"
+        data = yaml.safe_load(self.config.read_text()) or {}
+        return isinstance(data, dict) and "precisePrefix" in data
+
+    def _precise(self, data: dict[str, Any]) -> None:
+        s = self.settings
+        precise = data.setdefault("precisePrefix", {})
+        precise.setdefault("blockSize", s.block_size)
+        precise.setdefault("tokenizer", {"type": "sim"})
+        events = precise.setdefault("kvEvents", {})
+        events.setdefault("portOffset", s.kv_events_offset)
+        events.setdefault("replayPortOffset", s.kv_replay_offset)
+
+    def _config_file(self, replicas: Sequence[str], port: int) -> Path | None:
+        if self.config is None and not self.needs_kv_events:
             return None
-        data: dict[str, Any] = yaml.safe_load(self.config.read_text()) or {}
+        data: dict[str, Any] = {"strategy": self.name}
+        if self.config is not None:
+            data = yaml.safe_load(self.config.read_text()) or {}
+        if self.needs_kv_events:
+            self._precise(data)
         data.setdefault("pool", {})["endpoints"] = [{"url": u} for u in replicas]
         data.setdefault("server", {}).update(host=HOST, port=port)
         path = self.settings.out / "logs" / f"{self.name}.yaml"

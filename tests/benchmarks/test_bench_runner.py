@@ -44,6 +44,26 @@ async def test_two_strategies_on_two_replicas(tmp_path: Path) -> None:
     assert (tmp_path / "logs" / "sim.log").exists()
 
 
+@pytest.mark.timeout(60)
+async def test_precise_strategy_routes_on_the_replicas_kv_events(tmp_path: Path) -> None:
+    settings = BenchSettings(
+        out=tmp_path, replicas=2, speed=20.0, num_gpu_blocks=512, deadline_s=30.0,
+        plots=False, progress=False,
+    )  # fmt: skip
+    workload = build_workload("agentic", "tiny", sessions=3, turns=2)
+    report = await Runner(settings, workload).run(make_targets(["precise"], [], settings))
+    result = report.results[0]
+    assert result.status == "ok", result.note
+    assert (result.requests, result.errors) == (workload.num_requests, 0)
+    metrics = (tmp_path / "logs" / "precise.metrics.txt").read_text()
+    trusted = [line for line in metrics.splitlines()
+               if line.startswith("prefixgate_kv_events_trusted{")]
+    assert len(trusted) == 2 and all(line.endswith(" 1.0") for line in trusted), trusted
+    batches = [line for line in metrics.splitlines()
+               if line.startswith("prefixgate_kv_event_batches_total{")]
+    assert len(batches) == 2 and all(float(line.rsplit(" ", 1)[1]) > 0 for line in batches)
+
+
 async def test_unknown_targets_fail_before_anything_starts(tmp_path: Path) -> None:
     settings = BenchSettings(out=tmp_path)
     with pytest.raises(ValueError, match="unknown strategy"):
