@@ -250,6 +250,16 @@ class RedisLink:
         self.metrics.circuit_open.labels(self.component).set(0)
         return result
 
+    async def get_text(self, op: str, key: str) -> str | None:
+        """GET within the budget; None when absent or not answered (counted as a fallback:
+        the caller goes on with its local state)."""
+        try:
+            raw = await self.call(op, lambda c: c.get(key))
+        except Unavailable as exc:
+            self.metrics.fallbacks.labels(op, exc.reason).inc()
+            return None
+        return None if raw is None else as_text(raw)
+
     def _failed(self, op: str, kind: str, exc: BaseException) -> None:
         self.metrics.errors.labels(op, kind).inc()
         self.breaker.failure()

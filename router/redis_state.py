@@ -71,15 +71,9 @@ class RedisAffinityStore:
         local = self.local.get_now(session_id)
         if session_id in self._queue:
             return local  # our own newer answer has not reached Redis yet
-        key = self._prefix + session_id
-        try:
-            raw = await self._link.call("affinity_get", lambda c: c.get(key))
-        except Unavailable as exc:
-            self._link.metrics.fallbacks.labels("affinity_get", exc.reason).inc()
+        endpoint = await self._link.get_text("affinity_get", self._prefix + session_id)
+        if endpoint is None:
             return local
-        if raw is None:
-            return local
-        endpoint = as_text(raw)
         if endpoint != local:
             self.local.set(session_id, endpoint)  # so a Redis outage falls back to the latest
         return endpoint

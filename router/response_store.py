@@ -35,9 +35,7 @@ from router.errors import ResponseNotFoundError, ResponseUnavailableError
 from router.redis_link import (
     RedisLink,
     RedisMetrics,
-    Unavailable,
     UpdateQueue,
-    as_text,
     default_metrics,
     key_tag,
 )
@@ -151,15 +149,9 @@ class ResponseRoutes:
         found = self.local(response_id)
         if found is not None or self._link is None or not RESPONSE_ID.fullmatch(response_id):
             return found
-        key = self._prefix + response_id
-        try:
-            raw = await self._link.call("response_get", lambda c: c.get(key))
-        except Unavailable as exc:
-            self._link.metrics.fallbacks.labels("response_get", exc.reason).inc()
+        endpoint = await self._link.get_text("response_get", self._prefix + response_id)
+        if endpoint is None:
             return None
-        if raw is None:
-            return None
-        endpoint = as_text(raw)
         self._entries[response_id] = (endpoint, self._clock() + self._ttl)
         return endpoint
 

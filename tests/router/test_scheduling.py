@@ -14,22 +14,7 @@ from router.scheduling import RoutingRequest, Scheduler, SchedulingProfile, Weig
 from router.strategies import strategy
 from scorers.prefix_cache import PrefixCacheScorer
 from scorers.queue import QueueScorer
-
-
-def snap(eid: str, **kw: Any) -> EndpointSnapshot:
-    base: dict[str, Any] = {
-        "id": eid,
-        "url": f"http://{eid}",
-        "role": "both",
-        "in_flight": 0,
-        "pending_prefill_tokens": 0,
-        "waiting": 0.0,
-        "running": 0.0,
-        "kv_usage": 0.0,
-        "metrics_age": 0.0,
-    }
-    base.update(kw)
-    return EndpointSnapshot(**base)
+from tests.snapshots import snap
 
 
 def req(**kw: Any) -> RoutingRequest:

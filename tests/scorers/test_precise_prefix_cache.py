@@ -4,7 +4,7 @@ real caches after eviction, and the prediction error of both indexes."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -17,7 +17,7 @@ from benchmarks.sim.cli import Replica, start_replicas
 from benchmarks.sim.config import SimConfig
 from router.app import build_gateway
 from router.config import parse_config
-from router.endpoints import EndpointSnapshot, endpoint_id_from_url
+from router.endpoints import endpoint_id_from_url
 from router.errors import ConfigError
 from router.parsing import parse_request
 from router.precise_routing import PreciseRouter
@@ -27,25 +27,9 @@ from router.server import RunningGateway, running_gateway
 from scorers.precise_prefix_cache import PrecisePrefixCacheScorer
 from tests.router.conftest import MODEL, gateway_config
 from tests.router.test_kv_events import wait_for
+from tests.snapshots import FixedScores, snap
 
 pytestmark = pytest.mark.slow
-
-
-def snap(eid: str) -> EndpointSnapshot:
-    return EndpointSnapshot(
-        id=eid, url=f"http://{eid}", role="both", in_flight=0, pending_prefill_tokens=0,
-        waiting=0, running=0, kv_usage=0, metrics_age=0,
-    )
-
-
-class FixedScores:
-    def __init__(self, values: list[float] | None) -> None:
-        self.values = values
-
-    def scores(
-        self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
-    ) -> list[float] | None:
-        return self.values
 
 
 def test_scorer_uses_precise_scores_else_the_approximate_share() -> None:

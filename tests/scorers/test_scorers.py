@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 
-from router.endpoints import EndpointSnapshot
 from router.scheduling import RoutingRequest
 from scorers.inflight import InFlightScorer
 from scorers.kv_cache_utilization import KVCacheUtilizationScorer
@@ -15,22 +14,7 @@ from scorers.queue import QueueScorer
 from scorers.scale import inverted_min_max
 from scorers.session_affinity import SessionAffinityScorer
 from scorers.session_hash import SessionHashScorer
-
-
-def snap(eid: str, **kw: Any) -> EndpointSnapshot:
-    base: dict[str, Any] = {
-        "id": eid,
-        "url": f"http://{eid}",
-        "role": "both",
-        "in_flight": 0,
-        "pending_prefill_tokens": 0,
-        "waiting": 0.0,
-        "running": 0.0,
-        "kv_usage": 0.0,
-        "metrics_age": 0.0,
-    }
-    base.update(kw)
-    return EndpointSnapshot(**base)
+from tests.snapshots import snap
 
 
 def req(**kw: Any) -> RoutingRequest:

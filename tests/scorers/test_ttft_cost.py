@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -11,24 +10,12 @@ from router.endpoints import EndpointSnapshot
 from router.precise_routing import precise_enabled
 from router.scheduling import RoutingRequest
 from scorers.ttft_cost import TTFTCostParameters, TTFTCostScorer
+from tests.snapshots import FixedScores
+from tests.snapshots import snap as base_snap
 
 
 def snap(eid: str, **kw: Any) -> EndpointSnapshot:
-    base: dict[str, Any] = {
-        "id": eid,
-        "url": f"http://{eid}",
-        "role": "both",
-        "in_flight": 0,
-        "pending_prefill_tokens": 0,
-        "waiting": 0.0,
-        "running": 0.0,
-        "kv_usage": 0.0,
-        "metrics_age": 0.0,
-        "block_size": 16,
-        "num_gpu_blocks": 10_000,
-    }
-    base.update(kw)
-    return EndpointSnapshot(**base)
+    return base_snap(eid, **{"block_size": 16, "num_gpu_blocks": 10_000, **kw})
 
 
 def req(tokens: int = 10_000, hits: dict[str, int] | None = None, **kw: Any) -> RoutingRequest:
@@ -148,26 +135,16 @@ def test_explain_reports_every_term() -> None:
     )
 
 
-class FixedShares:
-    def __init__(self, shares: list[float] | None) -> None:
-        self.shares = shares
-
-    def scores(
-        self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
-    ) -> list[float] | None:
-        return self.shares
-
-
 def test_precise_prefix_source_prices_what_the_events_say() -> None:
     request = req(tokens=10_000, hits={"a": 150})  # the approximate index: all on "a"
     endpoints = [snap("a"), snap("b")]
     params = TTFTCostParameters(prefix_source="precise")
-    precise = TTFTCostScorer(Calibrator(), params, FixedShares([0.0, 0.9]))
+    precise = TTFTCostScorer(Calibrator(), params, FixedScores([0.0, 0.9]))
     assert precise.score(request, endpoints)[1] == 1.0, "the events say b holds 90%"
     assert precise.explain(request, endpoints[1])["uncached_tokens"] == 1_000
-    untokenized = TTFTCostScorer(Calibrator(), params, FixedShares(None))
+    untokenized = TTFTCostScorer(Calibrator(), params, FixedScores(None))
     assert untokenized.score(req(tokens=10_000, hits={"a": 150}), endpoints)[0] == 1.0
-    approximate = TTFTCostScorer(Calibrator(), TTFTCostParameters(), FixedShares([0.0, 0.9]))
+    approximate = TTFTCostScorer(Calibrator(), TTFTCostParameters(), FixedScores([0.0, 0.9]))
     assert approximate.score(request, endpoints)[0] == 1.0, "approximate by default"
 
 

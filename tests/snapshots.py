@@ -1,0 +1,38 @@
+"""Endpoint snapshots and precise-score sources for scorer and scheduling tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from router.endpoints import EndpointSnapshot
+from router.scheduling import RoutingRequest
+
+
+def snap(eid: str, **kw: Any) -> EndpointSnapshot:
+    """An idle endpoint ``eid`` with fresh metrics; ``kw`` overrides any field."""
+    base: dict[str, Any] = {
+        "id": eid,
+        "url": f"http://{eid}",
+        "role": "both",
+        "in_flight": 0,
+        "pending_prefill_tokens": 0,
+        "waiting": 0.0,
+        "running": 0.0,
+        "kv_usage": 0.0,
+        "metrics_age": 0.0,
+    }
+    base.update(kw)
+    return EndpointSnapshot(**base)
+
+
+class FixedScores:
+    """A precise-score source that answers the same values (or None: not tokenized)."""
+
+    def __init__(self, values: list[float] | None) -> None:
+        self.values = values
+
+    def scores(
+        self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
+    ) -> list[float] | None:
+        return self.values
