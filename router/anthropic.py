@@ -64,9 +64,13 @@ def error_body(message: str, status: int) -> bytes:
     )
 
 
+def error_status(error: GatewayError) -> int:
+    return OVERLOADED if isinstance(error, SaturatedError) else error.status_code
+
+
 def error_response(error: GatewayError) -> Response:
     """A gateway error in Anthropic's shape, with the same headers (retry-after, dropped reason)."""
-    status = OVERLOADED if isinstance(error, SaturatedError) else error.status_code
+    status = error_status(error)
     return Response(
         error_body(error.message, status),
         status,

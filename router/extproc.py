@@ -12,6 +12,7 @@ whichever comes first, exactly once.
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -66,14 +67,28 @@ class ExtProcMetrics:
         )
 
 
+# GET/DELETE /v1/responses/{id} and POST /v1/responses/{id}/cancel: the endpoint holding it.
+_STORED_RESPONSE = re.compile(r".*/responses/([^/]+)(?:/cancel)?")
+
+
 def api_for(path: str) -> Api | None:
-    """The OpenAI API a path names; None for paths routed without reading the body."""
+    """The API whose body a path carries; None for paths routed without reading the body."""
     path = path.split("?", 1)[0].rstrip("/")
     if path.endswith("/chat/completions"):
         return "chat"
     if path.endswith("/completions"):
         return "completions"
+    if path.endswith("/messages"):
+        return "messages"
+    if path.endswith("/responses"):
+        return "responses"
     return None
+
+
+def stored_response_id(path: str) -> str | None:
+    """The response a ``/v1/responses/{id}`` path names (None for any other path)."""
+    found = _STORED_RESPONSE.fullmatch(path.split("?", 1)[0].rstrip("/"))
+    return found.group(1) if found else None
 
 
 class Exchange:
@@ -150,6 +165,9 @@ class Exchange:
     async def _request_headers(self, part: Any) -> list[Any]:
         self._headers = header_map(part)
         if part.end_of_stream or self._request_mode == _MODE.NONE:
+            stored = stored_response_id(self._headers.get(":path", ""))
+            if stored is not None:
+                return [routed_headers(await self._pick_stored(stored))]
             return [routed_headers(self._pick_any())]
         if self._request_mode not in _ROUTABLE_MODES:
             # Envoy has chosen the upstream before such a body arrives: say so loudly.
@@ -174,10 +192,17 @@ class Exchange:
         return [] if self._duplex else [continue_body("request")]
 
     async def _route(self, end_of_stream: bool) -> list[Any]:
-        api = api_for(self._headers.get(":path", ""))
+        path = self._headers.get(":path", "")
+        api = api_for(path)
         body = bytes(self._body)
         self._body = bytearray()
-        destination = await self._pick(api, body) if api is not None else self._pick_any()
+        stored = stored_response_id(path)
+        if api is not None:
+            destination = await self._pick(api, body)
+        elif stored is not None:
+            destination = await self._pick_stored(stored)
+        else:
+            destination = self._pick_any()
         if not self._duplex:
             return [routed_body(destination, self._extra)]
         chunks = streamed_chunks(body, self._settings.body_chunk_bytes, end_of_stream)
@@ -222,15 +247,29 @@ class Exchange:
         router.picked(prefill_routing, prefill.id)
         self._extra = {PREFILLER_HEADER: prefill.id}
 
-    def _pick_any(self) -> str:
-        """No body to read (GET, or a path the gateway does not parse): the least loaded."""
-        pool = self._gw.pool
-        found = {c.id: c for m in pool.models() for c in self._candidates(m)}
+    def _eligible_any(self) -> list[EndpointSnapshot]:
+        found = {c.id: c for m in self._gw.pool.models() for c in self._candidates(m)}
         eligible = [
             c for c in found.values() if self._subset is None or in_subset(c.id, self._subset)
         ]
         if not eligible:
             raise NoEndpointsError("no healthy endpoint to route to")
+        return eligible
+
+    async def _pick_stored(self, response_id: str) -> str:
+        """A stored response lives on one endpoint: that one, or the 4xx saying why not."""
+        routes = self._gw.router.responses
+        if routes is None:
+            return self._pick_any()
+        eligible = self._eligible_any()
+        endpoint = await routes.resolve(response_id, self._gw.pool, eligible)
+        self._lease = self._gw.pool.lease(endpoint)
+        return self._routed(endpoint, "routed-stored-response")
+
+    def _pick_any(self) -> str:
+        """No body to read (GET, or a path the gateway does not parse): the least loaded."""
+        pool = self._gw.pool
+        eligible = self._eligible_any()
         ranked = sorted(eligible, key=lambda c: (c.in_flight, c.id))
         self._lease = pool.lease(ranked[0].id)
         destination = ",".join(e.id for e in ranked[: 1 + self._settings.fallback_endpoints])
@@ -250,7 +289,8 @@ class Exchange:
         self._status = str(error.status_code)
         self.close()
         self.done = True
-        return [immediate(error)]
+        messages = api_for(self._headers.get(":path", "")) == "messages"
+        return [immediate(error, anthropic_shape=messages)]
 
     def _response_headers(self, part: Any) -> list[Any]:
         self._status = header_map(part).get(":status", "none")

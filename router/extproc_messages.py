@@ -17,6 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from router import anthropic
 from router.errors import GatewayError
 from router.headers import DESTINATION_HEADER
 
@@ -163,14 +164,19 @@ def streamed_chunks(body: bytes, chunk_bytes: int, end_of_stream: bool) -> list[
     ]
 
 
-def immediate(error: GatewayError) -> Any:
-    """The OpenAI-shaped error Envoy answers in the picker's place (shed, no endpoint, 4xx)."""
+def immediate(error: GatewayError, anthropic_shape: bool = False) -> Any:
+    """The error Envoy answers in the picker's place (shed, no endpoint, 4xx): OpenAI-shaped,
+    or Anthropic-shaped for the Messages API."""
     headers = {"content-type": "application/json", **error.headers()}
+    status, body = error.status_code, error.body()
+    if anthropic_shape:
+        status = anthropic.error_status(error)
+        body = anthropic.error_body(error.message, status)
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=error.status_code),
+            status=http_status_pb2.HttpStatus(code=status),
             headers=header_mutation(headers),
-            body=error.body(),
+            body=body,
             details=f"prefixgate_{error.code or error.error_type}",
         )
     )

@@ -461,3 +461,50 @@ async def test_disaggregation_names_the_prefiller_for_the_decode_sidecar() -> No
             assert routed.set_header("x-prefiller-host-port") is None  # short: decode alone
             await envoy.finish(call)
             await eventually(lambda: in_flight(epp) == 0)
+
+
+@pytest.mark.parametrize(
+    ("path", "make"),
+    [
+        ("/v1/messages", lambda system, q: {"model": MODEL, "max_tokens": 5, "system": system,
+                                            "messages": [{"role": "user", "content": q}]}),
+        ("/v1/responses", lambda system, q: {"model": MODEL, "instructions": system,
+                                             "input": q}),
+    ],
+)
+async def test_agent_apis_are_routed_prefix_aware(
+    epp: RunningEpp, envoy: Envoy, path: str, make: Any
+) -> None:
+    system = "You are a coding agent with many tools. " * 200
+    picks = []
+    for i in range(5):
+        call, routed = await envoy.send_request(orjson.dumps(make(system, f"task {i}")), path=path)
+        picks.append(routed.header)
+        await envoy.finish(call)
+    assert len(set(picks[1:])) == 1, picks
+    assert epp.gateway.metrics.registry.get_sample_value(
+        "prefixgate_extproc_decisions_total", {"outcome": "routed"}
+    ) == 5
+
+
+async def test_a_stored_response_is_fetched_where_it_lives(epp: RunningEpp, envoy: Envoy) -> None:
+    routes = epp.gateway.router.responses
+    assert routes is not None
+    holder = sorted(s.endpoint.id for s in epp.gateway.pool)[1]
+    routes.remember("resp_abc", holder)
+    for path in ("/v1/responses/resp_abc", "/v1/responses/resp_abc/cancel"):
+        call, routed = await envoy.send_request(None, path=path)
+        assert routed.header == holder
+        await envoy.finish(call)
+    _, missing = await envoy.send_request(None, path="/v1/responses/resp_unknown")
+    reply = missing.immediate
+    assert reply is not None and reply.status.code == 404
+    await eventually(lambda: in_flight(epp) == 0)
+
+
+async def test_messages_errors_keep_the_anthropic_shape(envoy: Envoy) -> None:
+    _, routed = await envoy.send_request(b"{not json", path="/v1/messages")
+    reply = routed.immediate
+    assert reply is not None and reply.status.code == 400
+    body = orjson.loads(reply.body)
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
