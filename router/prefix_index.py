@@ -31,8 +31,9 @@ class PrefixIndex(Protocol):
     def record(self, endpoint_id: str, hashes: Sequence[int]) -> None:
         """Note that ``endpoint_id`` now holds the chain ``hashes``.
 
-        Synchronous so the next request of a burst already sees it: a remote-backed index
-        applies the update to its local view at once and ships it in the background.
+        Synchronous so the next request of a burst already sees it (a long cold chain: its
+        head at once, the rest within the next turns of the event loop); a remote-backed
+        index applies the update to its local view at once and ships it in the background.
         """
         ...
 
