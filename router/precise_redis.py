@@ -83,7 +83,6 @@ from router.redis_link import (
     RedisMetrics,
     Unavailable,
     UpdateQueue,
-    eval_script,
     key_tag,
 )
 
@@ -342,12 +341,8 @@ class SharedPreciseIndex:
         for eid in ids:
             redis_keys += [self._k("i:", eid), self._k("z:", eid)]
         args: list[Any] = [self._p, pack_keys(keys), *ids]
-        try:
-            raw: list[Any] = await self._link.call(
-                "precise_match", lambda c: eval_script(c, MATCH, redis_keys, args)
-            )
-        except Unavailable as exc:
-            self.metrics.fallbacks.labels("precise_match", exc.reason).inc()
+        raw = await self._link.eval_or_none("precise_match", MATCH, redis_keys, args)
+        if raw is None:
             return None
         return {
             eid: RemoteMatch(bool(raw[3 * j]), int(raw[3 * j + 1]), int(raw[3 * j + 2]))

@@ -343,13 +343,7 @@ class RedisPrefixIndex:
     async def _match_remote(self, hashes: Sequence[int], ids: list[str]) -> list[Any] | None:
         keys = [self._holders, self._slots]
         args: list[Any] = [pack_hashes(hashes), *ids]
-        try:
-            remote: list[Any] = await self._link.call(
-                "index_match", lambda c: eval_script(c, _MATCH, keys, args)
-            )
-        except Unavailable as exc:
-            self.metrics.fallbacks.labels("index_match", exc.reason).inc()
-            return None
+        remote: list[Any] | None = await self._link.eval_or_none("index_match", _MATCH, keys, args)
         return remote
 
     def record(self, endpoint_id: str, hashes: Sequence[int]) -> None:

@@ -250,6 +250,16 @@ class RedisLink:
         self.metrics.circuit_open.labels(self.component).set(0)
         return result
 
+    async def eval_or_none(
+        self, op: str, script: LuaScript, keys: Sequence[str], args: Sequence[Any]
+    ) -> Any | None:
+        """A script within the budget; None when not answered (counted as a fallback)."""
+        try:
+            return await self.call(op, lambda c: eval_script(c, script, keys, args))
+        except Unavailable as exc:
+            self.metrics.fallbacks.labels(op, exc.reason).inc()
+            return None
+
     async def get_text(self, op: str, key: str) -> str | None:
         """GET within the budget; None when absent or not answered (counted as a fallback:
         the caller goes on with its local state)."""

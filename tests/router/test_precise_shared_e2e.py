@@ -4,7 +4,7 @@ and a gateway that subscribes to endpoints Kubernetes discovery adds (and forget
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -22,17 +22,10 @@ from router.redis_link import RedisMetrics
 from router.server import running_gateway
 from tests.router.conftest import gateway_config
 from tests.router.test_discovery import FakeKube, pod
+from tests.router.test_kv_events import wait_for
 
 BS = 4
 EID = "127.0.0.1:9"
-
-
-async def wait_for(predicate: Callable[[], bool], seconds: float = 5.0) -> None:
-    async with asyncio.timeout(seconds):
-        while True:
-            if predicate():
-                return
-            await asyncio.sleep(0.01)
 
 
 async def test_two_gateways_on_one_publisher_apply_each_batch_once(
