@@ -82,9 +82,9 @@ from router.redis_link import (
     RedisLink,
     RedisMetrics,
     Unavailable,
-    UpdateQueue,
     key_tag,
 )
+from router.update_queue import UpdateQueue
 
 DEFAULT_KEY_TTL_SECONDS = 86_400.0
 _MASK64 = (1 << 64) - 1

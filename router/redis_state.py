@@ -25,12 +25,12 @@ from router.redis_link import (
     RedisLink,
     RedisMetrics,
     Unavailable,
-    UpdateQueue,
     as_text,
     default_metrics,
     eval_script,
     key_tag,
 )
+from router.update_queue import UpdateQueue
 
 
 class RedisAffinityStore:

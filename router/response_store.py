@@ -35,10 +35,10 @@ from router.errors import ResponseNotFoundError, ResponseUnavailableError
 from router.redis_link import (
     RedisLink,
     RedisMetrics,
-    UpdateQueue,
     default_metrics,
     key_tag,
 )
+from router.update_queue import UpdateQueue
 
 Probe = Callable[[EndpointSnapshot, str], Awaitable[bool]]
 # Ids are echoed into Redis keys, URLs and logs: only plain tokens are accepted.
