@@ -71,18 +71,19 @@ from typing import Any
 
 import xxhash
 from prometheus_client import CollectorRegistry, Counter
-from redis.exceptions import NoScriptError
 
 from router.kv_event_codec import AppliedOp, Cleared, Mapped, Removed, Stored
 from router.precise_index import EngineHash, PreciseIndex, block_keys
-from router.precise_redis_scripts import APPLY, FORGET, GC, MATCH, SCRIPTS, SPECULATE
+from router.precise_redis_scripts import APPLY, FORGET, GC, MATCH, SPECULATE
 from router.redis_link import (
     CircuitBreaker,
-    LuaScript,
     RedisLink,
     RedisMetrics,
+    ScriptCall,
     Unavailable,
+    as_text,
     key_tag,
+    pipeline_scripts,
 )
 from router.update_queue import UpdateQueue
 
@@ -124,7 +125,6 @@ class _Purge:
 
 _Item = _Events | _Speculation | _Purge
 _Key = tuple[str, str, int]  # (kind, endpoint id, sequence of the put or last key)
-_Call = tuple[LuaScript, list[str], list[Any]]
 
 
 def hash_id(engine_hash: EngineHash) -> bytes:
@@ -226,7 +226,7 @@ class SharedPreciseIndex:
         await self._queue.aclose(self._flush_timeout)
         await self._link.aclose()
 
-    def _call(self, key: _Key, item: _Item, refresh: bool) -> _Call:
+    def _call(self, key: _Key, item: _Item, refresh: bool) -> ScriptCall:
         eid, p = key[1], self._p
         if isinstance(item, _Speculation):
             return SPECULATE, [self._k("z:", eid)], [p, item.ttl_ms, self._max_spec, item.keys]
@@ -256,21 +256,15 @@ class SharedPreciseIndex:
         refresh = time.monotonic() - self._refreshed_at > self._refresh_every
         calls = [self._call(key, item, refresh) for key, item in batch]
 
-        async def run(client: Any) -> list[Any]:
-            results = await _pipeline(client, calls)
-            if any(isinstance(r, NoScriptError) for r in results):
-                for script in SCRIPTS:
-                    await client.script_load(script.source)
-                results = await _pipeline(client, calls)
-            return results
-
-        results = await self._link.call("precise_update", run, self._write_budget)
+        results = await self._link.call(
+            "precise_update", lambda c: pipeline_scripts(c, calls), self._write_budget
+        )
         failed = 0
         for (key, _), result in zip(batch, results, strict=True):
             if isinstance(result, Exception):
                 failed += 1
             elif key[0] == "events":
-                status = _text(result[0])
+                status = as_text(result[0])
                 self.statuses[status] = self.statuses.get(status, 0) + 1
                 self._outcomes.labels(status).inc()
             elif key[0] == "purge" and isinstance(result, int) and result > 0:
@@ -359,13 +353,3 @@ def _cost(key: _Key, item: _Item) -> int:
     return 64
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-async def _pipeline(client: Any, calls: list[_Call]) -> list[Any]:
-    pipe = client.pipeline(transaction=False)
-    for script, keys, args in calls:
-        pipe.evalsha(script.sha, len(keys), *keys, *args)
-    results: list[Any] = await pipe.execute(raise_on_error=False)
-    return results

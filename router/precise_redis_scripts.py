@@ -263,5 +263,3 @@ for j = 1, m do
 end
 return out
 """)
-
-SCRIPTS = (APPLY, FORGET, GC, SPECULATE, MATCH)

@@ -38,7 +38,6 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from redis.exceptions import NoScriptError
 
 from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex
 from router.redis_index_scripts import FORGET as _FORGET
@@ -46,13 +45,14 @@ from router.redis_index_scripts import MATCH as _MATCH
 from router.redis_index_scripts import RECORD as _RECORD
 from router.redis_link import (
     CircuitBreaker,
-    LuaScript,
     RedisLink,
     RedisMetrics,
+    ScriptCall,
     Unavailable,
     default_metrics,
     eval_script,
     key_tag,
+    pipeline_scripts,
 )
 from router.update_queue import UpdateQueue
 
@@ -60,7 +60,6 @@ DEFAULT_KEY_TTL_SECONDS = 86_400.0
 DEFAULT_MAX_BLOCKS_PER_WRITE = 256  # ~1.5 ms of Redis time, evictions included
 
 _Op = tuple[str, str, bytes]  # (kind: record | trim | forget, endpoint id, packed hashes)
-_Call = tuple[LuaScript, list[str], list[Any]]
 _MASK64 = (1 << 64) - 1
 
 
@@ -189,7 +188,7 @@ class RedisPrefixIndex:
         await self._queue.aclose(self._flush_timeout)
         await self._link.aclose()
 
-    def _script_args(self, op: _Op, capacity: int, refresh: bool, most: int = 0) -> _Call:
+    def _script_args(self, op: _Op, capacity: int, refresh: bool, most: int = 0) -> ScriptCall:
         kind, endpoint_id, blob = op
         keys = [self._holders, self._slots, self._lru_prefix + endpoint_id, self._clocks]
         if kind == "forget":
@@ -205,15 +204,9 @@ class RedisPrefixIndex:
             self._script_args(op, capacity, refresh, self._max_touch) for op, capacity in batch
         ]
 
-        async def run(client: Any) -> list[Any]:
-            results = await self._pipeline(client, calls)
-            if any(isinstance(r, NoScriptError) for r in results):
-                await client.script_load(_RECORD.source)
-                await client.script_load(_FORGET.source)
-                results = await self._pipeline(client, calls)
-            return results
-
-        results = await self._link.call("index_update", run, self._write_budget)
+        results = await self._link.call(
+            "index_update", lambda c: pipeline_scripts(c, calls), self._write_budget
+        )
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:
             self.metrics.errors.labels("index_update", "error").inc(len(failed))
@@ -247,11 +240,3 @@ class RedisPrefixIndex:
             except Unavailable as exc:
                 self.metrics.dropped.labels("index_update", exc.reason).inc()
                 return
-
-    @staticmethod
-    async def _pipeline(client: Any, calls: list[_Call]) -> list[Any]:
-        pipe = client.pipeline(transaction=False)
-        for script, keys, args in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-        results: list[Any] = await pipe.execute(raise_on_error=False)
-        return results

@@ -187,6 +187,29 @@ class LuaScript:
         return hashlib.sha1(self.source.encode()).hexdigest()
 
 
+ScriptCall = tuple[LuaScript, list[str], list[Any]]  # script, KEYS, ARGV
+
+
+async def pipeline_scripts(client: Redis, calls: Sequence[ScriptCall]) -> list[Any]:
+    """Every call in one pipelined round trip (EVALSHA; errors returned, not raised). When
+    the server lost a script (a restart, SCRIPT FLUSH), the scripts are loaded and the
+    pipeline sent once more."""
+
+    async def send() -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for script, keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+        return results
+
+    results = await send()
+    if any(isinstance(r, NoScriptError) for r in results):
+        for source in {script.source for script, _, _ in calls}:
+            await client.script_load(source)
+        results = await send()
+    return results
+
+
 async def eval_script(
     client: Redis, script: LuaScript, keys: Sequence[str], args: Sequence[Any]
 ) -> Any:
