@@ -13,8 +13,12 @@ Each step (as in vLLM's scheduler with chunked prefill):
    chunk is scheduled in the same step.
 
 A step lasts ``itl_ms * load_factor`` if anything decodes, plus ``prefill_ms_per_token`` per
-prefill token, plus ``prefill_overhead_ms`` per request whose prefill starts in it. Its effects
-(tokens out, blocks cached) land at its end.
+prefill token, plus ``prefill_overhead_ms`` per request whose prefill starts in it. As in vLLM v1
+(``allocate_slots`` caches up to ``num_computed + num_new_tokens``), the full blocks a step will
+compute become findable when it is scheduled: a request admitted later in the same step, or in
+any step after, hits them (each layer writes the batch's KV before its attention reads it). The
+step's other effects (tokens out) and its KV events land at its end, as vLLM publishes them after
+the forward pass.
 
 Clock (``clock.SimClock``): simulated seconds run ``speed`` times faster than the wall clock;
 all reported times (TTFT, ITL, queue time, e2e) are simulated seconds, i.e. what a real GPU
@@ -80,6 +84,7 @@ class _Plan:
     prefills: list[tuple[SimRequest, int]] = field(default_factory=list)
     duration_s: float = 0.0
     next_ready: float | None = None
+    starts: int = 0  # requests whose prefill starts in the step (each pays the overhead)
 
 
 class Engine:
@@ -268,23 +273,21 @@ class Engine:
     def _schedule(self) -> _Plan:
         plan = _Plan()
         budget = self.config.max_num_batched_tokens
-        starts = 0
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status is not Status.RUNNING or req.prefilling or not self._ready(req, plan):
                 continue
             if self._grow(req, req.num_computed + 1):
+                self._register(req, req.num_computed + 1)
                 plan.decodes.append(req)
                 budget -= 1
         for req in self.running:
             if budget <= 0:
                 break
             if req.prefilling and self._ready(req, plan):
-                chunk = min(len(req.all_tokens) - req.num_computed, budget)
-                starts += self._start_prefill(req)
-                plan.prefills.append((req, chunk))
-                budget -= chunk
+                self._plan_prefill(plan, req, budget)
+                budget -= plan.prefills[-1][1]
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not self._admit(req):
@@ -292,14 +295,18 @@ class Engine:
             self.waiting.popleft()
             self.running.append(req)
             if req.prefilling:
-                chunk = min(len(req.all_tokens) - req.num_computed, budget)
-                starts += self._start_prefill(req)
-                plan.prefills.append((req, chunk))
-                budget -= chunk
+                self._plan_prefill(plan, req, budget)
+                budget -= plan.prefills[-1][1]
             elif req.ready_at is not None:
                 plan.next_ready = min(plan.next_ready or req.ready_at, req.ready_at)
-        plan.duration_s = self._duration_ms(plan, starts) / 1000.0
+        plan.duration_s = self._duration_ms(plan) / 1000.0
         return plan
+
+    def _plan_prefill(self, plan: _Plan, req: SimRequest, budget: int) -> None:
+        chunk = min(len(req.all_tokens) - req.num_computed, budget)
+        plan.starts += self._start_prefill(req)
+        plan.prefills.append((req, chunk))
+        self._register(req, req.num_computed + chunk)
 
     def _ready(self, req: SimRequest, plan: _Plan) -> bool:
         if req.ready_at is None or req.ready_at <= self.clock.now:
@@ -314,7 +321,7 @@ class Engine:
         req.prefill_started = True
         return 1
 
-    def _duration_ms(self, plan: _Plan, starts: int) -> float:
+    def _duration_ms(self, plan: _Plan) -> float:
         cfg = self.config
         ms = 0.0
         if plan.decodes:
@@ -326,7 +333,7 @@ class Engine:
                 )
             ms += cfg.itl_ms * factor
         ms += cfg.prefill_ms_per_token * sum(chunk for _, chunk in plan.prefills)
-        ms += cfg.prefill_overhead_ms * starts
+        ms += cfg.prefill_overhead_ms * plan.starts
         return ms
 
     def _admit(self, req: SimRequest) -> bool:
@@ -385,19 +392,18 @@ class Engine:
         for req in plan.decodes:
             if req.status is Status.RUNNING:
                 req.num_computed += 1
-                self._register(req)
                 self._emit(req)
         for req, chunk in plan.prefills:
             if req.status is not Status.RUNNING:
                 continue
             req.num_computed += chunk
-            self._register(req)
             if req.num_computed >= len(req.all_tokens):
                 req.prefilling = False
                 self._emit(req)
 
-    def _register(self, req: SimRequest) -> None:
-        full = min(req.num_computed // self.kv.block_size, len(req.blocks))
+    def _register(self, req: SimRequest, num_tokens: int) -> None:
+        """Make the full blocks of ``req``'s first ``num_tokens`` tokens findable."""
+        full = min(num_tokens // self.kv.block_size, len(req.blocks))
         if full > req.num_registered:
             extend_block_hashes(
                 req.block_hashes, req.all_tokens, self.kv.block_size, req.cache_salt

@@ -96,6 +96,29 @@ async def test_concurrent_prefills_queue_behind_one_another(engine_factory: type
     assert ttfts[2] > 2.5 * ttft(alone)
 
 
+@pytest.mark.parametrize(
+    ("budget", "sibling_len", "expected"),
+    [
+        (4096, 1000, 992),  # admitted in the same step as the first: 1040 tokens fit beside it
+        (2048, 3000, 2992),  # admitted a step later, while the first's last chunk is scheduled
+    ],
+)
+async def test_blocks_are_findable_once_scheduled(
+    engine_factory: type[Engine], budget: int, sibling_len: int, expected: int
+) -> None:
+    # vLLM v1 caches the blocks a step computes when it schedules them (allocate_slots), so a
+    # sibling scheduled in the same step, or while the first is in chunked prefill, hits them.
+    engine = engine_factory(SimConfig(speed=50, max_num_batched_tokens=budget))
+    shared = unique(3000, 0)
+    first = make(engine, [*shared, *unique(40, 90_000)], 1)
+    sibling = make(engine, [*shared[:sibling_len], *unique(40, 80_000)], 1)
+    engine.add_request(first)
+    engine.add_request(sibling)
+    await done(first, sibling)
+    assert first.num_cached_tokens == 0
+    assert sibling.num_cached_tokens == expected
+
+
 async def test_prefill_chunk_slows_decoding_requests(engine_factory: type[Engine]) -> None:
     engine = engine_factory(SimConfig(speed=50))
     decoder = make(engine, unique(32, 0), 40)
