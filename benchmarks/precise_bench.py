@@ -225,7 +225,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
 def table(results: list[dict[str, Any]]) -> str:
     cols = ["strategy", "requests", "errors", "ttft_p50_s", "ttft_p90_s", "cached_ratio",
             "reuse_captured", "approximate_within_one_block", "precise_within_one_block",
-            "precise_speculative_within_one_block"]
+            "precise_confirmed_within_one_block"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results:
         cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols]

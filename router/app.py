@@ -96,7 +96,6 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     precise = None
     if precise_enabled(config, plugins):
         precise = PreciseRuntime(config, metrics.registry, stores.redis_metrics)
-        precise.tracker.same_step = lambda endpoint_id: calibrator.cost(endpoint_id)[0]
     context = PluginContext(rng, calibrator, precise.tracker if precise else None)
     prefill_profile: SchedulingProfile | None = None
     if config.disaggregation.enabled:

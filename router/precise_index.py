@@ -307,24 +307,6 @@ class PreciseIndex:
             else:
                 table.pop(key, None)
 
-    def held_before(
-        self, endpoint_id: str, keys: Sequence[int], picked_before: float, ttl: float
-    ) -> int:
-        """Leading ``keys`` the endpoint holds by its events, by a finished prefill, or by a
-        speculative entry picked at or before ``picked_before`` (a pick of ``ttl``)."""
-        ep = self._eps.get(endpoint_id)
-        if ep is None:
-            return 0
-        self._expire(self._clock())
-        bit, holders, settled, until = ep.bit, self._holders, self._settled, ep.spec_until
-        cutoff = picked_before + ttl
-        for i, key in enumerate(keys):
-            if (holders.get(key, 0) | settled.get(key, 0)) & bit:
-                continue
-            if until.get(key, float("inf")) > cutoff:
-                return i
-        return len(keys)
-
     def settle(self, endpoint_id: str, keys: Sequence[int]) -> None:
         """The request that speculated ``keys`` on ``endpoint_id`` has been prefilled."""
         ep = self._eps.get(endpoint_id)

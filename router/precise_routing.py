@@ -96,8 +96,6 @@ class PreciseTracker:
         self.settings = settings
         self._clock = clock
         self._states: OrderedDict[str, PreciseState] = OrderedDict()
-        # How long after a pick a later one still shares its engine step (app.py: calibrated).
-        self.same_step: Callable[[str], float] = lambda endpoint_id: 0.0
 
     def attach(self, request_id: str, parsed: ParsedRequest) -> None:
         size = len(parsed.body)
@@ -166,13 +164,11 @@ class PreciseTracker:
 
     def _match_computed(self, state: PreciseState, endpoint_id: str) -> dict[str, int]:
         """Blocks announced by events, or computed by a prefill that has finished on the
-        endpoint (its events may still be on the way): what the replica holds now."""
+        endpoint (its events may still be on the way): what the replica certainly holds."""
         hits = self._match(state, [endpoint_id], speculative=False)
         if endpoint_id not in state.shared_only:
-            ttl = self.settings.speculative_ttl_seconds
-            before = self._clock() - self.same_step(endpoint_id)
-            held = self.index.held_before(endpoint_id, state.keys, before, ttl)
-            hits[endpoint_id] = max(hits.get(endpoint_id, 0), held)
+            held = self.index.match(state.keys, [endpoint_id], settled_only=True)
+            hits[endpoint_id] = max(hits.get(endpoint_id, 0), held[endpoint_id])
         return hits
 
     def prefilled(self, request_id: str, endpoint_id: str) -> None:
@@ -194,6 +190,15 @@ class PreciseTracker:
             self.index.speculate(endpoint_id, state.keys, ttl)
             if self.shared is not None:
                 self.shared.speculated(endpoint_id, state.keys, ttl)
+
+    def held_share(self, request_id: str, endpoint_id: str) -> float | None:
+        """The share of the prompt's blocks a trusted endpoint held when the request was
+        scored; None when precise scores were not computed for it."""
+        state = self._states.get(request_id)
+        if state is None or not state.keys or endpoint_id not in state.trusted:
+            return None
+        held = state.hits.get(endpoint_id)
+        return None if held is None else held / len(state.keys)
 
     def scores(
         self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
@@ -236,6 +241,12 @@ class PreciseRouter(Router):
         routing = super().routing_request(parsed, headers, request_id)
         self.tracker.attach(routing.request_id, parsed)
         return routing
+
+    def uncached_tokens(self, routing: RoutingRequest, endpoint_id: str) -> int:
+        share = self.tracker.held_share(routing.request_id, endpoint_id)
+        if share is None:
+            return super().uncached_tokens(routing, endpoint_id)
+        return max(1, round(routing.prompt_tokens * (1.0 - share)))
 
     def prefilled(self, routing: RoutingRequest, endpoint_id: str) -> None:
         self.tracker.prefilled(routing.request_id, endpoint_id)

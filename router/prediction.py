@@ -6,14 +6,15 @@ chosen endpoint at pick time is compared with it:
 
 - ``approximate``: the approximate index's matched share of the rendered prompt, applied to the
   real prompt length and rounded down to whole engine blocks;
-- ``precise``: the leading blocks the endpoint holds, at the pick, for endpoints whose stream
-  is trusted: announced by its events, computed by a prefill that has finished there (its first
-  byte came back; the events may still be on the way), or speculated by a pick older than one
-  engine step (the endpoint's calibrated fixed overhead). A burst's siblings picked within the
-  same step are admitted together and do not hit what the first is computing, so they are left
-  out (measured on the simulator: counting them over-predicts);
-- ``precise_speculative``: every speculative entry counted, however recent: an upper bound. The
-  two bracket the truth; operators see both.
+- ``precise``: the leading blocks the endpoint holds at the pick, for endpoints whose stream
+  is trusted: announced by its events, or about to be computed there by a request the gateway
+  sent earlier (speculative entries). vLLM v1 makes a block findable as soon as the step that
+  computes it is scheduled, and admits requests in order, so a request sent after another with
+  the same prefix hits what that one is computing, even within the same step;
+- ``precise_confirmed``: events and finished prefills only (requests whose first byte came
+  back; their events may still be on the way): what the replica certainly holds at the pick,
+  a lower bound. The gap between the two is the share of hits that depend on requests in
+  flight (bursts of sub-agents on one prefix).
 
 Both are capped like vLLM's lookup (at most ``prompt_tokens - 1`` tokens, whole blocks). The
 signed error (predicted - actual; positive = over-prediction) goes to histograms in tokens and
@@ -33,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from router.precise_routing import PreciseTracker
 from router.scheduling import RoutingRequest
 
-MODES = ("approximate", "precise", "precise_speculative")
+MODES = ("approximate", "precise", "precise_confirmed")
 _TOKEN_BUCKETS = tuple(
     [-float(4**i) for i in range(8, 0, -1)] + [-1.0, 0.0, 1.0] + [float(4**i) for i in range(1, 9)]
 )
@@ -167,8 +168,8 @@ class PredictionTracker:
             self.skipped.labels("untrusted").inc()
             return
         for mode, held in (
-            ("precise", state.confirmed.get(endpoint_id, 0)),
-            ("precise_speculative", state.expected.get(endpoint_id, 0)),
+            ("precise", state.expected.get(endpoint_id, 0)),
+            ("precise_confirmed", state.confirmed.get(endpoint_id, 0)),
         ):
             self._record(mode, self._cap(held * self.block_size, actual.prompt_tokens), actual)
         # A replica that computed two or more new blocks must have announced at least one.

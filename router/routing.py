@@ -156,7 +156,7 @@ class Router:
         costs: the time it took against the prefill queued there plus this request's own.
         """
         state = self._pool.get(endpoint_id)
-        uncached = routing.uncached_tokens(endpoint_id)
+        uncached = self.uncached_tokens(routing, endpoint_id)
         ahead = uncached + (state.pending_prefill_tokens if state is not None else 0)
         calibrator = self._calibrator
 
@@ -172,6 +172,11 @@ class Router:
             delay = min(600.0, 3.0 * calibrator.predict(endpoint_id, ahead))
             asyncio.get_running_loop().call_later(delay, lease.presume_prefilled)
         return lease
+
+    def uncached_tokens(self, routing: RoutingRequest, endpoint_id: str) -> int:
+        """The request's prompt tokens the endpoint will compute, as the queue it joins and the
+        calibrator count them (hook: precise routing knows the replicas' caches better)."""
+        return routing.uncached_tokens(endpoint_id)
 
     def prefilled(self, routing: RoutingRequest, endpoint_id: str) -> None:
         """The request's prefill is done on the endpoint (hook for subclasses)."""

@@ -136,24 +136,22 @@ def test_speculative_entries_expire_and_can_be_excluded() -> None:
     assert index.speculative_entries() == 0
 
 
-def test_held_before_counts_events_finished_prefills_and_older_picks() -> None:
-    """What a replica holds when the next request reaches it: announced blocks, blocks of a
-    prefill that has finished, and blocks of a pick older than one engine step; not the blocks
-    of a sibling picked in the same step (admitted alongside, it has computed nothing yet)."""
+def test_settled_entries_are_what_a_finished_prefill_computed() -> None:
+    """The lower bound a replica certainly holds: announced blocks and the blocks of a prefill
+    whose first byte came back; a pick still in flight counts only with ``speculative``."""
     clock = FakeClock()
     index = PreciseIndex(BS, clock=clock)
     keys = block_keys(tokens(16), BS)
     index.stored("a", [1], None, tokens(4), BS)  # the first block, announced
     index.speculate("a", keys, ttl=2.0)  # a sibling picked just now
-    assert index.held_before("a", keys, picked_before=clock.now - 0.01, ttl=2.0) == 1
-    assert index.held_before("a", keys, picked_before=clock.now, ttl=2.0) == 4, "an older pick"
+    assert index.match(keys, ["a"], settled_only=True) == {"a": 1}
+    assert index.match(keys, ["a"]) == {"a": 4}
     index.settle("a", keys[:3])  # that sibling's first byte: its prefill is done
-    assert index.held_before("a", keys, picked_before=clock.now - 0.01, ttl=2.0) == 3
     assert index.match(keys, ["a"], settled_only=True) == {"a": 3}
     index.settle("b", keys)  # unknown endpoint, or keys it never speculated: nothing
-    assert index.held_before("b", keys, picked_before=clock.now, ttl=2.0) == 0
+    assert index.match(keys, ["b"], settled_only=True) == {"b": 0}
     clock.now += 3.0  # speculation expired, settled marks with it
-    assert index.held_before("a", keys, picked_before=clock.now, ttl=2.0) == 1
+    assert index.match(keys, ["a"], settled_only=True) == {"a": 1}
 
 
 def test_speculative_entries_are_bounded() -> None:

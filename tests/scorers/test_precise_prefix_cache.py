@@ -121,6 +121,16 @@ async def test_routes_by_the_real_cache_after_eviction() -> None:
             for r in replicas
         ))
         await asyncio.sleep(ttl)  # the first pick's speculative entries have expired
+        router = gw.gateway.router
+        body = orjson.dumps(chat(history))
+        probe = router.routing_request(parse_request("chat", body), {}, "probe")
+        await router.rank(probe)
+        # The approximate index still places the history at home; the queue a request joins
+        # and the calibrator count what the replica will really compute.
+        tokens = probe.prompt_tokens
+        assert probe.uncached_tokens(home) < tokens / 4 < probe.uncached_tokens(eid(other))
+        assert router.uncached_tokens(probe, home) > tokens * 3 / 4
+        assert router.uncached_tokens(probe, eid(other)) < tokens / 4
         again = await client.post(gw.url + "/v1/chat/completions", json=chat(history))
         assert again.headers["x-gateway-destination-endpoint"] == eid(other)
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
@@ -150,6 +160,41 @@ async def test_prediction_error_for_both_indexes() -> None:
         assert prediction.summary["approximate"].count == 4
         metrics = gateway.metrics.render().decode()
         assert 'prefixgate_prefix_prediction_within_one_block_ratio{mode="precise"} 1.0' in metrics
+
+
+async def test_a_burst_is_predicted_from_the_picks_in_flight() -> None:
+    """Siblings sent one after another hit what the first is computing (vLLM caches a block
+    when the step computing it is scheduled): ``precise`` counts the picks in flight and is
+    right; ``precise_confirmed`` (events and finished prefills) under-predicts them."""
+    async with precise_fleet(2) as (_replicas, gw), httpx.AsyncClient(timeout=20) as client:
+        gateway = gw.gateway
+        prediction = gateway.prediction
+        assert prediction is not None
+        shared = "the shared context of a burst of sub-agents " * 30
+        picks = []
+        for i in range(4):  # picked at once, as a burst is, before anything reaches a replica
+            body = orjson.dumps(chat(shared + f" and the task of sub-agent number {i}"))
+            routing = gateway.router.routing_request(
+                parse_request("chat", body), {}, f"burst-{i}"
+            )
+            ranked = await gateway.router.rank(routing)
+            gateway.router.picked(routing, ranked[0].id)
+            picks.append((routing, ranked[0], body))
+        sends = []
+        for routing, endpoint, body in picks:
+            url = endpoint.url + "/v1/chat/completions"
+            task = asyncio.create_task(client.post(url, content=body))
+            sends.append((routing, endpoint.id, task))
+            await asyncio.sleep(0.02)  # arrive in pick order
+        assert len({endpoint for _, endpoint, _ in sends}) == 1
+        for routing, endpoint, task in sends:
+            reply = await task
+            prediction.observe(endpoint, routing, find_usage(reply.content))
+        cached = [(await t).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                  for _, _, t in sends]
+        assert cached[0] == 0 and min(cached[1:]) > 200
+        assert prediction.summary["precise"].within_one_block == 4
+        assert prediction.summary["precise_confirmed"].under == 3
 
 
 def test_find_usage_in_json_and_sse() -> None:
