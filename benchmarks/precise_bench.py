@@ -153,6 +153,7 @@ def summarize(run: Run, gateway: Gateway) -> dict[str, Any]:
         out[f"{mode}_within_one_block"] = s.as_dict()["within_one_block_ratio"]
         out[f"{mode}_predictions"] = s.count
         out[f"{mode}_over"], out[f"{mode}_under"] = s.over, s.under
+    out["prediction_skipped"] = dict(gateway.prediction.skips)
     return out
 
 
@@ -205,9 +206,13 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
             await wait_healthy(http, urls)
             for strategy in args.strategies.split(","):
-                await reset(http, urls)
                 async with running_gateway(gateway_config(args, urls, strategy)) as gw:
-                    await asyncio.sleep(0.5)  # subscriptions settle; streams start trusted
+                    # Caches are reset once the gateway listens: it sees them cleared, as a
+                    # gateway that has been running does. (One that joins mid-stream cannot
+                    # replay a long history and distrusts the stream for resyncSeconds.)
+                    await asyncio.sleep(0.5)
+                    await reset(http, urls)
+                    await asyncio.sleep(0.2)
                     client = Client(gw.url, gw.gateway, http, args.speed)
                     client.run.strategy = strategy
                     started = time.perf_counter()

@@ -131,6 +131,7 @@ class PredictionTracker:
             "Responses not compared, by reason (no_usage, untrusted, untokenized).",
             ["reason"], registry=r,
         )
+        self.skips: dict[str, int] = {}  # the skipped counter's values, by reason
         self._recent = {m: deque[bool](maxlen=max(1, window)) for m in MODES}
         self.summary = {m: ModeSummary() for m in MODES}
 
@@ -150,7 +151,7 @@ class PredictionTracker:
         state = self._precise.finish(routing.request_id) if self._precise is not None else None
         actual = parse_usage(usage)
         if actual is None:
-            self.skipped.labels("no_usage").inc()
+            self._skip("no_usage")
             return
         if routing.block_hashes and routing.prompt_bytes:
             hit_bytes = routing.prefix_hits.get(endpoint_id, 0) * routing.block_bytes
@@ -162,10 +163,10 @@ class PredictionTracker:
         if self._precise is None:
             return
         if state is None or (not state.keys and not state.num_tokens):
-            self.skipped.labels("untokenized").inc()
+            self._skip("untokenized")
             return
         if endpoint_id not in state.trusted:
-            self.skipped.labels("untrusted").inc()
+            self._skip("untrusted")
             return
         for mode, held in (
             ("precise", state.expected.get(endpoint_id, 0)),
@@ -177,6 +178,10 @@ class PredictionTracker:
         expect = self._expect_events
         if expect is not None and state.picked_at is not None and uncached >= 2 * self.block_size:
             expect(endpoint_id, state.picked_at)
+
+    def _skip(self, reason: str) -> None:
+        self.skipped.labels(reason).inc()
+        self.skips[reason] = self.skips.get(reason, 0) + 1
 
     def _record(self, mode: str, predicted: int, actual: Usage) -> None:
         error = predicted - actual.cached_tokens

@@ -16,11 +16,16 @@ from router.scheduling import RoutingRequest
 
 
 class PreciseScores(Protocol):
-    """What the scorer reads (router.precise_routing.PreciseTracker provides it)."""
+    """What the scorers read (router.precise_routing.PreciseTracker provides it)."""
 
     def scores(
         self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
     ) -> list[float] | None: ...
+
+    def held_share(self, request_id: str, endpoint_id: str) -> float | None:
+        """After ``scores``: the share a trusted endpoint holds; None to use the approximate
+        index (untrusted stream, or a request that could not be tokenized)."""
+        ...
 
 
 class PrecisePrefixCacheScorer:

@@ -91,12 +91,10 @@ class TTFTCostScorer:
         self._calibrator = calibrator
         self._p = params or TTFTCostParameters()
         self._precise = precise if self._p.prefix_source == "precise" else None
-        # The precise shares of the request scored last, for explain() right after.
-        self._shares: tuple[str, dict[str, float]] = ("", {})
 
     def _uncached(self, request: RoutingRequest, endpoint_id: str) -> int:
-        request_id, shares = self._shares
-        share = shares.get(endpoint_id) if request_id == request.request_id else None
+        precise = self._precise
+        share = precise.held_share(request.request_id, endpoint_id) if precise else None
         if share is None:
             return request.uncached_tokens(endpoint_id)
         return max(1, round(request.prompt_tokens * (1.0 - share)))
@@ -145,10 +143,9 @@ class TTFTCostScorer:
 
     def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
         if self._precise is not None:
-            shares = self._precise.scores(request, endpoints)
-            if shares is not None:
-                ids = [e.id for e in endpoints]
-                self._shares = (request.request_id, dict(zip(ids, shares, strict=True)))
+            # Matches the request once (speculative entries of the picks before it included);
+            # the tracker keeps the result for _uncached, and for explain() after the pick.
+            self._precise.scores(request, endpoints)
         costs = [self.terms(request, e).total_s for e in endpoints]
         if not costs:
             return []

@@ -152,10 +152,14 @@ class Runner:
 
     async def _measure(self, http: aiohttp.ClientSession, target: Target) -> TargetResult:
         s = self.settings
-        await reset_caches(http, self.replicas)
         async with contextlib.AsyncExitStack() as stack:
             urls = await target.start(self.replicas, stack)
             await asyncio.sleep(s.settle_s)
+            # Reset once the target listens: a gateway following KV events then sees the caches
+            # cleared, as one that has been running would. (Joining mid-stream it cannot replay
+            # the earlier targets' history, and distrusts the streams for resyncSeconds.)
+            await reset_caches(http, self.replicas)
+            await asyncio.sleep(s.settle_s / 2)
             before = await scrape(http, self.replicas)
             progress = Progress(target.name, self.workload.num_requests) if s.progress else None
             client = WorkloadClient(

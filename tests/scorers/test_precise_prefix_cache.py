@@ -212,6 +212,7 @@ def test_prediction_without_usage_or_precise_state() -> None:
                              block_hashes=[1, 2, 3], prefix_hits={"a": 2})
     tracker.observe("a", routing, None)
     assert tracker.summary["approximate"].count == 0
+    assert tracker.skips == {"no_usage": 1}
     usage = {"prompt_tokens": 250, "prompt_tokens_details": {"cached_tokens": 128}}
     tracker.observe("a", routing, usage)
     # 2 of 3.9 blocks' worth of bytes -> 51% of 250 tokens = 128 -> exactly right.
