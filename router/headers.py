@@ -9,6 +9,8 @@ from typing import Any
 
 import orjson
 
+from router.auth import FAIRNESS_HEADER, KEY_HEADERS, UpstreamKeys
+
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 REQUEST_ID_HEADER = "x-request-id"
 # A client asks why its request went where it went (honoured when server.explainHeader is on);
@@ -62,3 +64,39 @@ def response_headers(
         shown = {**explanation, "endpoints": explanation["endpoints"][:DECISION_HEADER_ENDPOINTS]}
         headers.append((DECISION_HEADER.encode(), orjson.dumps(shown)))
     return headers
+
+
+class ForwardedHeaders:
+    """What a request carries upstream: the client's headers minus every one that could steer
+    routing (behind authentication also the client's fairness id, and its key unless it is
+    forwarded on purpose), plus the request id, the tenant and the endpoint's own key."""
+
+    __slots__ = ("_drop", "keys")
+
+    def __init__(self, keys: UpstreamKeys, authenticated: bool, forward_client_key: bool) -> None:
+        drop = set(DROP_REQUEST_HEADERS)
+        if authenticated:
+            drop |= FAIRNESS_HEADERS  # replaced by the tenant's
+            if not forward_client_key:
+                drop |= {h.encode() for h in KEY_HEADERS}
+        self._drop = frozenset(drop)
+        self.keys = keys
+
+    def base(
+        self, raw: Iterable[tuple[bytes, bytes]], request_id: str, tenant: str | None
+    ) -> list[tuple[str, str]]:
+        drop = self._drop
+        headers = [
+            (k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.lower() not in drop
+        ]
+        headers.append((REQUEST_ID_HEADER, request_id))
+        if tenant is not None:
+            headers.append((FAIRNESS_HEADER, tenant))
+        return headers
+
+    def keyed(self, headers: list[tuple[str, str]], endpoint_id: str) -> list[tuple[str, str]]:
+        key = self.keys.header(endpoint_id) if self.keys else None
+        if key is None:
+            return headers
+        # The endpoint's own key replaces whatever the client sent.
+        return [h for h in headers if h[0].lower() not in KEY_HEADERS] + [key]

@@ -25,13 +25,7 @@ from starlette.responses import Response
 
 from flow_control.request import Ticket
 from router import anthropic, responses_api
-from router.auth import (
-    FAIRNESS_HEADER,
-    KEY_HEADERS,
-    TenantHeaders,
-    build_authenticator,
-    build_upstream_keys,
-)
+from router.auth import TenantHeaders, build_authenticator, build_upstream_keys
 from router.config import GatewayConfig
 from router.disagg import Disaggregator
 from router.endpoints import EndpointSnapshot, Lease
@@ -44,13 +38,7 @@ from router.errors import (
     UpstreamTimeoutError,
 )
 from router.exchange import Exchange
-from router.headers import (
-    DROP_REQUEST_HEADERS,
-    FAIRNESS_HEADERS,
-    REQUEST_ID_HEADER,
-    request_id_of,
-    response_headers,
-)
+from router.headers import ForwardedHeaders, request_id_of, response_headers
 from router.logs import AccessLog
 from router.metrics import GatewayMetrics
 from router.parsing import UPSTREAM_PATHS, Api, ParsedRequest, parse_request
@@ -93,12 +81,9 @@ class Proxy:
         self.prediction: PredictionTracker | None = None
         self.auth = build_authenticator(config.auth, environ)
         self.upstream_keys = build_upstream_keys(config.pool, environ)
-        drop = set(DROP_REQUEST_HEADERS)
-        if self.auth is not None:
-            drop |= FAIRNESS_HEADERS  # replaced by the tenant's
-            if not config.auth.forward_client_key:
-                drop |= {h.encode() for h in KEY_HEADERS}
-        self._drop = frozenset(drop)
+        self._headers = ForwardedHeaders(
+            self.upstream_keys, self.auth is not None, config.auth.forward_client_key
+        )
         self._access = AccessLog(config.server.access_log)
         # Set on SIGTERM: /ready answers 503, and requests cut by the drain deadline end cleanly.
         self.draining = False
@@ -201,36 +186,13 @@ class Proxy:
                 if ticket is not None:
                     ticket.release()
 
-    def _upstream_headers(
-        self, request: Request, request_id: str, tenant: str | None
-    ) -> list[tuple[str, str]]:
-        drop = self._drop
-        headers = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in request.headers.raw
-            if k.lower() not in drop
-        ]
-        headers.append((REQUEST_ID_HEADER, request_id))
-        if tenant is not None:
-            headers.append((FAIRNESS_HEADER, tenant))
-        return headers
-
     def upstream_headers(
         self, request: Request, request_id: str, tenant: str | None, endpoint_id: str
     ) -> list[tuple[str, str]]:
         """What a request forwarded to ``endpoint_id`` carries (requests outside the proxy's
         own path, such as those naming a stored response)."""
-        headers = self._upstream_headers(request, request_id, tenant)
-        return self._with_endpoint_key(headers, endpoint_id)
-
-    def _with_endpoint_key(
-        self, headers: list[tuple[str, str]], endpoint_id: str
-    ) -> list[tuple[str, str]]:
-        key = self.upstream_keys.header(endpoint_id) if self.upstream_keys else None
-        if key is None:
-            return headers
-        # The endpoint's own key replaces whatever the client sent.
-        return [h for h in headers if h[0].lower() not in KEY_HEADERS] + [key]
+        headers = self._headers.base(request.headers.raw, request_id, tenant)
+        return self._headers.keyed(headers, endpoint_id)
 
     async def _forward(
         self,
@@ -243,7 +205,8 @@ class Proxy:
         ex: Exchange,
         extra_headers: Sequence[tuple[str, str]] = (),
     ) -> Response:
-        headers = [*self._upstream_headers(request, routing.request_id, ex.tenant), *extra_headers]
+        headers = self._headers.base(request.headers.raw, routing.request_id, ex.tenant)
+        headers.extend(extra_headers)
         path = UPSTREAM_PATHS[parsed.api]
         last_error: BaseException | None = None
         attempts = ranked[: self._config.proxy.max_attempts]
@@ -259,7 +222,7 @@ class Proxy:
                 self._router.picked(routing, endpoint.id)
             try:
                 attempt = await self._attempt(
-                    endpoint, path, self._with_endpoint_key(headers, endpoint.id), parsed.body
+                    endpoint, path, self._headers.keyed(headers, endpoint.id), parsed.body
                 )
             except UPSTREAM_ERRORS as exc:
                 lease.release()
@@ -302,10 +265,10 @@ class Proxy:
         """The prefill step first when the decider asks for one (router/disagg.py)."""
         assert self.disagg is not None and self.client is not None
         client = self.client
-        headers = self._upstream_headers(request, routing.request_id, ex.tenant)
+        headers = self._headers.base(request.headers.raw, routing.request_id, ex.tenant)
 
         async def post(endpoint: EndpointSnapshot, path: str, body: bytes) -> UpstreamReply:
-            keyed = self._with_endpoint_key(headers, endpoint.id)
+            keyed = self._headers.keyed(headers, endpoint.id)
             return await client.post(endpoint.url + path, keyed, body)
 
         step = await self.disagg.prepare(parsed, routing, ranked, post)
