@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -174,7 +174,7 @@ async def gateway_running(gateway: Gateway) -> AsyncIterator[None]:
     async with AsyncExitStack() as stack:
         # Monitoring gets its own client, so health checks never queue behind traffic.
         monitor_client = await stack.enter_async_context(
-            httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
         )
         hc, ms = config.pool.health_check, config.pool.metrics_scrape
         settings = MonitorSettings(
