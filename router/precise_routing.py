@@ -59,8 +59,9 @@ class PreciseState:
     source: TokenizeInput | None
     num_tokens: int = 0
     keys: list[int] = field(default_factory=list)
-    # Leading blocks per endpoint: at scoring (what routing used), and at the pick, with and
-    # without speculative entries (what the index predicts the replica will hit).
+    # Leading blocks per endpoint: at scoring (what routing used); at the pick, by events and
+    # finished prefills only (confirmed), and with every speculative entry too (expected: what
+    # the index predicts the replica will hit).
     hits: dict[str, int] = field(default_factory=dict)
     confirmed: dict[str, int] = field(default_factory=dict)
     expected: dict[str, int] = field(default_factory=dict)
