@@ -247,7 +247,7 @@ class PreciseRouter(Router):
         share = self.tracker.held_share(routing.request_id, endpoint_id)
         if share is None:
             return super().uncached_tokens(routing, endpoint_id)
-        return max(1, round(routing.prompt_tokens * (1.0 - share)))
+        return routing.uncached_at(share)
 
     def prefilled(self, routing: RoutingRequest, endpoint_id: str) -> None:
         self.tracker.prefilled(routing.request_id, endpoint_id)

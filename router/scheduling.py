@@ -53,7 +53,10 @@ class RoutingRequest:
         if not self.block_hashes or not self.prompt_bytes:
             return self.prompt_tokens
         hit_bytes = self.prefix_hits.get(endpoint_id, 0) * self.block_bytes
-        share = min(1.0, hit_bytes / self.prompt_bytes)
+        return self.uncached_at(min(1.0, hit_bytes / self.prompt_bytes))
+
+    def uncached_at(self, share: float) -> int:
+        """This request's prompt tokens left to compute where ``share`` of it is cached."""
         return max(1, round(self.prompt_tokens * (1.0 - share)))
 
 

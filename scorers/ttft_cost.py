@@ -97,7 +97,7 @@ class TTFTCostScorer:
         share = precise.held_share(request.request_id, endpoint_id) if precise else None
         if share is None:
             return request.uncached_tokens(endpoint_id)
-        return max(1, round(request.prompt_tokens * (1.0 - share)))
+        return request.uncached_at(share)
 
     def terms(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> CostTerms:
         p = self._p
