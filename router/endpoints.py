@@ -26,6 +26,10 @@ log = logging.getLogger("prefixgate.endpoints")
 
 Role = Literal["both", "prefill", "decode"]
 
+# Time constant of the queue average: about one agent turn (an answer plus a think gap), so the
+# average remembers the queue a session's replica kept while the session was away.
+QUEUE_AVERAGE_S = 5.0
+
 
 def endpoint_id_from_url(url: str) -> str:
     """``host:port`` as llm-d names endpoints in ``x-gateway-destination-endpoint``."""
@@ -78,6 +82,11 @@ class EndpointSnapshot:
     metrics_age: float
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    # Requests this gateway sent that have not produced a first byte: the queue length that
+    # pending_prefill_tokens is the work of.
+    pending_prefill_requests: int = 0
+    # pending_prefill_tokens averaged over the last QUEUE_AVERAGE_S (exponentially).
+    recent_prefill_tokens: float = 0.0
 
 
 @dataclass(slots=True)
@@ -88,6 +97,9 @@ class EndpointState:
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     in_flight: int = 0
     pending_prefill_tokens: int = 0
+    pending_prefill_requests: int = 0
+    queue_average: float = 0.0
+    queue_average_at: float = 0.0
     consecutive_failures: int = 0
     # Passive health: failures in a row of real requests, and the ejection they caused.
     failure_streak: int = 0
@@ -102,6 +114,20 @@ class EndpointState:
     @property
     def eligible(self) -> bool:
         return self.healthy and not self.ejected
+
+    def recent_prefill_tokens(self, now: float) -> float:
+        # pending_prefill_tokens is a step function, so this is the exact continuous average.
+        pending = self.pending_prefill_tokens
+        elapsed = now - self.queue_average_at
+        if elapsed <= 0:
+            return self.queue_average
+        return pending + (self.queue_average - pending) * math.exp(-elapsed / QUEUE_AVERAGE_S)
+
+    def add_pending(self, tokens: int, requests: int, now: float) -> None:
+        self.queue_average = self.recent_prefill_tokens(now)
+        self.queue_average_at = now
+        self.pending_prefill_tokens += tokens
+        self.pending_prefill_requests += requests
 
     def snapshot(self, now: float) -> EndpointSnapshot:
         m = self.metrics
@@ -118,6 +144,8 @@ class EndpointState:
             metrics_age=age,
             block_size=m.block_size,
             num_gpu_blocks=m.num_gpu_blocks,
+            pending_prefill_requests=self.pending_prefill_requests,
+            recent_prefill_tokens=self.recent_prefill_tokens(now),
         )
 
 
@@ -159,7 +187,7 @@ class Lease:
         self._on_first_byte = on_first_byte
         self._started = time.monotonic() if on_first_byte is not None else 0.0
         state.in_flight += 1
-        state.pending_prefill_tokens += prefill_tokens
+        state.add_pending(prefill_tokens, 1, time.monotonic())
 
     def first_byte(self) -> None:
         if not self._first_byte_seen:
@@ -174,7 +202,7 @@ class Lease:
 
     def _settle(self) -> None:
         self._first_byte_seen = True
-        self.state.pending_prefill_tokens -= self.prefill_tokens
+        self.state.add_pending(-self.prefill_tokens, -1, time.monotonic())
 
     def release(self) -> None:
         if self._released:

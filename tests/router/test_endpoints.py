@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from router.endpoints import QUEUE_AVERAGE_S, Endpoint, EndpointState, Lease
+
+
+def state() -> EndpointState:
+    return EndpointState(Endpoint.from_url("http://127.0.0.1:8000"))
+
+
+def test_a_lease_counts_its_prefill_until_the_first_byte_and_itself_until_released() -> None:
+    s = state()
+    lease = Lease(s, prefill_tokens=3_000)
+    other = Lease(s, prefill_tokens=500)
+    assert (s.in_flight, s.pending_prefill_tokens, s.pending_prefill_requests) == (2, 3_500, 2)
+    lease.first_byte()
+    lease.first_byte()  # a second chunk settles nothing more
+    assert (s.in_flight, s.pending_prefill_tokens, s.pending_prefill_requests) == (2, 500, 1)
+    lease.release()
+    lease.release()
+    other.release()  # released before its first byte: its prefill leaves the queue too
+    assert (s.in_flight, s.pending_prefill_tokens, s.pending_prefill_requests) == (0, 0, 0)
+
+
+def test_the_recent_queue_remembers_a_queue_that_just_drained() -> None:
+    s = state()
+    s.add_pending(10_000, 1, now=100.0)
+    # Held for one time constant: the average has climbed 63% of the way.
+    assert s.recent_prefill_tokens(100.0 + QUEUE_AVERAGE_S) == pytest.approx(
+        10_000 * (1 - math.exp(-1)), rel=1e-6
+    )
+    s.add_pending(-10_000, -1, now=100.0 + QUEUE_AVERAGE_S)
+    drained = s.recent_prefill_tokens(100.0 + QUEUE_AVERAGE_S)
+    assert s.pending_prefill_tokens == 0 and drained > 6_000
+    # Empty since then: it decays, and the snapshot carries it.
+    later = 100.0 + 3 * QUEUE_AVERAGE_S
+    assert s.snapshot(later).recent_prefill_tokens == pytest.approx(drained * math.exp(-2))
+    assert s.snapshot(later).pending_prefill_tokens == 0
