@@ -1,15 +1,18 @@
 """TTFT-cost scorer: every endpoint priced in one common unit, the predicted time to first token.
 
-    predicted TTFT(e) = overhead(e) + per_token(e) * (prefill queued on e + this request's
-                        uncached tokens on e + the cached context they would evict on e
+    predicted TTFT(e) = overhead(e) + per_token(e) * (prefill queued on e
+                        + w(e) * this request's uncached tokens on e
+                        + the cached context they would evict on e
                         + 40 tokens per request running on e
                         + a KV-admission penalty when e's cache cannot take the request
                         - a small bonus for the endpoint that served the session last)
 
 The prefill queued on an endpoint is what the gateway itself sent there that has not produced a
-first byte yet (``pending_prefill_tokens``), plus, for requests waiting in the replica that the
-gateway did not send, a prior per request. ``overhead`` and ``per_token`` come from the
-:class:`~router.calibration.Calibrator`, learned online per endpoint.
+first byte yet (``pending_prefill_tokens``, or its average over the last seconds when that is
+higher), plus, for requests waiting in the replica that the gateway did not send, a prior per
+request. ``w(e)`` grows with the number of requests queued on e: a recompute there delays them
+too. ``overhead`` and ``per_token`` come from the :class:`~router.calibration.Calibrator`,
+learned online per endpoint.
 
 Unlike min-max scaled scores, magnitudes survive: a 50,000-token miss costs a thousand times a
 50-token miss, so a session stays where its context lives until the queue there costs more than
@@ -45,10 +48,20 @@ class TTFTCostParameters(Strict):
     # 8B-on-H100 profile, ~8 ms, i.e. ~40 prompt tokens). It is also what sends new work to a
     # replica that just came back with an empty cache.
     running_request_tokens: float = Field(40.0, ge=0)
-    # This request's uncached tokens weigh this much against tokens already queued: above 1,
-    # a session moves off its cache only when the queue there costs that much more than
-    # recomputing its context elsewhere (which also delays everything queued behind it there).
-    recompute_weight: float = Field(1.5, ge=1.0, le=4.0)
+    # This request's uncached tokens on an endpoint weigh more than tokens already queued
+    # there: a recompute delays not only this request but every request that queues behind it
+    # before it is done. How many do is read off the endpoint's queue now (requests waiting for
+    # a first byte): the weight is recomputeWeight on an idle endpoint, plus
+    # recomputeWeightPerQueued for each request queued there, up to recomputeWeightMax. So at
+    # light load a session moves off a busy replica to an idle one as soon as the queue costs
+    # more than the recompute, and at overload, when every queue is long, it stays home.
+    recompute_weight: float = Field(1.0, ge=1.0, le=4.0)
+    recompute_weight_per_queued: float = Field(0.1, ge=0.0, le=4.0)
+    recompute_weight_max: float = Field(2.0, ge=1.0, le=8.0)
+    # The queue an endpoint kept over the last seconds, weighed against the queue there now:
+    # a session placed on an endpoint comes back to it turn after turn, so a replica busy a
+    # second ago but momentarily empty is not an idle one.
+    recent_queue_weight: float = Field(1.0, ge=0.0, le=1.0)
     # Each token of cached context that this request's new blocks would evict on an endpoint
     # (its cache full, as the prefix index sees it) weighs this much: someone's context, most
     # likely recomputed later (agent sessions come back after each tool call). It is what keeps
@@ -104,9 +117,12 @@ class TTFTCostScorer:
         overhead, per_token = self._calibrator.cost(endpoint.id)
         uncached = self._uncached(request, endpoint.id)
         evicted = self._evicted_tokens(request, endpoint.id, uncached)
-        foreign = max(0.0, endpoint.waiting - endpoint.in_flight) * p.foreign_request_tokens
-        queued = endpoint.pending_prefill_tokens + foreign
-        work = queued + p.recompute_weight * uncached + p.eviction_weight * evicted
+        foreign_requests = max(0.0, endpoint.waiting - endpoint.in_flight)
+        pending = float(endpoint.pending_prefill_tokens)
+        pending += p.recent_queue_weight * max(0.0, endpoint.recent_prefill_tokens - pending)
+        queued = pending + foreign_requests * p.foreign_request_tokens
+        weight = self._recompute_weight(endpoint.pending_prefill_requests + foreign_requests)
+        work = queued + weight * uncached + p.eviction_weight * evicted
         prefill = overhead + per_token * work
         running = max(float(endpoint.in_flight), endpoint.running)
         load = per_token * p.running_request_tokens * running
@@ -114,6 +130,11 @@ class TTFTCostScorer:
         bonus = per_token * p.affinity_bonus_tokens if home else 0.0
         penalty = per_token * self._kv_penalty_tokens(endpoint, uncached)
         return CostTerms(endpoint.id, queued, uncached, evicted, prefill, load, penalty, bonus)
+
+    def _recompute_weight(self, queued_requests: float) -> float:
+        p = self._p
+        weight = p.recompute_weight + p.recompute_weight_per_queued * queued_requests
+        return min(max(p.recompute_weight_max, p.recompute_weight), weight)
 
     @staticmethod
     def _evicted_tokens(request: RoutingRequest, endpoint_id: str, uncached: int) -> int:

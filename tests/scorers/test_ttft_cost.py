@@ -88,11 +88,42 @@ def test_affinity_breaks_near_ties_and_calibration_is_used() -> None:
     assert s.score(req(), []) == []
 
 
-def test_recompute_weight_makes_moving_dearer_and_terms_scale_with_speed() -> None:
+def test_recompute_weight_follows_the_queue_where_the_recompute_would_run() -> None:
     request = req(tokens=10_000, hits={"home": 150})  # ~9,600 tokens cached at home
-    endpoints = [snap("home", pending_prefill_tokens=12_000), snap("b")]
-    assert scorer(recompute_weight=1.0).score(request, endpoints)[1] == 1.0  # queue dearer: move
-    assert scorer().score(request, endpoints)[0] == 1.0  # the default weight 1.5: stay
+    home = snap("home", pending_prefill_tokens=12_000, pending_prefill_requests=3)
+    s = scorer(recompute_weight=1.0, recompute_weight_per_queued=0.1, recompute_weight_max=2.0)
+    # Nothing queued where the context would be recomputed: the recompute delays no one else,
+    # so the longer queue at home decides.
+    assert s.score(request, [home, snap("b")])[1] == 1.0
+    # Five requests queued there: each would wait out the recompute too, so stay home.
+    busy = snap("b", pending_prefill_tokens=1_000, pending_prefill_requests=5)
+    assert s.terms(request, busy).prefill_s > s.terms(request, home).prefill_s
+    assert s.score(request, [home, busy])[0] == 1.0
+    # Requests another gateway sent count as queued; the weight stops at its maximum.
+    foreign = s.terms(request, snap("b", waiting=5))  # 512 tokens assumed for each
+    ours = snap("b", pending_prefill_tokens=5 * 512, pending_prefill_requests=5)
+    assert foreign.prefill_s == pytest.approx(s.terms(request, ours).prefill_s)
+    crowded = snap("b", pending_prefill_requests=1_000)
+    uncapped = scorer(recompute_weight_per_queued=0.1, recompute_weight_max=8.0)
+    assert s.terms(request, crowded).prefill_s < uncapped.terms(request, crowded).prefill_s
+    assert scorer(recompute_weight=1.5, recompute_weight_per_queued=0).score(
+        request, [home, snap("b")]
+    )[0] == 1.0  # a fixed weight 1.5 stays even when the other endpoint is idle
+
+
+def test_a_recently_busy_endpoint_is_not_taken_for_an_idle_one() -> None:
+    """Home drained a moment ago; its sessions come back after their think gaps."""
+    request = req(tokens=10_000, hits={"home": 150})
+    lull = snap("home", pending_prefill_tokens=0, recent_prefill_tokens=20_000)
+    endpoints = [lull, snap("b")]
+    assert scorer(recent_queue_weight=1.0).score(request, endpoints)[1] == 1.0
+    assert scorer(recent_queue_weight=0.0).score(request, endpoints)[0] == 1.0
+    # A queue longer now than of late counts as it is now.
+    now = snap("home", pending_prefill_tokens=30_000, recent_prefill_tokens=1_000)
+    assert scorer().terms(request, now).queued_tokens == 30_000
+
+
+def test_terms_scale_with_the_endpoints_speed() -> None:
     # On hardware ten times faster every term, not only the prefill, is ten times cheaper.
     fast = Calibrator()
     for tokens in range(1_000, 20_000, 500):
