@@ -168,7 +168,7 @@ class Lease:
     """
 
     __slots__ = (
-        "_first_byte_seen", "_on_first_byte", "_pool", "_released", "_started",
+        "_clock", "_first_byte_seen", "_on_first_byte", "_pool", "_released", "_started",
         "prefill_tokens", "state",
     )
 
@@ -186,8 +186,10 @@ class Lease:
         self._released = False
         self._on_first_byte = on_first_byte
         self._started = time.monotonic() if on_first_byte is not None else 0.0
+        # The pool's clock: the queue average is read with it (EndpointPool.candidates).
+        self._clock = pool.clock if pool is not None else time.monotonic
         state.in_flight += 1
-        state.add_pending(prefill_tokens, 1, time.monotonic())
+        state.add_pending(prefill_tokens, 1, self._clock())
 
     def first_byte(self) -> None:
         if not self._first_byte_seen:
@@ -202,7 +204,7 @@ class Lease:
 
     def _settle(self) -> None:
         self._first_byte_seen = True
-        self.state.add_pending(-self.prefill_tokens, -1, time.monotonic())
+        self.state.add_pending(-self.prefill_tokens, -1, self._clock())
 
     def release(self) -> None:
         if self._released:
@@ -230,7 +232,7 @@ class EndpointPool:
         clock: Callable[[], float] = time.monotonic,
         outliers: OutlierSettings | None = None,
     ) -> None:
-        self._clock = clock
+        self.clock = clock
         self._outliers = outliers
         self._states: dict[str, EndpointState] = {}
         for endpoint in endpoints:
@@ -270,7 +272,7 @@ class EndpointPool:
 
     def candidates(self, model: str) -> list[EndpointSnapshot]:
         """Healthy, not ejected endpoints serving ``model``, as snapshots."""
-        now = self._clock()
+        now = self.clock()
         return [
             s.snapshot(now)
             for s in self._states.values()
@@ -298,7 +300,7 @@ class EndpointPool:
         state.failure_streak += 1
         if state.failure_streak < settings.consecutive_failures or not self._may_eject(settings):
             return False
-        now = self._clock()
+        now = self.clock()
         # The multiplier decays by one for every base ejection time served without ejection.
         if state.times_ejected and state.readmitted_at:
             served = int((now - state.readmitted_at) / settings.base_ejection)
@@ -324,14 +326,14 @@ class EndpointPool:
         return ejected < cap and others > 0
 
     def ejection_expired(self, state: EndpointState) -> bool:
-        return state.ejected and self._clock() >= state.ejected_until
+        return state.ejected and self.clock() >= state.ejected_until
 
     def readmit(self, state: EndpointState) -> None:
         """Back in after a successful probe; one more failure ejects it again (half-open)."""
         if not state.ejected:
             return
         state.ejected = False
-        state.readmitted_at = self._clock()
+        state.readmitted_at = self.clock()
         threshold = self._outliers.consecutive_failures if self._outliers else 1
         state.failure_streak = threshold - 1
         log.info("endpoint %s readmitted after its ejection", state.endpoint.id)
@@ -339,4 +341,4 @@ class EndpointPool:
     def extend_ejection(self, state: EndpointState) -> None:
         """The probe failed: stay out for another base ejection time."""
         base = self._outliers.base_ejection if self._outliers else 1.0
-        state.ejected_until = self._clock() + base
+        state.ejected_until = self.clock() + base

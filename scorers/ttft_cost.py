@@ -83,6 +83,7 @@ class CostTerms:
     endpoint: str
     queued_tokens: float
     uncached_tokens: int
+    recompute_weight: float
     evicted_tokens: int
     prefill_s: float
     load_s: float
@@ -129,7 +130,9 @@ class TTFTCostScorer:
         home = request.affinity_endpoint == endpoint.id
         bonus = per_token * p.affinity_bonus_tokens if home else 0.0
         penalty = per_token * self._kv_penalty_tokens(endpoint, uncached)
-        return CostTerms(endpoint.id, queued, uncached, evicted, prefill, load, penalty, bonus)
+        return CostTerms(
+            endpoint.id, queued, uncached, weight, evicted, prefill, load, penalty, bonus
+        )
 
     def _recompute_weight(self, queued_requests: float) -> float:
         p = self._p
@@ -148,7 +151,8 @@ class TTFTCostScorer:
         t = self.terms(request, endpoint)
         return {
             "predicted_ttft_s": t.total_s, "queued_tokens": t.queued_tokens,
-            "uncached_tokens": t.uncached_tokens, "evicted_tokens": t.evicted_tokens,
+            "uncached_tokens": t.uncached_tokens, "recompute_weight": t.recompute_weight,
+            "evicted_tokens": t.evicted_tokens,
             "prefill_s": t.prefill_s, "load_s": t.load_s, "kv_penalty_s": t.kv_penalty_s,
             "affinity_bonus_s": t.affinity_bonus_s,
         }

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from router.endpoints import QUEUE_AVERAGE_S, Endpoint, EndpointState, Lease
+from router.endpoints import QUEUE_AVERAGE_S, Endpoint, EndpointPool, EndpointState, Lease
 
 
 def state() -> EndpointState:
@@ -39,3 +39,17 @@ def test_the_recent_queue_remembers_a_queue_that_just_drained() -> None:
     later = 100.0 + 3 * QUEUE_AVERAGE_S
     assert s.snapshot(later).recent_prefill_tokens == pytest.approx(drained * math.exp(-2))
     assert s.snapshot(later).pending_prefill_tokens == 0
+
+
+def test_leases_keep_the_queue_average_on_the_pools_clock() -> None:
+    now = [1_000.0]
+    endpoint = Endpoint.from_url("http://127.0.0.1:8000", models=["m"])
+    pool = EndpointPool([endpoint], clock=lambda: now[0])
+    (s,) = list(pool)
+    s.healthy = True
+    lease = pool.lease(s.endpoint.id, prefill_tokens=8_000)
+    now[0] += QUEUE_AVERAGE_S
+    lease.first_byte()
+    (snapshot,) = pool.candidates("m")
+    assert snapshot.pending_prefill_tokens == 0
+    assert snapshot.recent_prefill_tokens == pytest.approx(8_000 * (1 - math.exp(-1)))

@@ -159,8 +159,9 @@ def test_a_full_cache_keeps_a_session_home_longer() -> None:
 
 def test_explain_reports_every_term() -> None:
     request = req(tokens=1_000, cache_room={"a": 0})
-    terms = scorer().explain(request, snap("a", in_flight=2))
+    terms = scorer().explain(request, snap("a", in_flight=2, pending_prefill_requests=3))
     assert terms["evicted_tokens"] == terms["uncached_tokens"] == 1_000
+    assert terms["recompute_weight"] == pytest.approx(1.3)
     assert terms["predicted_ttft_s"] == pytest.approx(
         terms["prefill_s"] + terms["load_s"] + terms["kv_penalty_s"] - terms["affinity_bonus_s"]
     )
