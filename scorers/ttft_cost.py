@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from router.calibration import Calibrator
 from router.config import Strict
@@ -76,6 +76,15 @@ class TTFTCostParameters(Strict):
     # Where the uncached tokens come from: the approximate index, or the replicas' KV events
     # (precise prefix routing; endpoints without a trusted stream fall back to approximate).
     prefix_source: Literal["approximate", "precise"] = "approximate"
+
+    @model_validator(mode="after")
+    def _max_not_below_base(self) -> TTFTCostParameters:
+        if self.recompute_weight_max < self.recompute_weight:
+            raise ValueError(
+                f"recomputeWeightMax ({self.recompute_weight_max}) is below recomputeWeight "
+                f"({self.recompute_weight})"
+            )
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +146,7 @@ class TTFTCostScorer:
     def _recompute_weight(self, queued_requests: float) -> float:
         p = self._p
         weight = p.recompute_weight + p.recompute_weight_per_queued * queued_requests
-        return min(max(p.recompute_weight_max, p.recompute_weight), weight)
+        return min(p.recompute_weight_max, weight)
 
     @staticmethod
     def _evicted_tokens(request: RoutingRequest, endpoint_id: str, uncached: int) -> int:

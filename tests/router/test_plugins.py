@@ -51,6 +51,12 @@ def test_default_picker_is_max_score() -> None:
         ),
         ([{"type": "queue-scorer"}], [{"pluginRef": "missing"}], "no plugin named 'missing'"),
         (
+            [{"type": "ttft-cost-scorer",
+              "parameters": {"recomputeWeight": 2.0, "recomputeWeightMax": 1.5}}],
+            [],
+            "recomputeWeightMax (1.5) is below recomputeWeight (2.0)",
+        ),
+        (
             [{"type": "queue-scorer"}, {"type": "queue-scorer"}],
             [],
             "plugins[1].name: duplicate plugin name",
