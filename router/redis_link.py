@@ -220,6 +220,15 @@ async def eval_script(
         return await client.eval(script.source, len(keys), *keys, *args)
 
 
+def _raise_if_cancelled(exc: BaseException | None) -> None:
+    """A cancellation that lands mid-command can be swallowed by redis-py (seen with 8.1: the
+    command completes, or fails as a connection error). The task's cancel request is still
+    pending then: honour it, or a background loop cancelled at that moment goes on forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError from exc
+
+
 class RedisLink:
     """A Redis connection pool whose every call is budgeted, breaker-guarded and counted."""
 
@@ -260,11 +269,14 @@ class RedisLink:
             async with asyncio.timeout(self.timeout if budget is None else budget):
                 result = await fn(self.client)
         except (TimeoutError, RedisTimeoutError) as exc:
+            _raise_if_cancelled(exc)
             self._failed(op, "timeout", exc)
             raise Unavailable("timeout") from exc
         except (RedisError, OSError) as exc:
+            _raise_if_cancelled(exc)
             self._failed(op, "error", exc)
             raise Unavailable("error") from exc
+        _raise_if_cancelled(None)
         if self.breaker.is_open:
             log.info("redis %s: reachable again", self.component)
         self.breaker.success()

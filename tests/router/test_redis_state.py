@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from router.redis_link import CircuitBreaker, RedisMetrics
+from router.redis_link import CircuitBreaker, RedisLink, RedisMetrics
 from router.redis_state import RedisAffinityStore, SharedInFlight
 
 pytestmark = pytest.mark.redis
@@ -195,3 +197,29 @@ async def test_stale_remote_counts_read_as_zero(redis_namespace: str, closing: l
     assert shared.remote_in_flight("e1") == 3
     clock.now += 1.5
     assert shared.remote_in_flight("e1") == 0 and shared.remote_counts() == {}
+
+
+async def test_a_cancel_the_client_swallows_still_stops_the_caller(closing: list[Any]) -> None:
+    """redis-py can swallow a cancellation that lands mid-command (the command then returns or
+    fails as a connection error); a background loop cancelled then must still stop."""
+    link = RedisLink(dead_url(), component="t", metrics=RedisMetrics(CollectorRegistry()),
+                     timeout_ms=5_000.0)
+    closing.append(link)
+    started = asyncio.Event()
+
+    async def swallowing(outcome: BaseException | None) -> int:
+        started.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            if outcome is not None:
+                raise outcome from None
+        return 1
+
+    for outcome in (None, RedisConnectionError("lost"), RedisTimeoutError("late")):
+        started.clear()
+        task = asyncio.create_task(link.call("op", lambda _c, o=outcome: swallowing(o)))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 2)
