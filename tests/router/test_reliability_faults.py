@@ -258,7 +258,13 @@ async def test_disconnect_storm_leaves_nothing_behind() -> None:
     clients = 200
     # Few batch slots: most of the storm waits in the replicas' queues before its first token.
     async with start_replicas(4, SimConfig(speed=SPEED, max_num_seqs=16)) as replicas:
-        config = gateway_config([r.url for r in replicas], proxy={"maxConnections": 400})
+        # Flow control must not hold part of the storm back: a scrape that lands mid-storm (on
+        # a slow machine) sees every replica's queue over llm-d's threshold of 5.
+        config = gateway_config(
+            [r.url for r in replicas],
+            proxy={"maxConnections": 400},
+            flowControl={"saturationDetector": {"queueDepthThreshold": 1000}},
+        )
         limits = httpx.Limits(max_connections=clients + 10)
         async with (
             running_gateway(config) as gw,
