@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from router import anthropic, responses_api
 from router.config import GatewayConfig, PluginConfig
 from router.endpoints import Endpoint, EndpointSnapshot
+from router.hf_tokenizer import huggingface_tokenizer
 from router.kv_events import EventSource, KVEventsManager, SubscriberSettings, derive_sources
 from router.parsing import ParsedRequest
 from router.precise_config import TokenizerConfig
@@ -41,7 +42,6 @@ from router.tokenizers import (
     RemoteTokenizer,
     TokenizeInput,
     Tokenizer,
-    huggingface_tokenizer,
     sim_tokenizer,
 )
 

@@ -6,9 +6,9 @@ which case the request is routed on the approximate index. Implementations:
 
 - :class:`LocalTokenizer` over an encode function: the simulator's tokenizer
   (:func:`sim_tokenizer`), or a Hugging Face ``tokenizer.json`` from a local path plus the
-  model's chat template rendered with jinja2 (:func:`huggingface_tokenizer`; the optional
-  ``tokenizers`` extra). Nothing is downloaded. Large prompts are encoded on one worker thread
-  owned by the tokenizer, so the event loop never runs them and at most one core is used.
+  model's chat template (router/hf_tokenizer.py). Nothing is downloaded. Chat prompts are
+  encoded piece by piece from a memo where that is exact (router/segments.py), so a turn costs
+  what it added; large amounts of new text go to one worker thread owned by the tokenizer.
 - :class:`RemoteTokenizer`: asks a replica's ``POST /tokenize`` (vLLM and the simulator serve it).
 
 :class:`CachingTokenizer` wraps either with a bounded LRU of recent prompts, shares one encoding
@@ -18,25 +18,26 @@ between identical concurrent prompts (a sub-agent burst), and enforces the time 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import httpx
 import orjson
 import xxhash
 
 from router.endpoints import EndpointSnapshot
+from router.segments import SegmentMemo
 
 Api = Literal["chat", "completions"]
 EncodeChat = Callable[[Sequence[Mapping[str, Any]], Sequence[Any] | None], list[int]]
+RenderChat = Callable[[Sequence[Mapping[str, Any]], Sequence[Any] | None], str]
 EncodeText = Callable[[str], list[int]]
 log = logging.getLogger("prefixgate.tokenizers")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +72,22 @@ def completion_prompt(payload: Mapping[str, Any]) -> str | list[int] | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class PiecewiseChat:
+    """A chat template's renderer, and the memo its renders are encoded through
+    (router/segments.py)."""
+
+    render: RenderChat
+    memo: SegmentMemo
+
+
 class LocalTokenizer:
-    """Encodes in-process; prompts above ``thread_above_bytes`` go to its worker thread."""
+    """Encodes in-process; what would take long goes to its worker thread.
+
+    Long means a prompt above ``thread_above_bytes``, or with ``piecewise``, more than that
+    many characters not already in the memo: a growing conversation's next turn is encoded on
+    the event loop in about a millisecond, which is cheaper than a thread hand-off that waits
+    for the interpreter lock behind the loop's own work."""
 
     def __init__(
         self,
@@ -80,22 +95,25 @@ class LocalTokenizer:
         encode_text: EncodeText,
         thread_above_bytes: int = 16_384,
         max_pending: int = 8,
+        piecewise: PiecewiseChat | None = None,
     ) -> None:
         self._encode_chat = encode_chat
         self._encode_text = encode_text
         self._thread_above = thread_above_bytes
         self._max_pending = max_pending
+        self._piecewise = piecewise
         self._pending = 0
         self._executor: ThreadPoolExecutor | None = None
+
+    @property
+    def memo(self) -> SegmentMemo | None:
+        return self._piecewise.memo if self._piecewise is not None else None
 
     def encode(self, request: TokenizeInput) -> list[int] | None:
         payload = request.payload
         if request.api == "chat":
-            messages = payload.get("messages")
-            tools = payload.get("tools")
-            if not isinstance(messages, list):
-                return None
-            return self._encode_chat(messages, tools if isinstance(tools, list) else None)
+            chat = _chat_parts(payload)
+            return None if chat is None else self._encode_chat(*chat)
         prompt = completion_prompt(payload)
         if prompt is None or isinstance(prompt, list):
             return prompt
@@ -105,20 +123,36 @@ class LocalTokenizer:
         self, request: TokenizeInput, endpoints: Sequence[EndpointSnapshot]
     ) -> list[int] | None:
         try:
+            if request.api == "chat" and self._piecewise is not None:
+                return await self._piecewise_chat(self._piecewise, request.payload)
             if request.size < self._thread_above:
                 return self.encode(request)
-            if self._pending >= self._max_pending:
-                return None  # the worker is behind: route this one approximately
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-tokenize")
-            self._pending += 1
-            try:
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self._executor, self.encode, request)
-            finally:
-                self._pending -= 1
+            return await self._in_thread(self.encode, request)
         except (ValueError, TypeError, KeyError):
             return None  # a body the template cannot render; the replica will say why
+
+    async def _piecewise_chat(
+        self, piecewise: PiecewiseChat, payload: Mapping[str, Any]
+    ) -> list[int] | None:
+        chat = _chat_parts(payload)
+        if chat is None:
+            return None
+        memo = piecewise.memo
+        pieces = memo.split(piecewise.render(*chat))
+        if memo.unknown_chars(pieces) < self._thread_above:
+            return memo.encode_pieces(pieces)
+        return await self._in_thread(memo.encode_pieces, pieces)
+
+    async def _in_thread(self, fn: Callable[[_T], list[int] | None], arg: _T) -> list[int] | None:
+        if self._pending >= self._max_pending:
+            return None  # the worker is behind: route this one approximately
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefixgate-tokenize")
+        self._pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, arg)
+        finally:
+            self._pending -= 1
 
     async def aclose(self) -> None:
         if self._executor is not None:
@@ -126,81 +160,31 @@ class LocalTokenizer:
             self._executor = None
 
 
+def _chat_parts(
+    payload: Mapping[str, Any],
+) -> tuple[Sequence[Mapping[str, Any]], Sequence[Any] | None] | None:
+    messages = payload.get("messages")
+    tools = payload.get("tools")
+    if not isinstance(messages, list):
+        return None
+    return messages, tools if isinstance(tools, list) else None
+
+
 def sim_tokenizer(thread_above_bytes: int = 16_384) -> LocalTokenizer:
-    """The simulator's own tokenizer and ChatML template (benchmarks/sim/tokenizer.py)."""
+    """The simulator's own tokenizer and ChatML template (benchmarks/sim/tokenizer.py); chat
+    prompts are encoded piece by piece (router/segments.py: exact by its construction)."""
+    from benchmarks.sim.tokenizer import SPECIAL_RE, render_chat
     from benchmarks.sim.tokenizer import Tokenizer as SimTokenizer
 
     tok = SimTokenizer()
-    return LocalTokenizer(tok.encode_chat, tok.encode, thread_above_bytes)
+    memo = SegmentMemo(tok.encode, SPECIAL_RE)
 
+    def render(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None) -> str:
+        return render_chat(messages, tools, add_generation_prompt=True)
 
-def _read_template(path: Path) -> str:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        template = json.loads(text).get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
-        if not isinstance(template, str):
-            raise ValueError(f"{path} has no chat_template string")
-        return template
-    return text
-
-
-def huggingface_tokenizer(
-    path: str | Path,
-    chat_template: str | Path | None = None,
-    add_special_tokens: bool = True,
-    thread_above_bytes: int = 16_384,
-) -> LocalTokenizer:
-    """A local ``tokenizer.json`` (a file, or a model directory holding it) plus a template.
-
-    The template is ``chat_template`` (a .jinja file, or a tokenizer_config.json), else the
-    directory's tokenizer_config.json. Chat prompts are encoded without added special tokens
-    (the template writes them, as ``apply_chat_template`` does); completion prompts with them.
-    """
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-        from tokenizers import Tokenizer as HFTokenizer
-    except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        raise ValueError("install prefixgate[tokenizers] for a Hugging Face tokenizer") from exc
-    root = Path(path)
-    file = root / "tokenizer.json" if root.is_dir() else root
-    tok = HFTokenizer.from_file(str(file))
-    config_path = file.parent / "tokenizer_config.json"
-    config: dict[str, Any] = {}
-    if config_path.is_file():
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    source = Path(chat_template) if chat_template is not None else config_path
-    template_text = _read_template(source)
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message: str) -> None:
-        raise ValueError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
-    template = env.from_string(template_text)
-    specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
-
-    def encode_chat(
-        messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None
-    ) -> list[int]:
-        text = template.render(
-            messages=messages, tools=tools, add_generation_prompt=True, **specials
-        )
-        return list(tok.encode(text, add_special_tokens=False).ids)
-
-    def encode_text(text: str) -> list[int]:
-        return list(tok.encode(text, add_special_tokens=add_special_tokens).ids)
-
-    return LocalTokenizer(encode_chat, encode_text, thread_above_bytes)
-
-
-def _token_text(value: Any) -> str:
-    if isinstance(value, dict):  # AddedToken serialised as {"content": ...}
-        value = value.get("content")
-    return value if isinstance(value, str) else ""
+    return LocalTokenizer(
+        tok.encode_chat, tok.encode, thread_above_bytes, piecewise=PiecewiseChat(render, memo)
+    )
 
 
 class RemoteTokenizer:

@@ -58,7 +58,7 @@ IM_END = "<|im_end|>"
 ENDOFTEXT = "<|endoftext|>"
 _FIXED_SPECIALS = {IM_START: IM_START_ID, IM_END: IM_END_ID, ENDOFTEXT: ENDOFTEXT_ID}
 
-_SPECIAL_RE = re.compile(r"(<\|im_start\|>|<\|im_end\|>|<\|endoftext\|>|<\|image:[0-9a-f]{16}\|>)")
+SPECIAL_RE = re.compile(r"(<\|im_start\|>|<\|im_end\|>|<\|endoftext\|>|<\|image:[0-9a-f]{16}\|>)")
 _PRETOKEN_RE = re.compile(r"[ ]?[^\W\d_]+|[ ]?\d+|[ ]?(?:[^\w\s]|_)+|\s+(?!\S)|\s+")
 _MAX_PIECE = 4
 _HASH_SEED = 0x5EED
@@ -225,7 +225,7 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens in the text are recognised."""
         out: list[int] = []
-        for i, segment in enumerate(_SPECIAL_RE.split(text)):
+        for i, segment in enumerate(SPECIAL_RE.split(text)):
             if i % 2 == 1:
                 fixed = _FIXED_SPECIALS.get(segment)
                 out.append(fixed if fixed is not None else self._remember(segment))

@@ -14,12 +14,12 @@ import pytest
 from benchmarks.sim.cli import start_replicas
 from benchmarks.sim.config import SimConfig
 from router.endpoints import EndpointSnapshot, endpoint_id_from_url
+from router.hf_tokenizer import huggingface_tokenizer
 from router.tokenizers import (
     CachingTokenizer,
     LocalTokenizer,
     RemoteTokenizer,
     TokenizeInput,
-    huggingface_tokenizer,
     sim_tokenizer,
 )
 
@@ -176,3 +176,50 @@ async def test_cache_is_bounded() -> None:
         payload = {"model": MODEL, "messages": [{"role": "user", "content": str(i)}]}
         await tok.tokenize(chat_input(payload), [])
     assert len(tok._cache) <= 2
+
+
+async def test_huggingface_tokenizer_remembers_pieces_only_where_that_is_exact(
+    tmp_path: Path,
+) -> None:
+    from tokenizers import AddedToken, Tokenizer
+
+    path = _tiny_tokenizer(tmp_path)
+    raw = Tokenizer.from_file(str(path))
+    turns = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "count"}]
+    tok = huggingface_tokenizer(path)
+    assert tok.memo is not None
+    for n in (1, 2):
+        payload = {"model": MODEL, "messages": turns[:n]}
+        text = "<s>" + "".join(f"<|im_start|> {m['role']} {m['content']} " for m in turns[:n])
+        expected = raw.encode(text + "<|im_start|> assistant", add_special_tokens=False).ids
+        assert await tok.tokenize(chat_input(payload), []) == expected
+    assert tok.memo.hits > 0
+    # An added token that strips the whitespace around it: pieces would not add up.
+    raw.add_special_tokens([AddedToken("<sep>", lstrip=True, rstrip=True)])
+    stripping = tmp_path / "stripping.json"
+    raw.save(str(stripping))
+    template = tmp_path / "sep.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} <sep> {% endfor %}")
+    careful = huggingface_tokenizer(stripping, template)
+    assert careful.memo is None
+    payload = {"model": MODEL, "messages": turns}
+    expected = raw.encode("hello there <sep> count <sep> ", add_special_tokens=False).ids
+    assert await careful.tokenize(chat_input(payload), []) == expected
+
+
+async def test_a_next_turn_is_encoded_inline_from_the_memo() -> None:
+    tok = sim_tokenizer(thread_above_bytes=1000)
+    turns: list[dict[str, Any]] = [{"role": "user", "content": "word " * 2000}]
+    try:
+        first = await tok.tokenize(chat_input({"model": MODEL, "messages": turns}), [])
+        assert first and tok._executor is not None  # 10 KB of new text: the worker thread
+        tok._max_pending = 0  # from here on, a trip to the thread would come back empty
+        turns += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}]
+        payload = {"model": MODEL, "messages": turns}
+        second = await tok.tokenize(chat_input(payload, size=10_000), [])
+        assert second is not None and second == tok.encode(chat_input(payload))
+        assert second[: len(first) - 3] == first[:-3]  # the same prefix, minus the gen prompt
+        turns.append({"role": "user", "content": "fresh " * 1000})
+        assert await tok.tokenize(chat_input({"model": MODEL, "messages": turns}), []) is None
+    finally:
+        await tok.aclose()

@@ -1,0 +1,123 @@
+"""Encoding a rendered prompt piece by piece, remembering each piece's token ids.
+
+Tokenizers cut text at their special (added) tokens before anything else: Hugging Face
+``tokenizers`` extracts added tokens first and pre-tokenizes what lies between them on its own,
+and the simulator's tokenizer does the same. A prompt's ids are then the concatenation of its
+pieces' ids. Chat templates wrap every message in special tokens, and an agent's context grows
+turn by turn while its earlier messages stay byte for byte the same, so remembering each piece
+makes a turn cost what it added rather than the whole context again: on the simulator's
+pure-Python tokenizer, a 13K-token conversation's next turn drops from about 7 ms to well under
+one. :func:`probe_equivalence` guards the assumption for tokenizers it may not hold for.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+EncodeText = Callable[[str], list[int]]
+
+DEFAULT_MAX_TOKENS = 2_000_000
+DEFAULT_MAX_PIECES = 65_536
+
+
+def split_pattern(specials: Iterable[str]) -> re.Pattern[str]:
+    """A capturing pattern matching any of ``specials``, longest first (so ``<|a|>`` never
+    shadows ``<|a|>x``)."""
+    tokens = sorted({s for s in specials if s}, key=len, reverse=True)
+    if not tokens:
+        raise ValueError("a split pattern needs at least one special token")
+    return re.compile("(" + "|".join(re.escape(t) for t in tokens) + ")")
+
+
+class SegmentMemo:
+    """``encode(text)`` as ``inner(text)`` would, from remembered pieces where it can.
+
+    Bounded (total tokens and pieces held, least recently used out first) and safe to call from
+    the event loop and a tokenizer's worker thread at once."""
+
+    def __init__(
+        self,
+        inner: EncodeText,
+        split: re.Pattern[str],
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_pieces: int = DEFAULT_MAX_PIECES,
+    ) -> None:
+        if split.groups != 1:
+            raise ValueError("the split pattern must have exactly one capturing group")
+        self._inner = inner
+        self._split = split
+        self._max_tokens = max(1, max_tokens)
+        self._max_pieces = max(1, max_pieces)
+        self._pieces: OrderedDict[str, array[int]] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+    def split(self, text: str) -> list[str]:
+        return [piece for piece in self._split.split(text) if piece]
+
+    def unknown_chars(self, pieces: Iterable[str]) -> int:
+        """How much of ``pieces`` would have to be encoded afresh (a cost estimate: whether
+        encoding them is quick enough for the event loop)."""
+        known = self._pieces
+        return sum(len(p) for p in pieces if p not in known)
+
+    def encode_pieces(self, pieces: Iterable[str]) -> list[int]:
+        out: list[int] = []
+        for piece in pieces:
+            out.extend(self._piece(piece))
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_pieces(self.split(text))
+
+    def _piece(self, piece: str) -> array[int]:
+        with self._lock:
+            ids = self._pieces.get(piece)
+            if ids is not None:
+                self._pieces.move_to_end(piece)
+                self.hits += 1
+                return ids
+            self.misses += 1
+        # Outside the lock: encoding is the slow part, and a duplicate is harmless.
+        ids = array("q", self._inner(piece))
+        if len(ids) <= self._max_tokens:
+            self._remember(piece, ids)
+        return ids
+
+    def _remember(self, piece: str, ids: array[int]) -> None:
+        with self._lock:
+            old = self._pieces.pop(piece, None)
+            if old is not None:
+                self._tokens -= len(old)
+            self._pieces[piece] = ids
+            self._tokens += len(ids)
+            while self._tokens > self._max_tokens or len(self._pieces) > self._max_pieces:
+                _, gone = self._pieces.popitem(last=False)
+                self._tokens -= len(gone)
+
+
+def probe_equivalence(
+    whole: EncodeText, memo: SegmentMemo, samples: Iterable[str]
+) -> str | None:
+    """Why piecewise encoding differs from ``whole`` on one of ``samples``, or None.
+
+    Added tokens that strip their neighbours' whitespace, or a prefix a pre-tokenizer adds to
+    the first piece only, break the concatenation rule; checking real renders of the model's
+    own template catches those before the memo is trusted."""
+    for text in samples:
+        if whole(text) != memo.encode(text):
+            return f"piecewise encoding differs from whole encoding on {text[:60]!r}"
+    return None
