@@ -75,6 +75,53 @@ class ErrorEvent(Protocol):
     def __call__(self, message: str, error_type: str = ..., code: int = ...) -> bytes: ...
 
 
+class IdleTimer:
+    """Cancels the current task once ``timeout`` seconds pass without a :meth:`touch`.
+
+    Unlike ``asyncio.timeout`` around each step, a touch costs a clock read: the one timer
+    re-arms itself only when it fires early."""
+
+    __slots__ = ("_base", "_handle", "_last", "_loop", "_task", "_timeout", "expired")
+
+    def __init__(self, timeout: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._base = self._task.cancelling() if self._task is not None else 0
+        self._timeout = timeout
+        self._last = self._loop.time()
+        self.expired = False
+        self._handle: asyncio.TimerHandle | None = self._loop.call_at(
+            self._last + timeout, self._check
+        )
+
+    def touch(self) -> None:
+        self._last = self._loop.time()
+
+    def _check(self) -> None:
+        due = self._last + self._timeout
+        if self._loop.time() < due:
+            self._handle = self._loop.call_at(due, self._check)
+            return
+        self._handle = None
+        # A task already being cancelled (client gone, shutdown) keeps that reason.
+        if self._task is not None and not self._task.cancelling():
+            self.expired = True
+            self._task.cancel()
+
+    def absorb_expiry(self) -> bool:
+        """After a CancelledError: True (and the cancel undone) if this timer caused it."""
+        if not self.expired:
+            return False
+        self.expired = False
+        # Another cancellation on top of ours (a disconnect, the drain deadline) still stands.
+        return self._task is None or self._task.uncancel() <= self._base
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 class ClientStalled(Exception):
     """The client did not take a chunk within the idle timeout."""
 
@@ -157,25 +204,32 @@ class UpstreamResponse(Response):
         return outcome
 
     async def _pump(self, send: Send) -> None:
+        # One timer for the whole stream rather than one per chunk (a timer per chunk was a
+        # measurable share of the gateway's CPU): the deadline moves with each chunk relayed,
+        # and covers both sides, the replica producing the next chunk and the client taking it
+        # (a client that stopped reading would block send forever).
+        idle = IdleTimer(self._idle_timeout)
         sending = False
         try:
             while True:
-                # One timeout per chunk covers both sides: the replica producing it, and the
-                # client taking it (a client that stopped reading would block send forever).
-                async with asyncio.timeout(self._idle_timeout):
-                    chunk = await self._upstream.next_chunk()
-                    if not chunk:
-                        return
-                    self._last = chunk
-                    if self._observe is not None:
-                        self._observe(chunk)
-                    sending = True
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    sending = False
-        except TimeoutError:
+                chunk = await self._upstream.next_chunk()
+                if not chunk:
+                    return
+                self._last = chunk
+                if self._observe is not None:
+                    self._observe(chunk)
+                sending = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                sending = False
+                idle.touch()
+        except asyncio.CancelledError:
+            if not idle.absorb_expiry():
+                raise
             if sending:
                 raise ClientStalled from None
-            raise
+            raise TimeoutError from None
+        finally:
+            idle.stop()
 
     async def _send_chunk(self, send: Send, chunk: bytes) -> None:
         try:

@@ -1,0 +1,120 @@
+"""The relay's idle timer: one timer per stream, each side of the relay under the timeout."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import pytest
+from starlette.types import Message
+
+from router.endpoints import Lease
+from router.streaming import DisconnectWatch, IdleTimer, UpstreamResponse
+from router.upstream import UpstreamReply
+
+
+async def test_idle_timer_cancels_only_after_a_quiet_timeout() -> None:
+    async def steady() -> None:
+        idle = IdleTimer(0.1)
+        try:
+            for _ in range(10):  # 0.3 s in all, never 0.1 s without a touch
+                await asyncio.sleep(0.03)
+                idle.touch()
+        finally:
+            idle.stop()
+
+    await asyncio.wait_for(steady(), 2)
+
+    async def quiet() -> str:
+        idle = IdleTimer(0.1)
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            return "expired" if idle.absorb_expiry() else "cancelled"
+        return "slept"
+
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await asyncio.wait_for(quiet(), 2) == "expired"
+    assert 0.09 <= loop.time() - started < 1.0
+
+
+async def test_idle_timer_leaves_another_cancellation_standing() -> None:
+    async def waits() -> bool:
+        idle = IdleTimer(0.05)
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            return idle.absorb_expiry()
+        return False
+
+    task = asyncio.create_task(waits())
+    await asyncio.sleep(0.01)
+    task.cancel()  # a disconnect, say, before the timer is due: not the timer's to absorb
+    assert await task is False
+
+
+class FakeUpstream:
+    status = 200
+    raw_headers: list[tuple[bytes, bytes]] = []
+    content_type = "text/event-stream"
+
+    def __init__(self, chunks: list[bytes], stall_after: int | None = None) -> None:
+        self.chunks = chunks
+        self.stall_after = stall_after
+        self.closed = False
+
+    async def next_chunk(self) -> bytes:
+        if self.stall_after is not None and not self.chunks[self.stall_after :]:
+            await asyncio.sleep(60)
+        return self.chunks.pop(0) if self.chunks else b""
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeLease:
+    released = False
+
+    def release(self) -> None:
+        self.released = True
+
+
+async def _relay(upstream: FakeUpstream, send_blocks_at: int | None) -> tuple[str, list[bytes]]:
+    outcomes: list[str] = []
+    sent: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(60)
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            if send_blocks_at is not None and len(sent) == send_blocks_at:
+                await asyncio.sleep(60)  # a client that stopped reading
+            sent.append(message["body"])
+
+    watch = DisconnectWatch(receive)
+    watch.start()
+    response = UpstreamResponse(
+        cast(UpstreamReply, upstream), b"data: 0\n\n", [], lease=cast(Lease, FakeLease()),
+        watch=watch, idle_timeout=0.1, on_finish=outcomes.append,
+    )
+    await asyncio.wait_for(response({}, receive, send), 3)
+    assert upstream.closed
+    return outcomes[0], sent
+
+
+@pytest.mark.parametrize(
+    ("stall_after", "send_blocks_at", "outcome"),
+    [(None, None, "ok"), (2, None, "stream_error"), (None, 2, "client_stalled")],
+)
+async def test_relay_outcomes(stall_after: int | None, send_blocks_at: int | None,
+                              outcome: str) -> None:
+    upstream = FakeUpstream([b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n"], stall_after)
+    got, sent = await _relay(upstream, send_blocks_at)
+    assert got == outcome
+    if outcome == "ok":
+        assert sent == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n", b""]
+    elif outcome == "stream_error":  # the replica went quiet: an error event ends the stream
+        assert b"idle timeout" in sent[-2] and sent[-1] == b""
