@@ -4,7 +4,8 @@
 (scorers/ttft_cost.py); README, "Routing quality", measures it against the weighted profile,
 the baselines and the peer routers at two load levels and two KV capacities. ``weighted`` is
 llm-d's weighted sum of [0, 1] scores, for users who want that model or to tune weights
-themselves; ``precise`` is that profile with the prefix share read from the replicas' KV events.
+themselves. ``precise`` is the default reading the replicas' KV events instead of guessing what
+they hold; ``precise-weighted`` is the weighted profile reading them.
 
 Each is plain config (plugins + one profile), exactly what a user could write in YAML, so a
 baseline is never a special code path.
@@ -44,10 +45,19 @@ STRATEGIES: dict[str, Strategy] = {
     "least-loaded": _weighted({"inflight-scorer": 1.0}),
     "prefix-only": _weighted({"prefix-cache-scorer": 1.0}),
     "session-hash": _weighted({"session-hash-scorer": 1.0}),
-    # The weighted profile, with the prefix share read from the replicas' KV events. (The cost
-    # scorer can read them too, ttft-cost-scorer {prefixSource: precise}; on the simulator's
-    # agentic workload under KV pressure it measured worse than this, see README.)
-    "precise": _weighted(
+    # The default, with the prefix hits read from the replicas' KV events: under KV pressure,
+    # where the approximate index goes stale, it measured better on TTFT and reuse (README,
+    # "Precise prefix routing").
+    "precise": (
+        [PluginConfig(type="ttft-cost-scorer", parameters={"prefixSource": "precise"}),
+         PluginConfig(type="max-score-picker")],
+        ProfileConfig(name="default", plugins=[
+            PluginRef(plugin_ref="ttft-cost-scorer", weight=1.0),
+            PluginRef(plugin_ref="max-score-picker"),
+        ]),
+    ),
+    # The weighted profile with the precise prefix share (llm-d's precise mode).
+    "precise-weighted": _weighted(
         {("precise-prefix-cache-scorer" if t == "prefix-cache-scorer" else t): w
          for t, w in _DEFAULT_WEIGHTS.items()}
     ),

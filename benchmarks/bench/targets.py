@@ -91,10 +91,10 @@ class Strategy:
 
     @property
     def needs_kv_events(self) -> bool:
-        """Routes on the replicas' KV events: the built-in precise strategy, or a config with
+        """Routes on the replicas' KV events: a built-in precise strategy, or a config with
         a ``precisePrefix`` section."""
         if self.config is None:
-            return self.name == "precise"
+            return self.name.startswith("precise")
         data = yaml.safe_load(self.config.read_text()) or {}
         return isinstance(data, dict) and "precisePrefix" in data
 
