@@ -166,10 +166,15 @@ class PreciseTracker:
     def _match_computed(self, state: PreciseState, endpoint_id: str) -> dict[str, int]:
         """Blocks announced by events, or computed by a prefill that has finished on the
         endpoint (its events may still be on the way): what the replica certainly holds."""
-        hits = self._match(state, [endpoint_id], speculative=False)
-        if endpoint_id not in state.shared_only:
-            held = self.index.match(state.keys, [endpoint_id], settled_only=True)
-            hits[endpoint_id] = max(hits.get(endpoint_id, 0), held[endpoint_id])
+        if endpoint_id in state.shared_only or endpoint_id in state.remote:
+            hits = self._match(state, [endpoint_id], speculative=False)
+            if endpoint_id in state.shared_only:
+                return hits
+        else:
+            hits = {}
+        # One walk over both kinds of evidence (a run may start on one and end on the other).
+        held = self.index.match(state.keys, [endpoint_id], settled_only=True)
+        hits[endpoint_id] = max(hits.get(endpoint_id, 0), held[endpoint_id])
         return hits
 
     def prefilled(self, request_id: str, endpoint_id: str) -> None:
@@ -182,11 +187,18 @@ class PreciseTracker:
         state = self._states.get(request.request_id)
         if state is None:
             return
+        first_pick = state.picked_at is None
         state.picked_at = self._clock()
         if state.keys:
             # What the replica should hit, before this pick's own speculation.
             state.confirmed.update(self._match_computed(state, endpoint_id))
-            state.expected.update(self._match(state, [endpoint_id], speculative=True))
+            scored = state.hits.get(endpoint_id) if first_pick else None
+            if scored is not None:
+                # Matched by scores() just before this pick, with no suspension in between
+                # (a retry's pick comes later: it is matched again).
+                state.expected[endpoint_id] = scored
+            else:
+                state.expected.update(self._match(state, [endpoint_id], speculative=True))
             ttl = self.settings.speculative_ttl_seconds
             self.index.speculate(endpoint_id, state.keys, ttl)
             if self.shared is not None:
