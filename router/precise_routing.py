@@ -166,16 +166,15 @@ class PreciseTracker:
     def _match_computed(self, state: PreciseState, endpoint_id: str) -> dict[str, int]:
         """Blocks announced by events, or computed by a prefill that has finished on the
         endpoint (its events may still be on the way): what the replica certainly holds."""
-        if endpoint_id in state.shared_only or endpoint_id in state.remote:
-            hits = self._match(state, [endpoint_id], speculative=False)
-            if endpoint_id in state.shared_only:
-                return hits
-        else:
-            hits = {}
-        # One walk over both kinds of evidence (a run may start on one and end on the other).
-        held = self.index.match(state.keys, [endpoint_id], settled_only=True)
-        hits[endpoint_id] = max(hits.get(endpoint_id, 0), held[endpoint_id])
-        return hits
+        if endpoint_id in state.shared_only:
+            return self._match(state, [endpoint_id], speculative=False)
+        # One walk over both kinds of local evidence (a run may start on one and end on the
+        # other); it covers the events-only walk, so only a shared view can add to it.
+        held = self.index.match(state.keys, [endpoint_id], settled_only=True)[endpoint_id]
+        remote = state.remote.get(endpoint_id)
+        if remote is not None and remote.trusted:
+            held = max(held, remote.confirmed)
+        return {endpoint_id: held}
 
     def prefilled(self, request_id: str, endpoint_id: str) -> None:
         """The request's first byte came back: its blocks are computed on the endpoint."""
