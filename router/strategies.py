@@ -13,6 +13,8 @@ baseline is never a special code path.
 
 from __future__ import annotations
 
+from typing import Any
+
 from router.config import PluginConfig, PluginRef, ProfileConfig
 
 Strategy = tuple[list[PluginConfig], ProfileConfig]
@@ -29,8 +31,14 @@ _DEFAULT_WEIGHTS = {
 }
 
 
-def _weighted(weights: dict[str, float], picker: str = "max-score-picker") -> Strategy:
-    plugins = [PluginConfig(type=t) for t in weights] + [PluginConfig(type=picker)]
+def _weighted(
+    weights: dict[str, float],
+    picker: str = "max-score-picker",
+    parameters: dict[str, dict[str, Any]] | None = None,
+) -> Strategy:
+    params = parameters or {}
+    plugins = [PluginConfig(type=t, parameters=params.get(t, {})) for t in weights]
+    plugins.append(PluginConfig(type=picker))
     refs = [PluginRef(plugin_ref=t, weight=w) for t, w in weights.items()]
     refs.append(PluginRef(plugin_ref=picker))
     return plugins, ProfileConfig(name="default", plugins=refs)
@@ -45,16 +53,11 @@ STRATEGIES: dict[str, Strategy] = {
     "least-loaded": _weighted({"inflight-scorer": 1.0}),
     "prefix-only": _weighted({"prefix-cache-scorer": 1.0}),
     "session-hash": _weighted({"session-hash-scorer": 1.0}),
-    # The default, with the prefix hits read from the replicas' KV events: under KV pressure,
-    # where the approximate index goes stale, it measured better on TTFT and reuse (README,
-    # "Precise prefix routing").
-    "precise": (
-        [PluginConfig(type="ttft-cost-scorer", parameters={"prefixSource": "precise"}),
-         PluginConfig(type="max-score-picker")],
-        ProfileConfig(name="default", plugins=[
-            PluginRef(plugin_ref="ttft-cost-scorer", weight=1.0),
-            PluginRef(plugin_ref="max-score-picker"),
-        ]),
+    # The default, with the prefix hits read from the replicas' KV events. It measured better
+    # than the weighted profile on them; against the approximate default it wins on some
+    # workloads and loses on others (README, "Precise prefix routing").
+    "precise": _weighted(
+        {"ttft-cost-scorer": 1.0}, parameters={"ttft-cost-scorer": {"prefixSource": "precise"}}
     ),
     # The weighted profile with the precise prefix share (llm-d's precise mode).
     "precise-weighted": _weighted(
