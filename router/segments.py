@@ -13,10 +13,10 @@ pure-Python tokenizer, a 26K-token conversation's next turn drops from about 14 
 from __future__ import annotations
 
 import re
-import threading
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
+
+from router.lru import SizedLRU
 
 EncodeText = Callable[[str], list[int]]
 
@@ -50,20 +50,22 @@ class SegmentMemo:
             raise ValueError("the split pattern must have exactly one capturing group")
         self._inner = inner
         self._split = split
-        self._max_tokens = max(1, max_tokens)
-        self._max_pieces = max(1, max_pieces)
-        self._pieces: OrderedDict[str, array[int]] = OrderedDict()
-        self._tokens = 0
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+        self._pieces: SizedLRU[str, array[int]] = SizedLRU(max_pieces, max_tokens)
 
     def __len__(self) -> int:
         return len(self._pieces)
 
     @property
     def tokens(self) -> int:
-        return self._tokens
+        return self._pieces.size
+
+    @property
+    def hits(self) -> int:
+        return self._pieces.hits
+
+    @property
+    def misses(self) -> int:
+        return self._pieces.misses
 
     def split(self, text: str) -> list[str]:
         return [piece for piece in self._split.split(text) if piece]
@@ -84,29 +86,12 @@ class SegmentMemo:
         return self.encode_pieces(self.split(text))
 
     def _piece(self, piece: str) -> array[int]:
-        with self._lock:
-            ids = self._pieces.get(piece)
-            if ids is not None:
-                self._pieces.move_to_end(piece)
-                self.hits += 1
-                return ids
-            self.misses += 1
-        # Outside the lock: encoding is the slow part, and a duplicate is harmless.
-        ids = array("q", self._inner(piece))
-        if len(ids) <= self._max_tokens:
-            self._remember(piece, ids)
+        ids = self._pieces.get(piece)
+        if ids is None:
+            # Not under the memo's lock: encoding is the slow part, and a duplicate is harmless.
+            ids = array("q", self._inner(piece))
+            self._pieces.put(piece, ids)
         return ids
-
-    def _remember(self, piece: str, ids: array[int]) -> None:
-        with self._lock:
-            old = self._pieces.pop(piece, None)
-            if old is not None:
-                self._tokens -= len(old)
-            self._pieces[piece] = ids
-            self._tokens += len(ids)
-            while self._tokens > self._max_tokens or len(self._pieces) > self._max_pieces:
-                _, gone = self._pieces.popitem(last=False)
-                self._tokens -= len(gone)
 
 
 def probe_equivalence(

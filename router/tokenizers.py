@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import orjson
 import xxhash
 
 from router.endpoints import EndpointSnapshot
+from router.lru import SizedLRU
 from router.segments import SegmentMemo
 
 Api = Literal["chat", "completions"]
@@ -267,10 +267,7 @@ class CachingTokenizer:
     ) -> None:
         self.inner = inner
         self._budget = budget_seconds
-        self._max_entries = max(1, max_entries)
-        self._max_tokens = max(1, max_tokens)
-        self._cache: OrderedDict[int, list[int]] = OrderedDict()
-        self._cached_tokens = 0
+        self._cache: SizedLRU[int, list[int]] = SizedLRU(max_entries, max_tokens)
         self._inflight: dict[int, asyncio.Future[list[int] | None]] = {}
         self.hits = 0
         self.misses = 0
@@ -282,7 +279,6 @@ class CachingTokenizer:
         key = prompt_fingerprint(request)
         cached = self._cache.get(key)
         if cached is not None:
-            self._cache.move_to_end(key)
             self.hits += 1
             return cached
         shared = self._inflight.get(key)
@@ -306,12 +302,8 @@ class CachingTokenizer:
         except Exception:  # a tokenizer bug must cost precision, never the request
             log.exception("tokenizer %r failed", self.inner)
             return None
-        if tokens is not None and len(tokens) <= self._max_tokens:
-            self._cache[key] = tokens
-            self._cached_tokens += len(tokens)
-            while self._cached_tokens > self._max_tokens or len(self._cache) > self._max_entries:
-                _, old = self._cache.popitem(last=False)
-                self._cached_tokens -= len(old)
+        if tokens is not None:
+            self._cache.put(key, tokens)
         return tokens
 
     async def aclose(self) -> None:
