@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import httpx
 import orjson
@@ -58,6 +58,25 @@ class Tokenizer(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """Encoding work too long for the event loop: ``fn(arg)`` in a worker thread."""
+
+    fn: Callable[[Any], list[int] | None]
+    arg: Any
+
+
+@runtime_checkable
+class EagerTokenizer(Tokenizer, Protocol):
+    """A tokenizer that can tell, without suspending, whether a prompt is cheap to encode."""
+
+    def encode_now(self, request: TokenizeInput) -> list[int] | Deferred | None:
+        """The tokens now, or the deferred work when encoding would hold the event loop."""
+        ...
+
+    async def finish(self, work: Deferred) -> list[int] | None: ...
 
 
 def completion_prompt(payload: Mapping[str, Any]) -> str | list[int] | None:
@@ -119,29 +138,37 @@ class LocalTokenizer:
             return prompt
         return self._encode_text(prompt)
 
-    async def tokenize(
-        self, request: TokenizeInput, endpoints: Sequence[EndpointSnapshot]
-    ) -> list[int] | None:
+    def encode_now(self, request: TokenizeInput) -> list[int] | Deferred | None:
+        """The tokens when they are cheap enough to encode on the event loop, else the work
+        for the worker thread."""
         try:
             if request.api == "chat" and self._piecewise is not None:
-                return await self._piecewise_chat(self._piecewise, request.payload)
+                chat = _chat_parts(request.payload)
+                if chat is None:
+                    return None
+                memo = self._piecewise.memo
+                pieces = memo.split(self._piecewise.render(*chat))
+                if memo.unknown_chars(pieces) < self._thread_above:
+                    return memo.encode_pieces(pieces)
+                return Deferred(memo.encode_pieces, pieces)
             if request.size < self._thread_above:
                 return self.encode(request)
-            return await self._in_thread(self.encode, request)
+            return Deferred(self.encode, request)
         except (ValueError, TypeError, KeyError):
             return None  # a body the template cannot render; the replica will say why
 
-    async def _piecewise_chat(
-        self, piecewise: PiecewiseChat, payload: Mapping[str, Any]
+    async def tokenize(
+        self, request: TokenizeInput, endpoints: Sequence[EndpointSnapshot]
     ) -> list[int] | None:
-        chat = _chat_parts(payload)
-        if chat is None:
+        now = self.encode_now(request)
+        return await self.finish(now) if isinstance(now, Deferred) else now
+
+    async def finish(self, work: Deferred) -> list[int] | None:
+        """Runs deferred work in the worker thread (None when the worker is behind)."""
+        try:
+            return await self._in_thread(work.fn, work.arg)
+        except (ValueError, TypeError, KeyError):
             return None
-        memo = piecewise.memo
-        pieces = memo.split(piecewise.render(*chat))
-        if memo.unknown_chars(pieces) < self._thread_above:
-            return memo.encode_pieces(pieces)
-        return await self._in_thread(memo.encode_pieces, pieces)
 
     async def _in_thread(self, fn: Callable[[_T], list[int] | None], arg: _T) -> list[int] | None:
         if self._pending >= self._max_pending:
@@ -262,10 +289,14 @@ class CachingTokenizer:
     """Bounded LRU of recent prompts, shared in-flight encodings, and a time budget."""
 
     def __init__(
-        self, inner: Tokenizer, budget_seconds: float, max_entries: int = 1024,
+        self,
+        inner: Tokenizer,
+        budget_seconds: float,
+        max_entries: int = 1024,
         max_tokens: int = 4_000_000,
     ) -> None:
         self.inner = inner
+        self._eager = inner if isinstance(inner, EagerTokenizer) else None
         self._budget = budget_seconds
         self._cache: SizedLRU[int, list[int]] = SizedLRU(max_entries, max_tokens)
         self._inflight: dict[int, asyncio.Future[list[int] | None]] = {}
@@ -284,7 +315,18 @@ class CachingTokenizer:
         shared = self._inflight.get(key)
         if shared is None:
             self.misses += 1
-            shared = asyncio.ensure_future(self._encode(key, request, endpoints))
+            if self._eager is None:
+                work: Awaitable[list[int] | None] = self.inner.tokenize(request, endpoints)
+            else:
+                # Encoded right here when that is cheap: a task would send the request through
+                # the event loop's ready queue twice, behind every stream being relayed.
+                now = self._encode_now(self._eager, request)
+                if not isinstance(now, Deferred):
+                    if now is not None:
+                        self._cache.put(key, now)
+                    return now
+                work = self._eager.finish(now)
+            shared = asyncio.ensure_future(self._encode(key, work))
             self._inflight[key] = shared
             shared.add_done_callback(lambda _: self._inflight.pop(key, None))
         try:
@@ -294,11 +336,18 @@ class CachingTokenizer:
             self.timeouts += 1
             return None
 
-    async def _encode(
-        self, key: int, request: TokenizeInput, endpoints: Sequence[EndpointSnapshot]
-    ) -> list[int] | None:
+    def _encode_now(
+        self, eager: EagerTokenizer, request: TokenizeInput
+    ) -> list[int] | Deferred | None:
         try:
-            tokens = await self.inner.tokenize(request, endpoints)
+            return eager.encode_now(request)
+        except Exception:  # a tokenizer bug must cost precision, never the request
+            log.exception("tokenizer %r failed", self.inner)
+            return None
+
+    async def _encode(self, key: int, work: Awaitable[list[int] | None]) -> list[int] | None:
+        try:
+            tokens = await work
         except Exception:  # a tokenizer bug must cost precision, never the request
             log.exception("tokenizer %r failed", self.inner)
             return None

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import httpx
 import pytest
@@ -24,6 +24,7 @@ from router.tokenizers import (
 )
 
 MODEL = "sim-model"
+_R = TypeVar("_R")
 CHAT: dict[str, Any] = {
     "model": MODEL,
     "messages": [
@@ -37,8 +38,15 @@ COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "Once upon a time 123"}
 
 def snapshot(url: str, in_flight: int = 0) -> EndpointSnapshot:
     return EndpointSnapshot(
-        id=endpoint_id_from_url(url), url=url, role="both", in_flight=in_flight,
-        pending_prefill_tokens=0, waiting=0, running=0, kv_usage=0, metrics_age=0,
+        id=endpoint_id_from_url(url),
+        url=url,
+        role="both",
+        in_flight=in_flight,
+        pending_prefill_tokens=0,
+        waiting=0,
+        running=0,
+        kv_usage=0,
+        metrics_age=0,
     )
 
 
@@ -170,8 +178,9 @@ async def test_cache_shares_concurrent_encodings_and_enforces_the_budget() -> No
 
 
 async def test_cache_is_bounded() -> None:
-    tok = CachingTokenizer(LocalTokenizer(lambda m, t: [1] * 10, lambda s: [2] * 10), 1.0,
-                           max_entries=3, max_tokens=25)
+    tok = CachingTokenizer(
+        LocalTokenizer(lambda m, t: [1] * 10, lambda s: [2] * 10), 1.0, max_entries=3, max_tokens=25
+    )
     for i in range(6):
         payload = {"model": MODEL, "messages": [{"role": "user", "content": str(i)}]}
         await tok.tokenize(chat_input(payload), [])
@@ -223,3 +232,31 @@ async def test_a_next_turn_is_encoded_inline_from_the_memo() -> None:
         assert await tok.tokenize(chat_input({"model": MODEL, "messages": turns}), []) is None
     finally:
         await tok.aclose()
+
+
+def _run_without_suspending(coro: Coroutine[Any, Any, _R]) -> _R:
+    """The coroutine's result if it finishes without ever yielding to the event loop."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return cast(_R, done.value)
+    coro.close()
+    raise AssertionError("the coroutine suspended")
+
+
+async def test_a_cheap_prompt_is_encoded_without_a_trip_through_the_event_loop() -> None:
+    # Under load the ready queue is long (every relayed stream's chunks): a task per miss
+    # put each routing decision behind it twice.
+    inner = sim_tokenizer(thread_above_bytes=1000)
+    tok = CachingTokenizer(inner, budget_seconds=1.0)
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "short words"}]}
+    tokens = _run_without_suspending(tok.tokenize(chat_input(payload), []))
+    assert tokens == inner.encode(chat_input(payload))
+    assert tok.misses == 1 and _run_without_suspending(tok.tokenize(chat_input(payload), []))
+    assert tok.hits == 1
+    # Long new text still goes to the worker thread, shared by identical concurrent prompts.
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 2000}]}
+    both = await asyncio.gather(*(tok.tokenize(chat_input(long), []) for _ in range(2)))
+    assert both[0] == both[1] == inner.encode(chat_input(long)) and tok.misses == 2
+    assert inner._executor is not None
+    await tok.aclose()
