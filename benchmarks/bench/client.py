@@ -42,6 +42,8 @@ class RequestRecord:
     reusable_tokens: int = 0
     destination: str | None = None
     error: str | None = None
+    session: str = ""
+    request_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -210,12 +212,15 @@ class WorkloadClient:
         payload = self._body(prompt, conv, max_tokens)
         reusable = self._run.ledger.sent(len(prompt.ids), prompt.chain)
         started = time.perf_counter()
-        record = RequestRecord(kind, started - self._t0, 0, False, reusable_tokens=reusable)
+        record = RequestRecord(
+            kind, started - self._t0, 0, False, reusable_tokens=reusable, session=conv.session_id
+        )
         stream = _Stream()
         try:
             async with self._http.post(url, data=payload, headers=headers) as resp:
                 record.status = resp.status
                 record.destination = resp.headers.get(DESTINATION_HEADER)
+                record.request_id = resp.headers.get("x-request-id")
                 if resp.status != 200:
                     record.error = (await resp.text())[:200]
                 else:

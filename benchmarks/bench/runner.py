@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -13,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 
-from benchmarks.bench.client import WorkloadClient
+from benchmarks.bench.client import ClientRun, WorkloadClient
 from benchmarks.bench.conversation import ReuseLedger, estimate_reuse
 from benchmarks.bench.metrics import ReplicaCounters, TargetResult, cache_delta, parse_counters
 from benchmarks.bench.metrics import summarize as summarize_run
@@ -77,8 +79,12 @@ async def reset_caches(http: aiohttp.ClientSession, urls: Sequence[str]) -> None
 def sim_command(settings: BenchSettings, base_port: int) -> list[str]:
     events = []
     if settings.kv_events_offset is not None and settings.kv_replay_offset is not None:
-        events = ["--kv-events-port", str(base_port + settings.kv_events_offset),
-                  "--kv-events-replay-port", str(base_port + settings.kv_replay_offset)]
+        events = [
+            "--kv-events-port",
+            str(base_port + settings.kv_events_offset),
+            "--kv-events-replay-port",
+            str(base_port + settings.kv_replay_offset),
+        ]
     return [
         sys.executable, "-m", "router.cli", "sim",
         "--host", HOST,
@@ -174,6 +180,7 @@ class Runner:
             if progress is not None:
                 progress.close("deadline reached: run cut short" if run.timed_out else "")
             await self._save_target_metrics(http, target.name, urls)
+            self._save_records(target.name, run)
             # Cut streams are aborted by the replicas; count what they had done by then.
             await wait_idle(http, self.replicas, IDLE_TIMEOUT_S)
             after = await scrape(http, self.replicas)
@@ -186,6 +193,18 @@ class Runner:
             result.note = _first_error(run.records)
         return result
 
+    def _save_records(self, name: str, run: ClientRun) -> None:
+        """One JSON line per request (times in simulated seconds), for diagnosis."""
+        path = self.settings.out / "logs" / f"{name}.requests.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        speed = self.settings.speed
+        with path.open("wb") as f:
+            for r in run.records:
+                row = dataclasses.asdict(r)
+                for key in ("sent_at", "ttft", "e2e", "tpot"):
+                    if row[key] is not None:
+                        row[key] *= speed
+                f.write(orjson.dumps(row) + b"\n")
 
     async def _save_target_metrics(
         self, http: aiohttp.ClientSession, name: str, urls: Sequence[str]
