@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--deadline", type=float, default=600.0, help="wall seconds per target run")
     add("--base-port", type=int, help="first replica port (default: a free range)")
     add("--no-plots", action="store_true")
+    add("--gateway-log-level", default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="prefixgate gateways' log level; debug logs each routing decision's cost terms")
     add("--no-progress", action="store_true")
     add("--list", action="store_true", help="list strategies, peers and workload parameters")
     add("--log-level", default="warning")
@@ -134,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         deadline_s=args.deadline, peer_dirs=peer_dirs(args.peers_dir),
         redis_url=args.redis_url, base_port=args.base_port, plots=not args.no_plots,
         progress=not args.no_progress, command=_command_line(),
+        gateway_log_level=args.gateway_log_level,
     )  # fmt: skip
     if args.list:
         return _list(settings)

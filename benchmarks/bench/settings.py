@@ -24,6 +24,8 @@ class BenchSettings:
     model: str = "sim-model"
     plots: bool = True
     progress: bool = True
+    # prefixgate gateways' log level ("debug" logs every routing decision with its terms).
+    gateway_log_level: str = "warning"
     # Simulated seconds after a target is ready before the workload starts (first scrapes).
     settle_s: float = 0.5
     command: str = ""

@@ -64,7 +64,7 @@ def _ready_all(url: str, n: int) -> Probe:
 
 
 def _gateway_args(
-    port: int, config: Path | None, backends: Sequence[str], strategy: str
+    port: int, config: Path | None, backends: Sequence[str], strategy: str, log_level: str
 ) -> list[str]:
     args = [sys.executable, "-m", "router.cli", "serve", "--host", HOST, "--port", str(port)]
     if config is not None:
@@ -73,7 +73,7 @@ def _gateway_args(
         for url in backends:
             args += ["--backend", url]
         args += ["--strategy", strategy]
-    return [*args, "--log-level", "warning"]
+    return [*args, "--log-level", log_level]
 
 
 @dataclass
@@ -124,7 +124,10 @@ class Strategy:
 
     async def start(self, replicas: Sequence[str], stack: contextlib.AsyncExitStack) -> list[str]:
         port = free_port()
-        args = _gateway_args(port, self._config_file(replicas, port), replicas, self.name)
+        args = _gateway_args(
+            port, self._config_file(replicas, port), replicas, self.name,
+            self.settings.gateway_log_level,
+        )
         proc = await _spawn(stack, self.name, args, self.settings)
         url = f"http://{HOST}:{port}"
         await wait_ready([proc], [_ready_all(url, len(replicas))], READY_TIMEOUT_S)
@@ -172,7 +175,9 @@ class RedisGateways:
             path = self.settings.out / "logs" / f"{self.name}-{i}.yaml"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(yaml.safe_dump(data, sort_keys=False))
-            args = _gateway_args(port, path, replicas, "default")
+            args = _gateway_args(
+                port, path, replicas, "default", self.settings.gateway_log_level
+            )
             procs.append(await _spawn(stack, f"{self.name}-{i}", args, self.settings))
             urls.append(f"http://{HOST}:{port}")
         await wait_ready(procs, [_ready_all(u, len(replicas)) for u in urls], READY_TIMEOUT_S)

@@ -48,7 +48,7 @@ async def test_two_strategies_on_two_replicas(tmp_path: Path) -> None:
 async def test_precise_strategy_routes_on_the_replicas_kv_events(tmp_path: Path) -> None:
     settings = BenchSettings(
         out=tmp_path, replicas=2, speed=20.0, num_gpu_blocks=512, deadline_s=30.0,
-        plots=False, progress=False,
+        plots=False, progress=False, gateway_log_level="debug",
     )  # fmt: skip
     workload = build_workload("agentic", "tiny", sessions=3, turns=2)
     report = await Runner(settings, workload).run(make_targets(["precise"], [], settings))
@@ -62,6 +62,14 @@ async def test_precise_strategy_routes_on_the_replicas_kv_events(tmp_path: Path)
     batches = [line for line in metrics.splitlines()
                if line.startswith("prefixgate_kv_event_batches_total{")]
     assert len(batches) == 2 and all(float(line.rsplit(" ", 1)[1]) > 0 for line in batches)
+    # Each request's record names its session and the decision the gateway logged for it.
+    lines = (tmp_path / "logs" / "precise.requests.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert len(records) == workload.num_requests
+    log = (tmp_path / "logs" / "precise.log").read_text()
+    for r in records:
+        assert r["ok"] and r["session"] and r["ttft"] > 0
+        assert f"prefixgate.decision: request {r['request_id']}: " in log
 
 
 async def test_unknown_targets_fail_before_anything_starts(tmp_path: Path) -> None:
