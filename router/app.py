@@ -27,6 +27,7 @@ from router.discovery import KubernetesDiscovery, LivePool, api_client
 from router.endpoints import Endpoint, EndpointPool, OutlierSettings
 from router.errors import BadRequestError, GatewayError
 from router.hashing import BYTES_PER_TOKEN
+from router.live_sessions import LiveSessions
 from router.metrics import GatewayMetrics
 from router.parsing import openapi_extra
 from router.plugins import PluginContext, PluginRegistry, build_profile, default_registry
@@ -106,8 +107,9 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
         profile = build_profile(plugins, profile_cfg, registry, context)
     prefix = PrefixTracker(stores.index)
     sessions = AffinityTracker(stores.affinity)
-    producers: list[Producer] = [prefix, sessions]
-    observers: list[PickObserver] = [prefix, sessions]
+    live = LiveSessions(config.session_affinity.max_sessions)
+    producers: list[Producer] = [prefix, sessions, live]
+    observers: list[PickObserver] = [prefix, sessions, live]
     if precise is not None:
         producers.append(precise.tracker)
         observers.append(precise.tracker)

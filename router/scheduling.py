@@ -45,6 +45,9 @@ class RoutingRequest:
     affinity_endpoint: str | None = None
     # Per endpoint, index blocks it can take before its cache (as the index sees it) must evict.
     cache_room: dict[str, int] = field(default_factory=dict)
+    # Per endpoint, context tokens of the live sessions homed there (router/live_sessions.py),
+    # this request's own session excluded.
+    live_tokens: dict[str, int] = field(default_factory=dict)
     # Filled by the ranking when ``explain`` is set:
     explanation: dict[str, Any] | None = None
 

@@ -63,10 +63,16 @@ class TTFTCostParameters(Strict):
     # second ago but momentarily empty is not an idle one.
     recent_queue_weight: float = Field(1.0, ge=0.0, le=1.0)
     # Each token of cached context that this request's new blocks would evict on an endpoint
-    # (its cache full, as the prefix index sees it) weighs this much: someone's context, most
-    # likely recomputed later (agent sessions come back after each tool call). It is what keeps
-    # sessions home when every cache is full, and costs nothing while caches have room.
+    # (its cache full of context worth keeping: see evictionRoom) weighs this much: someone's
+    # context, most likely recomputed later (agent sessions come back after each tool call).
+    # It is what keeps sessions home when every cache is full, and costs nothing while caches
+    # have room.
     eviction_weight: float = Field(1.0, ge=0.0, le=4.0)
+    # The room an endpoint's cache has for new blocks: "live-sessions" counts only the contexts
+    # of live sessions homed there as worth keeping (router/live_sessions.py: a cache full of
+    # ended sessions' contexts has room), falling back to "index" where the endpoint does not
+    # report its capacity; "index" counts every entry of the prefix index.
+    eviction_room: Literal["live-sessions", "index"] = "live-sessions"
     # KV use above which admission of new blocks is expected to wait (or preempt).
     kv_headroom: float = Field(0.95, gt=0, le=1)
     # Penalty once the request's blocks would overflow the headroom by 10% of the cache.
@@ -126,7 +132,7 @@ class TTFTCostScorer:
         p = self._p
         overhead, per_token = self._calibrator.cost(endpoint.id)
         uncached = self._uncached(request, endpoint.id)
-        evicted = self._evicted_tokens(request, endpoint.id, uncached)
+        evicted = self._evicted_tokens(request, endpoint, uncached)
         foreign_requests = max(0.0, endpoint.waiting - endpoint.in_flight)
         pending = float(endpoint.pending_prefill_tokens)
         pending += p.recent_queue_weight * max(0.0, endpoint.recent_prefill_tokens - pending)
@@ -148,9 +154,14 @@ class TTFTCostScorer:
         weight = p.recompute_weight + p.recompute_weight_per_queued * queued_requests
         return min(p.recompute_weight_max, weight)
 
-    @staticmethod
-    def _evicted_tokens(request: RoutingRequest, endpoint_id: str, uncached: int) -> int:
-        room = request.cache_room.get(endpoint_id)
+    def _evicted_tokens(
+        self, request: RoutingRequest, endpoint: EndpointSnapshot, uncached: int
+    ) -> int:
+        live = request.live_tokens.get(endpoint.id)
+        capacity = (endpoint.num_gpu_blocks or 0) * (endpoint.block_size or 0)
+        if self._p.eviction_room == "live-sessions" and live is not None and capacity:
+            return max(0, uncached - max(0, capacity - live))
+        room = request.cache_room.get(endpoint.id)
         if room is None or not request.block_hashes:
             return 0
         tokens_per_block = request.prompt_tokens / len(request.block_hashes)

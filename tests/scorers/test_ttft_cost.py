@@ -145,6 +145,22 @@ def test_evicting_cached_context_is_priced_only_when_the_cache_is_full() -> None
     assert s.score(request, [snap("full"), snap("roomy")])[1] == 1.0
 
 
+def test_only_live_sessions_context_is_worth_keeping() -> None:
+    # 160,000 tokens of KV on each endpoint. "crowded" is home to live sessions whose contexts
+    # fill it; "stale" is full of contexts no live session wants (the index sees it full).
+    request = req(
+        tokens=10_000, cache_room={"crowded": 0, "stale": 0},
+        live_tokens={"crowded": 155_000, "stale": 20_000},
+    )  # fmt: skip
+    s = scorer()
+    crowded, stale = s.terms(request, snap("crowded")), s.terms(request, snap("stale"))
+    assert (crowded.evicted_tokens, stale.evicted_tokens) == (5_000, 0)
+    assert s.score(request, [snap("crowded"), snap("stale")])[1] == 1.0
+    # The index's view where the capacity is unknown, or when asked for.
+    assert s.terms(request, snap("stale", num_gpu_blocks=None)).evicted_tokens > 9_000
+    assert scorer(eviction_room="index").terms(request, snap("stale")).evicted_tokens > 9_000
+
+
 def test_a_full_cache_keeps_a_session_home_longer() -> None:
     """Home holds the context but has a queue; moving would evict someone else's context."""
     hits = {"home": 140}  # 8,960 of 10,000 tokens cached at home

@@ -1,0 +1,131 @@
+"""Live sessions: how much context each endpoint's cache must keep for sessions still running.
+
+A replica's KV cache is usually full of something; what matters is whether it is full of
+context someone will come back for. An agent session returns to its endpoint turn after turn,
+so the contexts of the sessions homed on an endpoint, and still live, are what new blocks
+there would evict. The contexts of sessions that ended or moved away cost nothing to evict.
+
+A session counts once it has come back (a second request: single-turn traffic never does),
+and stays live while it keeps to its own pace: it expires when it has been quiet for
+``HORIZON_GAPS`` times the typical gap between a session's requests, learned from the traffic
+(between ``MIN_HORIZON_S`` and ``MAX_HORIZON_S``). Its context is its last prompt. Contexts of
+sessions sharing a system prompt are summed as if distinct, which overstates a crowded
+endpoint a little, never an idle one.
+
+Each gateway replica counts the sessions it served (with several gateways behind a balancer, a
+session's turns spread over them, and each sees its share).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from router.endpoints import EndpointSnapshot
+from router.scheduling import RoutingRequest
+
+HORIZON_GAPS = 3.0
+MIN_HORIZON_S = 1.0
+MAX_HORIZON_S = 600.0
+# Requests of one session closer than this are a parallel burst (sub-agents), not a pace.
+BURST_GAP_S = 0.05
+GAP_AVERAGE_WEIGHT = 0.05
+INITIAL_GAP_S = 10.0
+
+
+@dataclass(slots=True)
+class _Session:
+    endpoint_id: str
+    tokens: int
+    last_seen: float
+    requests: int
+    live: bool = False
+
+
+class LiveSessions:
+    """Producer (``request.live_tokens``) and pick observer of the sessions' contexts."""
+
+    def __init__(
+        self, max_sessions: int = 100_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._max = max_sessions
+        self._clock = clock
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        # The live ones, oldest last_seen first: expiry pops from the front.
+        self._live: OrderedDict[str, _Session] = OrderedDict()
+        self._tokens: dict[str, int] = {}
+        self.typical_gap = INITIAL_GAP_S
+        self._gaps = 0
+
+    @property
+    def horizon(self) -> float:
+        return min(MAX_HORIZON_S, max(MIN_HORIZON_S, HORIZON_GAPS * self.typical_gap))
+
+    def live_tokens(self, endpoint_id: str) -> int:
+        self._expire(self._clock())
+        return self._tokens.get(endpoint_id, 0)
+
+    async def produce(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> None:
+        self._expire(self._clock())
+        tokens = {e.id: self._tokens.get(e.id, 0) for e in endpoints}
+        own = self._sessions.get(request.session_id) if request.session_id else None
+        if own is not None and own.live and own.endpoint_id in tokens:
+            # Its own context is extended by this request, not evicted.
+            tokens[own.endpoint_id] -= own.tokens
+        request.live_tokens = tokens
+
+    def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
+        session_id = request.session_id
+        if not session_id:
+            return
+        now = self._clock()
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = self._sessions[session_id] = _Session(endpoint_id, 0, now, 0)
+            while len(self._sessions) > self._max:
+                dropped_id, dropped = self._sessions.popitem(last=False)
+                self._live.pop(dropped_id, None)
+                self._retire(dropped)
+        else:
+            self._sessions.move_to_end(session_id)
+            self._learn_gap(now - session.last_seen)
+            self._live.pop(session_id, None)
+            self._retire(session)
+        session.endpoint_id, session.tokens = endpoint_id, request.prompt_tokens
+        session.last_seen = now
+        session.requests += 1
+        if session.requests >= 2:
+            session.live = True
+            self._live[session_id] = session
+            self._tokens[endpoint_id] = self._tokens.get(endpoint_id, 0) + session.tokens
+
+    def _learn_gap(self, gap: float) -> None:
+        """The mean of the first gaps, then an exponential average (the traffic's pace drifts)."""
+        if gap < BURST_GAP_S:
+            return
+        self._gaps += 1
+        weight = max(1.0 / self._gaps, GAP_AVERAGE_WEIGHT)
+        self.typical_gap += weight * (min(gap, MAX_HORIZON_S) - self.typical_gap)
+
+    def _retire(self, session: _Session) -> None:
+        """Takes a session's context out of its endpoint's sum (before an update or expiry)."""
+        if not session.live:
+            return
+        session.live = False
+        left = self._tokens.get(session.endpoint_id, 0) - session.tokens
+        if left > 0:
+            self._tokens[session.endpoint_id] = left
+        else:
+            self._tokens.pop(session.endpoint_id, None)
+
+    def _expire(self, now: float) -> None:
+        cutoff = now - self.horizon
+        live = self._live
+        while live:
+            session_id, session = next(iter(live.items()))
+            if session.last_seen >= cutoff:
+                return
+            del live[session_id]
+            self._retire(session)
