@@ -107,7 +107,7 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
         profile = build_profile(plugins, profile_cfg, registry, context)
     prefix = PrefixTracker(stores.index)
     sessions = AffinityTracker(stores.affinity)
-    live = LiveSessions(config.session_affinity.max_sessions)
+    live = LiveSessions(config.session_affinity.max_sessions, registry=metrics.registry)
     producers: list[Producer] = [prefix, sessions, live]
     observers: list[PickObserver] = [prefix, sessions, live]
     if precise is not None:

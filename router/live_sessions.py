@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from router.endpoints import EndpointSnapshot
 from router.scheduling import RoutingRequest
@@ -48,7 +51,10 @@ class LiveSessions:
     """Producer (``request.live_tokens``) and pick observer of the sessions' contexts."""
 
     def __init__(
-        self, max_sessions: int = 100_000, clock: Callable[[], float] = time.monotonic
+        self,
+        max_sessions: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self._max = max_sessions
         self._clock = clock
@@ -58,6 +64,8 @@ class LiveSessions:
         self._tokens: dict[str, int] = {}
         self.typical_gap = INITIAL_GAP_S
         self._gaps = 0
+        if registry is not None:
+            registry.register(self)
 
     @property
     def horizon(self) -> float:
@@ -129,3 +137,24 @@ class LiveSessions:
                 return
             del live[session_id]
             self._retire(session)
+
+    def collect(self) -> Iterator[Metric]:
+        """Read at scrape time (on the event loop, as every other access)."""
+        self._expire(self._clock())
+        tokens = GaugeMetricFamily(
+            "prefixgate_live_session_context_tokens",
+            "Context tokens of the live sessions homed on each endpoint (what new blocks there "
+            "would evict)",
+            labels=["endpoint"],
+        )
+        for endpoint_id, count in sorted(self._tokens.items()):
+            tokens.add_metric([endpoint_id], count)
+        yield tokens
+        yield GaugeMetricFamily(
+            "prefixgate_live_sessions", "Sessions counted as live", value=len(self._live)
+        )
+        yield GaugeMetricFamily(
+            "prefixgate_live_session_horizon_seconds",
+            "Quiet time after which a session no longer counts as live",
+            value=self.horizon,
+        )

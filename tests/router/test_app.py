@@ -88,6 +88,7 @@ async def test_models_health_ready_metrics(gateway: RunningGateway) -> None:
         "prefixgate_routing_decision_seconds_bucket",
         "prefixgate_endpoint_in_flight",
         "prefixgate_prefix_match_ratio_bucket",
+        "prefixgate_live_session_horizon_seconds",
     ):
         assert name in text
 

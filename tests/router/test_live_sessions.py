@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from router.live_sessions import MIN_HORIZON_S, LiveSessions
 from router.scheduling import RoutingRequest
@@ -59,6 +60,18 @@ def test_sessions_expire_after_a_few_of_their_usual_gaps() -> None:
         live.on_pick(req("s", 1_000), "a")
     assert live.typical_gap == pace
     assert LiveSessions().horizon >= MIN_HORIZON_S
+
+
+def test_the_live_contexts_are_exported() -> None:
+    clock = Clock()
+    registry = CollectorRegistry()
+    live = LiveSessions(clock=clock, registry=registry)
+    for _ in range(2):
+        live.on_pick(req("s", 700), "a")
+    text = generate_latest(registry).decode()
+    assert 'prefixgate_live_session_context_tokens{endpoint="a"} 700.0' in text
+    assert "prefixgate_live_sessions 1.0" in text
+    assert f"prefixgate_live_session_horizon_seconds {live.horizon}" in text
 
 
 def test_the_table_is_bounded() -> None:
