@@ -44,7 +44,6 @@ class _Session:
     tokens: int
     last_seen: float
     requests: int
-    live: bool = False
 
 
 class LiveSessions:
@@ -78,8 +77,8 @@ class LiveSessions:
     async def produce(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> None:
         self._expire(self._clock())
         tokens = {e.id: self._tokens.get(e.id, 0) for e in endpoints}
-        own = self._sessions.get(request.session_id) if request.session_id else None
-        if own is not None and own.live and own.endpoint_id in tokens:
+        own = self._live.get(request.session_id) if request.session_id else None
+        if own is not None and own.endpoint_id in tokens:
             # Its own context is extended by this request, not evicted.
             tokens[own.endpoint_id] -= own.tokens
         request.live_tokens = tokens
@@ -93,19 +92,15 @@ class LiveSessions:
         if session is None:
             session = self._sessions[session_id] = _Session(endpoint_id, 0, now, 0)
             while len(self._sessions) > self._max:
-                dropped_id, dropped = self._sessions.popitem(last=False)
-                self._live.pop(dropped_id, None)
-                self._retire(dropped)
+                self._retire(self._sessions.popitem(last=False)[0])
         else:
             self._sessions.move_to_end(session_id)
             self._learn_gap(now - session.last_seen)
-            self._live.pop(session_id, None)
-            self._retire(session)
+            self._retire(session_id)
         session.endpoint_id, session.tokens = endpoint_id, request.prompt_tokens
         session.last_seen = now
         session.requests += 1
         if session.requests >= 2:
-            session.live = True
             self._live[session_id] = session
             self._tokens[endpoint_id] = self._tokens.get(endpoint_id, 0) + session.tokens
 
@@ -117,11 +112,12 @@ class LiveSessions:
         weight = max(1.0 / self._gaps, GAP_AVERAGE_WEIGHT)
         self.typical_gap += weight * (min(gap, MAX_HORIZON_S) - self.typical_gap)
 
-    def _retire(self, session: _Session) -> None:
-        """Takes a session's context out of its endpoint's sum (before an update or expiry)."""
-        if not session.live:
+    def _retire(self, session_id: str) -> None:
+        """Takes a live session's context out of its endpoint's sum (before an update, on
+        expiry or when the table drops it)."""
+        session = self._live.pop(session_id, None)
+        if session is None:
             return
-        session.live = False
         left = self._tokens.get(session.endpoint_id, 0) - session.tokens
         if left > 0:
             self._tokens[session.endpoint_id] = left
@@ -135,8 +131,7 @@ class LiveSessions:
             session_id, session = next(iter(live.items()))
             if session.last_seen >= cutoff:
                 return
-            del live[session_id]
-            self._retire(session)
+            self._retire(session_id)
 
     def collect(self) -> Iterator[Metric]:
         """Read at scrape time (on the event loop, as every other access)."""

@@ -25,6 +25,7 @@ from benchmarks.sim.tokenizer import Tokenizer
 from benchmarks.workloads import Conversation, Step, SubAgent, Workload
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+REQUEST_ID_HEADER = "x-request-id"
 
 
 @dataclass(slots=True)
@@ -220,7 +221,7 @@ class WorkloadClient:
             async with self._http.post(url, data=payload, headers=headers) as resp:
                 record.status = resp.status
                 record.destination = resp.headers.get(DESTINATION_HEADER)
-                record.request_id = resp.headers.get("x-request-id")
+                record.request_id = resp.headers.get(REQUEST_ID_HEADER)
                 if resp.status != 200:
                     record.error = (await resp.text())[:200]
                 else:
