@@ -28,6 +28,7 @@ from router.endpoints import Endpoint, EndpointPool, OutlierSettings
 from router.errors import BadRequestError, GatewayError
 from router.hashing import BYTES_PER_TOKEN
 from router.live_sessions import LiveSessions
+from router.loop_lag import LoopLagMonitor
 from router.metrics import GatewayMetrics
 from router.parsing import openapi_extra
 from router.plugins import PluginContext, PluginRegistry, build_profile, default_registry
@@ -204,6 +205,9 @@ async def gateway_running(gateway: Gateway) -> AsyncIterator[None]:
         gateway.flow.start()
         stack.push_async_callback(gateway.flow.stop)
         gateway.stores.start()
+        lag = LoopLagMonitor(gateway.metrics.loop_lag)
+        lag.start()
+        stack.push_async_callback(lag.stop)
         yield
 
 

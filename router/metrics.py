@@ -8,6 +8,12 @@ from router.endpoints import EndpointPool
 
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+# From milliseconds (a warm cache, an idle replica) to a long prompt queued behind others.
+_FIRST_BYTE_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0
+)
+_GATEWAY_DELAY_BUCKETS = (*_DECISION_BUCKETS, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class GatewayMetrics:
@@ -25,6 +31,29 @@ class GatewayMetrics:
             "prefixgate_routing_decision_seconds",
             "Time to pick an endpoint: index lookup, scoring and picking.",
             buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        # Split a client's time to first token into the gateway's part and the endpoint's:
+        # the first is gateway_delay, the second first_byte minus it.
+        self.gateway_delay = Histogram(
+            "prefixgate_request_gateway_delay_seconds",
+            "From a request's arrival to its routing: body read, flow-control queueing and "
+            "the routing decision.",
+            buckets=_GATEWAY_DELAY_BUCKETS,
+            registry=r,
+        )
+        self.first_byte = Histogram(
+            "prefixgate_time_to_first_byte_seconds",
+            "From a request's arrival to the first byte of the endpoint's answer, retries "
+            "included.",
+            buckets=_FIRST_BYTE_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "prefixgate_event_loop_lag_seconds",
+            "How late the gateway's event loop ran a timer: time every ready callback waited "
+            "for the CPU.",
+            buckets=_LAG_BUCKETS,
             registry=r,
         )
         self.prefix_match_ratio = Histogram(

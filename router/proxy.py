@@ -162,6 +162,7 @@ class Proxy:
         try:
             ticket = await self._router.admit(routing, headers, len(body))
             ranked = await self._router.rank(routing)
+            self._metrics.gateway_delay.observe(time.perf_counter() - ex.started)
             # The prefill step speaks chat and completions (router/disagg.py); a Responses
             # follow-up's history lives on its pinned endpoint alone.
             split = self.disagg is not None and parsed.api in ("chat", "completions")
@@ -287,10 +288,10 @@ class Proxy:
         if lease.upstream_failed():
             self._ejections.labels(endpoint_id).inc()
 
-    @staticmethod
-    def _note_pick(ex: Exchange, routing: RoutingRequest, endpoint_id: str) -> None:
+    def _note_pick(self, ex: Exchange, routing: RoutingRequest, endpoint_id: str) -> None:
         ex.endpoint = endpoint_id
         ex.ttfb = time.perf_counter() - ex.started
+        self._metrics.first_byte.observe(ex.ttfb)
         if routing.block_hashes:
             hits = routing.prefix_hits.get(endpoint_id, 0)
             ex.prefix_match = hits / len(routing.block_hashes)

@@ -89,8 +89,12 @@ async def test_models_health_ready_metrics(gateway: RunningGateway) -> None:
         "prefixgate_endpoint_in_flight",
         "prefixgate_prefix_match_ratio_bucket",
         "prefixgate_live_session_horizon_seconds",
+        "prefixgate_event_loop_lag_seconds_bucket",
     ):
         assert name in text
+    # One request answered: counted once by each part of its time to first byte.
+    assert "prefixgate_request_gateway_delay_seconds_count 1.0" in text
+    assert "prefixgate_time_to_first_byte_seconds_count 1.0" in text
 
 
 async def test_unknown_model_is_an_openai_404(gateway: RunningGateway) -> None:
