@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Sized
+from collections.abc import Hashable, Sequence, Sized
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -48,6 +48,21 @@ class SizedLRU(Generic[K, V]):
             self._items.move_to_end(key)
             self.hits += 1
             return value
+
+    def get_many(self, keys: Sequence[K]) -> list[V | None]:
+        """:meth:`get` for each of ``keys``, under one acquisition of the lock."""
+        items = self._items
+        out: list[V | None] = []
+        with self._lock:
+            for key in keys:
+                value = items.get(key)
+                if value is None:
+                    self.misses += 1
+                else:
+                    items.move_to_end(key)
+                    self.hits += 1
+                out.append(value)
+        return out
 
     def put(self, key: K, value: V) -> None:
         """Keep ``value`` as the most recent entry; one larger than the whole bound is not kept."""

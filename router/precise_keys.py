@@ -25,10 +25,7 @@ def block_keys(
         full = min(full, max_blocks)
     if full <= 0:
         return []
-    try:
-        raw = array("I", tokens[: full * block_size]).tobytes()
-    except OverflowError:  # an id past 2**32 (no tokenizer has one); keep it exact anyway
-        raw = array("q", tokens[: full * block_size]).tobytes()
+    raw = _id_bytes(tokens[: full * block_size])
     step = len(raw) // full
     digest = xxhash.xxh64_intdigest
     keys = [0] * full
@@ -36,3 +33,13 @@ def block_keys(
         parent = digest(raw[i * step : (i + 1) * step], parent)
         keys[i] = parent
     return keys
+
+
+def _id_bytes(ids: Sequence[int]) -> bytes:
+    # A memo's 32-bit ids are the bytes already (router/segments.py); a list is converted.
+    if isinstance(ids, array) and ids.typecode == "I":
+        return ids.tobytes()
+    try:
+        return array("I", ids).tobytes()
+    except OverflowError:  # an id past 2**32 (no tokenizer has one); keep it exact anyway
+        return array("q", ids).tobytes()

@@ -120,7 +120,7 @@ class PreciseTracker:
         """The request's state, removed from the table (read once, when its usage is known)."""
         return self._states.pop(request_id, None)
 
-    async def _keys(self, tokens: list[int]) -> list[int]:
+    async def _keys(self, tokens: Sequence[int]) -> list[int]:
         s = self.settings
         if len(tokens) < _THREAD_ABOVE_TOKENS:
             return block_keys(tokens, s.block_size, max_blocks=s.max_blocks_per_request)

@@ -36,6 +36,8 @@ Api = Literal["chat", "completions"]
 EncodeChat = Callable[[Sequence[Mapping[str, Any]], Sequence[Any] | None], list[int]]
 RenderChat = Callable[[Sequence[Mapping[str, Any]], Sequence[Any] | None], str]
 EncodeText = Callable[[str], list[int]]
+# Prompt token ids: a list, or an array of 32-bit ids where a memo joined them (segments.py).
+Tokens = Sequence[int]
 log = logging.getLogger("prefixgate.tokenizers")
 _T = TypeVar("_T")
 
@@ -53,7 +55,7 @@ class TokenizeInput:
 class Tokenizer(Protocol):
     async def tokenize(
         self, request: TokenizeInput, endpoints: Sequence[EndpointSnapshot]
-    ) -> list[int] | None:
+    ) -> Tokens | None:
         """Prompt token ids, or None when this request cannot be tokenized here."""
         ...
 
@@ -64,7 +66,7 @@ class Tokenizer(Protocol):
 class Deferred:
     """Encoding work too long for the event loop: ``fn(arg)`` in a worker thread."""
 
-    fn: Callable[[Any], list[int] | None]
+    fn: Callable[[Any], Tokens | None]
     arg: Any
 
 
@@ -72,11 +74,11 @@ class Deferred:
 class EagerTokenizer(Tokenizer, Protocol):
     """A tokenizer that can tell, without suspending, whether a prompt is cheap to encode."""
 
-    def encode_now(self, request: TokenizeInput) -> list[int] | Deferred | None:
+    def encode_now(self, request: TokenizeInput) -> Tokens | Deferred | None:
         """The tokens now, or the deferred work when encoding would hold the event loop."""
         ...
 
-    async def finish(self, work: Deferred) -> list[int] | None: ...
+    async def finish(self, work: Deferred) -> Tokens | None: ...
 
 
 def completion_prompt(payload: Mapping[str, Any]) -> str | list[int] | None:
@@ -128,7 +130,7 @@ class LocalTokenizer:
     def memo(self) -> SegmentMemo | None:
         return self._piecewise.memo if self._piecewise is not None else None
 
-    def encode(self, request: TokenizeInput) -> list[int] | None:
+    def encode(self, request: TokenizeInput) -> Tokens | None:
         payload = request.payload
         if request.api == "chat":
             chat = _chat_parts(payload)
@@ -138,7 +140,7 @@ class LocalTokenizer:
             return prompt
         return self._encode_text(prompt)
 
-    def encode_now(self, request: TokenizeInput) -> list[int] | Deferred | None:
+    def encode_now(self, request: TokenizeInput) -> Tokens | Deferred | None:
         """The tokens when they are cheap enough to encode on the event loop, else the work
         for the worker thread."""
         try:
@@ -159,18 +161,18 @@ class LocalTokenizer:
 
     async def tokenize(
         self, request: TokenizeInput, endpoints: Sequence[EndpointSnapshot]
-    ) -> list[int] | None:
+    ) -> Tokens | None:
         now = self.encode_now(request)
         return await self.finish(now) if isinstance(now, Deferred) else now
 
-    async def finish(self, work: Deferred) -> list[int] | None:
+    async def finish(self, work: Deferred) -> Tokens | None:
         """Runs deferred work in the worker thread (None when the worker is behind)."""
         try:
             return await self._in_thread(work.fn, work.arg)
         except (ValueError, TypeError, KeyError):
             return None
 
-    async def _in_thread(self, fn: Callable[[_T], list[int] | None], arg: _T) -> list[int] | None:
+    async def _in_thread(self, fn: Callable[[_T], Tokens | None], arg: _T) -> Tokens | None:
         if self._pending >= self._max_pending:
             return None  # the worker is behind: route this one approximately
         if self._executor is None:
@@ -240,7 +242,7 @@ class RemoteTokenizer:
 
     async def tokenize(
         self, request: TokenizeInput, endpoints: Sequence[EndpointSnapshot]
-    ) -> list[int] | None:
+    ) -> Tokens | None:
         body = self._body(request)
         if body is None:
             return None
@@ -298,15 +300,15 @@ class CachingTokenizer:
         self.inner = inner
         self._eager = inner if isinstance(inner, EagerTokenizer) else None
         self._budget = budget_seconds
-        self._cache: SizedLRU[int, list[int]] = SizedLRU(max_entries, max_tokens)
-        self._inflight: dict[int, asyncio.Future[list[int] | None]] = {}
+        self._cache: SizedLRU[int, Tokens] = SizedLRU(max_entries, max_tokens)
+        self._inflight: dict[int, asyncio.Future[Tokens | None]] = {}
         self.hits = 0
         self.misses = 0
         self.timeouts = 0
 
     async def tokenize(
         self, request: TokenizeInput, endpoints: Sequence[EndpointSnapshot]
-    ) -> list[int] | None:
+    ) -> Tokens | None:
         key = prompt_fingerprint(request)
         cached = self._cache.get(key)
         if cached is not None:
@@ -316,7 +318,7 @@ class CachingTokenizer:
         if shared is None:
             self.misses += 1
             if self._eager is None:
-                work: Awaitable[list[int] | None] = self.inner.tokenize(request, endpoints)
+                work: Awaitable[Tokens | None] = self.inner.tokenize(request, endpoints)
             else:
                 # Encoded right here when that is cheap: a task would send the request through
                 # the event loop's ready queue twice, behind every stream being relayed.
@@ -338,14 +340,14 @@ class CachingTokenizer:
 
     def _encode_now(
         self, eager: EagerTokenizer, request: TokenizeInput
-    ) -> list[int] | Deferred | None:
+    ) -> Tokens | Deferred | None:
         try:
             return eager.encode_now(request)
         except Exception:  # a tokenizer bug must cost precision, never the request
             log.exception("tokenizer %r failed", self.inner)
             return None
 
-    async def _encode(self, key: int, work: Awaitable[list[int] | None]) -> list[int] | None:
+    async def _encode(self, key: int, work: Awaitable[Tokens | None]) -> Tokens | None:
         try:
             tokens = await work
         except Exception:  # a tokenizer bug must cost precision, never the request

@@ -28,3 +28,13 @@ def test_replacing_an_entry_keeps_the_size_right_and_gets_are_counted() -> None:
     assert (lru.hits, lru.misses) == (1, 1)
     lru.put(3, [])  # an empty value is a value
     assert lru.get(3) == [] and lru.hits == 2
+
+
+def test_get_many_is_get_for_each_key() -> None:
+    lru: SizedLRU[str, list[int]] = SizedLRU(max_entries=3, max_size=100)
+    for key in "abc":
+        lru.put(key, [1])
+    assert lru.get_many(["a", "x", "b"]) == [[1], None, [1]]
+    assert (lru.hits, lru.misses) == (2, 1)
+    lru.put("d", [1])  # "a" and "b" were used since "c": "c" is the oldest
+    assert "c" not in lru and all(k in lru for k in "abd")

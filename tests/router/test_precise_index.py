@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
 from router.precise_index import KEY_SEED, PreciseIndex, block_keys
@@ -32,6 +34,8 @@ def test_block_keys_chain_only_full_blocks_and_depend_on_the_prefix() -> None:
     assert block_keys(tokens(12), BS, max_blocks=1) == keys[:1]
     assert block_keys(tokens(3), BS) == []
     assert block_keys(tokens(4), BS, parent=KEY_SEED) == keys[:1]
+    # A memo's 32-bit array and a list of the same ids are the same keys.
+    assert block_keys(array("I", tokens(10)), BS) == keys
 
 
 def stored_chain(index: PreciseIndex, eid: str, toks: list[int], hashes: list[int]) -> None:

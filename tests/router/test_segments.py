@@ -30,13 +30,24 @@ def test_a_growing_conversation_encodes_as_a_whole_and_reuses_its_pieces() -> No
     memo = SegmentMemo(tok.encode, SPECIAL_RE)
     text = render_chat(CHAT, TOOLS)
     assert image_placeholder("https://example.test/cat.png") in text
-    assert memo.encode(text) == tok.encode(text)
+    assert list(memo.encode(text)) == tok.encode(text)
     misses = memo.misses
     longer = render_chat([*CHAT, {"role": "assistant", "content": "Done."}], TOOLS)
-    assert memo.encode(longer) == tok.encode(longer)
+    assert list(memo.encode(longer)) == tok.encode(longer)
     # Only the new message's pieces (its role line and content) were encoded afresh.
     assert 0 < memo.misses - misses <= 2
     assert memo.hits > 0
+
+
+def test_ids_come_as_32_bit_arrays_and_widen_for_a_larger_id() -> None:
+    def encode(text: str) -> list[int]:
+        return [2**40 if text == "big" else len(text)]
+
+    memo = SegmentMemo(encode, split_pattern(["<s>"]))
+    narrow = memo.encode("ab<s>cde")
+    assert narrow.typecode == "I" and list(narrow) == [2, 3, 3]
+    wide = memo.encode("ab<s>big<s>")  # a remembered 32-bit piece, then one past 2**32
+    assert wide.typecode == "q" and list(wide) == [2, 3, 2**40, 3]
 
 
 def test_the_memo_is_bounded_by_tokens_and_pieces() -> None:
@@ -44,11 +55,11 @@ def test_the_memo_is_bounded_by_tokens_and_pieces() -> None:
     memo = SegmentMemo(tok.encode, SPECIAL_RE, max_tokens=60, max_pieces=3)
     for i in range(20):
         text = f"<|im_start|>user\nmessage number {i} " + "word " * i + "<|im_end|>"
-        assert memo.encode(text) == tok.encode(text)
+        assert list(memo.encode(text)) == tok.encode(text)
         assert memo.tokens <= 60 and len(memo) <= 3
     # A piece larger than the whole budget is encoded, not kept.
     huge = "x" * 1000
-    assert memo.encode(huge) == tok.encode(huge)
+    assert list(memo.encode(huge)) == tok.encode(huge)
     assert memo.tokens <= 60
 
 
@@ -82,7 +93,7 @@ def test_concurrent_encoding_from_threads_stays_exact() -> None:
     def work(offset: int) -> None:
         for n in range(60):
             i = (n + offset) % len(texts)
-            if memo.encode(texts[i]) != expected[i]:
+            if list(memo.encode(texts[i])) != expected[i]:
                 failures.append(i)
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
