@@ -117,6 +117,7 @@ class EndpointSubscriber:
         self._ctx = ctx
         self._settings = settings
         self._metrics = metrics
+        self._batches = metrics.batches.labels(self.endpoint_id)  # counted every engine step
         self._clock = clock
         self.last_seq: int | None = None
         self.last_batch_at = -float("inf")
@@ -216,7 +217,7 @@ class EndpointSubscriber:
             self._metrics.problems.labels(self.endpoint_id, "unmapped").inc(unmapped)
         if any(isinstance(e, Cleared) for e in batch.events):
             self._resync_until = None  # a cleared cache is fully known from here on
-        self._metrics.batches.labels(self.endpoint_id).inc()
+        self._batches.inc()
         self._maybe_trust(now)
 
     def _start_resync(self, seq: int) -> None:

@@ -100,6 +100,7 @@ def test_decode_tolerates_omitted_defaults_bytes_hashes_and_unknown_events() -> 
         msgpack.packb([1.0, [["BlockStored", "notalist", None, [], BS]]]),
         msgpack.packb([1.0, [["BlockStored", [1], None, [1], 0]]]),
         msgpack.packb([1.0, [42]]),
+        msgpack.packb([1.0, [[]]]),
     ],
 )
 def test_decode_errors(payload: bytes) -> None:
