@@ -204,7 +204,7 @@ class UsageTap:
     """Keeps the tail of a relayed answer, where its ``usage`` is (the non-streaming body, or
     the last SSE events), and hands it to the tracker when the answer ends."""
 
-    __slots__ = ("_endpoint_id", "_routing", "_tail", "_tracker")
+    __slots__ = ("_endpoint_id", "_parts", "_routing", "_size", "_tracker")
     TAIL_BYTES = 16384
 
     def __init__(
@@ -213,11 +213,21 @@ class UsageTap:
         self._tracker = tracker
         self._endpoint_id = endpoint_id
         self._routing = routing
-        self._tail = b""
+        self._parts: list[bytes] = []
+        self._size = 0
 
     def __call__(self, chunk: bytes) -> None:
-        tail = self._tail + chunk
-        self._tail = tail[-self.TAIL_BYTES :] if len(tail) > self.TAIL_BYTES else tail
+        # Called for every relayed chunk: append, and cut back to the tail only once twice
+        # its size has piled up (copying the tail on every token cost more than relaying it).
+        self._parts.append(chunk)
+        self._size += len(chunk)
+        if self._size > 2 * self.TAIL_BYTES:
+            tail = self.tail()
+            self._parts, self._size = [tail], len(tail)
+
+    def tail(self) -> bytes:
+        """The last ``TAIL_BYTES`` relayed."""
+        return b"".join(self._parts)[-self.TAIL_BYTES :]
 
     def finish(self) -> None:
-        self._tracker.observe(self._endpoint_id, self._routing, find_usage(self._tail))
+        self._tracker.observe(self._endpoint_id, self._routing, find_usage(self.tail()))

@@ -25,6 +25,7 @@ from uvicorn.config import LOGGING_CONFIG
 from router.app import Gateway, create_app
 from router.config import GatewayConfig
 from router.logs import LogFormat, configure_logging
+from router.streaming import ServerSend
 
 log = logging.getLogger("prefixgate.server")
 
@@ -34,7 +35,7 @@ def uvicorn_config(
 ) -> uvicorn.Config:
     # "auto" picks uvloop and httptools when installed (they are, via uvicorn[standard]).
     return uvicorn.Config(
-        app,
+        ServerSend(app),
         host=host,
         port=port,
         log_level=log_level,

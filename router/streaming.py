@@ -14,7 +14,7 @@ When shutdown's drain deadline cancels a stream, it ends with an error event, no
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import orjson
@@ -122,6 +122,28 @@ class IdleTimer:
             self._handle = None
 
 
+# Where the server's own ``send`` travels in the scope (set by :class:`ServerSend`).
+SERVER_SEND = "prefixgate.server_send"
+
+
+class ServerSend:
+    """The outermost ASGI layer: puts the server's own ``send`` in the scope.
+
+    A relayed stream sends one body message per token. The framework's layers in between
+    (error handling, exception telemetry, body limits) wrap ``send`` only to see whether the
+    response has started, so once the start went through them, body chunks can skip them:
+    each wrapper is a coroutine per token, for nothing.
+    """
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await self.app(scope, receive, send)
+
+
 class ClientStalled(Exception):
     """The client did not take a chunk within the idle timeout."""
 
@@ -163,7 +185,7 @@ class UpstreamResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         outcome = "ok"
         try:
-            outcome = await self._relay(send)
+            outcome = await self._relay(send, scope.get(SERVER_SEND, send))
         except ClientStalled:
             # Nothing more can be written to it; uvicorn closes the connection.
             outcome = "client_stalled"
@@ -182,7 +204,7 @@ class UpstreamResponse(Response):
             self._upstream.close()
             self._on_finish(outcome)
 
-    async def _relay(self, send: Send) -> str:
+    async def _relay(self, send: Send, body_send: Send) -> str:
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
@@ -193,7 +215,7 @@ class UpstreamResponse(Response):
                 self._observe(self._first)
             await self._send_chunk(send, self._first)
             try:
-                await self._pump(send)
+                await self._pump(body_send)
             except UPSTREAM_ERRORS as exc:
                 outcome = "stream_error"
                 if self._sse:

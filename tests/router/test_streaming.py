@@ -9,7 +9,7 @@ import pytest
 from starlette.types import Message
 
 from router.endpoints import Lease
-from router.streaming import DisconnectWatch, IdleTimer, UpstreamResponse
+from router.streaming import DisconnectWatch, IdleTimer, ServerSend, UpstreamResponse
 from router.upstream import UpstreamReply
 
 
@@ -118,3 +118,36 @@ async def test_relay_outcomes(stall_after: int | None, send_blocks_at: int | Non
         assert sent == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n", b""]
     elif outcome == "stream_error":  # the replica went quiet: an error event ends the stream
         assert b"idle timeout" in sent[-2] and sent[-1] == b""
+
+
+async def test_body_chunks_skip_the_framework_send_wrappers() -> None:
+    """The start goes through the framework's ``send`` (its layers watch for it); the relayed
+    chunks go straight to the server's, which ServerSend put in the scope."""
+    through: list[str] = []
+    direct: list[bytes] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        async def wrapped(message: Message) -> None:  # what an error-handling layer does
+            through.append(message["type"])
+            await send(message)
+
+        async def receive_nothing() -> dict[str, Any]:
+            await asyncio.sleep(60)
+            return {"type": "http.disconnect"}
+
+        watch = DisconnectWatch(receive_nothing)
+        watch.start()
+        upstream = FakeUpstream([b"data: 1\n\n", b"data: 2\n\n"])
+        response = UpstreamResponse(
+            cast(UpstreamReply, upstream), b"data: 0\n\n", [], lease=cast(Lease, FakeLease()),
+            watch=watch, idle_timeout=1.0, on_finish=lambda _: None,
+        )
+        await response(scope, receive, wrapped)
+
+    async def server_send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            direct.append(message["body"])
+
+    await asyncio.wait_for(ServerSend(app)({"type": "http"}, None, server_send), 3)  # type: ignore[arg-type]
+    assert through == ["http.response.start", "http.response.body", "http.response.body"]
+    assert direct == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
