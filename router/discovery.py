@@ -10,7 +10,6 @@ pod's ``Ready`` condition. Changes reach the running gateway through an :class:`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import ssl
@@ -25,6 +24,7 @@ from router.config import DiscoveryConfig
 from router.endpoints import Endpoint, EndpointPool, Role
 from router.errors import ConfigError
 from router.scraper import EndpointMonitor
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefixgate.discovery")
 
@@ -209,10 +209,7 @@ class KubernetesDiscovery:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _run(self) -> None:
         backoff = self._config.retry_seconds

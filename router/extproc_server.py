@@ -10,7 +10,6 @@ Envoy and the kubelet stop sending, then gives open streams a grace period.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -27,6 +26,7 @@ from router.app import Gateway, build_gateway, gateway_running
 from router.config import GatewayConfig
 from router.extproc import ExtProcService
 from router.plugins import PluginRegistry
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefixgate.epp")
 
@@ -129,14 +129,10 @@ async def running_epp(
         # Runs first at exit: stop being ready before the servers go.
         stack.push_async_callback(health.enter_graceful_shutdown)
         ready = asyncio.create_task(_ready_when_synced(gateway, health))
-        stack.push_async_callback(_cancel, ready)
+        stack.push_async_callback(cancel_and_wait, ready)
         yield RunningEpp(port, health_port, metrics_port, gateway, health)
 
 
-async def _cancel(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
 
 
 async def _serve(config: GatewayConfig) -> None:

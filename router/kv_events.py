@@ -43,6 +43,7 @@ from router.kv_event_codec import (
 )
 from router.kv_event_sources import EventSource, derive_sources
 from router.precise_index import PreciseIndex
+from router.tasks import cancel_and_wait
 
 __all__ = [
     "BatchMirror", "Cleared", "DecodeError", "EndpointSubscriber", "EventBatch", "EventSource",
@@ -368,11 +369,7 @@ class KVEventsManager:
     async def remove(self, endpoint_id: str) -> None:
         """Stop following an endpoint that left the pool (its index entries stay: see forget)."""
         self.subscribers.pop(endpoint_id, None)
-        task = self._tasks.pop(endpoint_id, None)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks.pop(endpoint_id, None))
         for gauge in (self._metrics.trusted, self._metrics.entries):
             with contextlib.suppress(KeyError):
                 gauge.remove(endpoint_id)

@@ -11,9 +11,10 @@ gateway with headroom, several on one that is CPU-bound or starved by its neighb
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from prometheus_client import Histogram
+
+from router.tasks import cancel_and_wait
 
 # Often enough to catch a busy second; rare enough (20 wake-ups a second) to cost nothing.
 DEFAULT_INTERVAL = 0.05
@@ -33,10 +34,7 @@ class LoopLagMonitor:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
