@@ -270,11 +270,9 @@ class EndpointSubscriber:
     # -- the loop -------------------------------------------------------------------------
 
     async def _drain(self, sub: zmq.Socket[bytes]) -> None:
-        # Everything queued now, not one message per wake-up: a busy fleet publishes a batch
-        # per engine step, and an index that lags routes on the past. Read without waiting,
-        # from a plain socket sharing the asyncio one's handle: each asyncio receive builds
-        # and resolves a future, which cost more than decoding most batches. Reading until
-        # EAGAIN also re-arms the poller's edge-triggered wake-up.
+        # Everything queued now (a busy fleet publishes a batch per engine step; a lagging
+        # index routes on the past), read from a plain socket sharing the asyncio one's handle:
+        # an asyncio receive builds a future per batch, which cost more than most batches.
         for _ in range(_MAX_DRAIN):
             try:
                 frames = sub.recv_multipart(zmq.NOBLOCK)
