@@ -25,6 +25,7 @@ from grpc_health.v1._async import HealthServicer
 from router.app import Gateway, build_gateway, gateway_running
 from router.config import GatewayConfig
 from router.extproc import ExtProcService
+from router.heap import freeze_startup_heap
 from router.plugins import PluginRegistry
 from router.tasks import cancel_and_wait
 
@@ -156,4 +157,5 @@ async def _serve(config: GatewayConfig) -> None:
 
 def serve_epp(config: GatewayConfig) -> None:
     """Run the endpoint picker until SIGTERM or SIGINT (the CLI's ``epp`` command)."""
+    freeze_startup_heap()  # the imports' objects; the picker itself is built in _serve
     asyncio.run(_serve(config))

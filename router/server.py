@@ -24,6 +24,7 @@ from uvicorn.config import LOGGING_CONFIG
 
 from router.app import Gateway, create_app
 from router.config import GatewayConfig
+from router.heap import freeze_startup_heap
 from router.logs import LogFormat, configure_logging
 from router.streaming import ServerSend
 
@@ -110,6 +111,7 @@ def serve(
         )
         _set_timeout(ucfg, server_cfg.drain_timeout_seconds)
         sock = bind_socket(server_cfg.host, server_cfg.port)
+        freeze_startup_heap()
         GatewayServer(ucfg, app.state.gateway).run(sockets=[sock])
     finally:
         stop_logging()
