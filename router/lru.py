@@ -41,28 +41,22 @@ class SizedLRU(Generic[K, V]):
 
     def get(self, key: K) -> V | None:
         with self._lock:
-            value = self._items.get(key)
-            if value is None:
-                self.misses += 1
-                return None
-            self._items.move_to_end(key)
-            self.hits += 1
-            return value
+            return self._use(key)
 
     def get_many(self, keys: Sequence[K]) -> list[V | None]:
         """:meth:`get` for each of ``keys``, under one acquisition of the lock."""
-        items = self._items
-        out: list[V | None] = []
         with self._lock:
-            for key in keys:
-                value = items.get(key)
-                if value is None:
-                    self.misses += 1
-                else:
-                    items.move_to_end(key)
-                    self.hits += 1
-                out.append(value)
-        return out
+            return [self._use(key) for key in keys]
+
+    def _use(self, key: K) -> V | None:
+        # Under the lock: a lookup that counts, and makes a hit the most recent entry.
+        value = self._items.get(key)
+        if value is None:
+            self.misses += 1
+            return None
+        self._items.move_to_end(key)
+        self.hits += 1
+        return value
 
     def put(self, key: K, value: V) -> None:
         """Keep ``value`` as the most recent entry; one larger than the whole bound is not kept."""

@@ -158,7 +158,7 @@ class TTFTCostScorer:
         self, request: RoutingRequest, endpoint: EndpointSnapshot, uncached: int
     ) -> int:
         live = request.live_tokens.get(endpoint.id)
-        capacity = (endpoint.num_gpu_blocks or 0) * (endpoint.block_size or 0)
+        capacity = _capacity_tokens(endpoint)
         if self._p.eviction_room == "live-sessions" and live is not None and capacity:
             return max(0, uncached - max(0, capacity - live))
         room = request.cache_room.get(endpoint.id)
@@ -178,9 +178,9 @@ class TTFTCostScorer:
         }
 
     def _kv_penalty_tokens(self, endpoint: EndpointSnapshot, uncached: int) -> float:
-        if not endpoint.num_gpu_blocks or not endpoint.block_size:
+        capacity = _capacity_tokens(endpoint)
+        if not capacity:
             return 0.0
-        capacity = endpoint.num_gpu_blocks * endpoint.block_size
         overflow = endpoint.kv_usage + uncached / capacity - self._p.kv_headroom
         if overflow <= 0:
             return 0.0
@@ -196,3 +196,8 @@ class TTFTCostScorer:
             return []
         best = min(costs)
         return [best / c for c in costs]
+
+
+def _capacity_tokens(endpoint: EndpointSnapshot) -> int:
+    """The tokens the endpoint's KV cache holds (``vllm:cache_config_info``); 0 if unknown."""
+    return (endpoint.num_gpu_blocks or 0) * (endpoint.block_size or 0)

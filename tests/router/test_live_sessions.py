@@ -1,3 +1,5 @@
+"""Live sessions: who counts, for how long, and the context each endpoint must keep."""
+
 from __future__ import annotations
 
 import pytest
