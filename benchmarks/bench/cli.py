@@ -36,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int)
     add("--replicas", type=int, default=8)
     add("--strategies", default=ALL,
-        help="comma list of built-in strategies, default-redis-2gw, label=config.yaml; "
-             "'all' (default) or 'none'")
+        help="comma list of built-in strategies, <strategy>-2gw (two gateways sharing "
+             "nothing), default-redis-2gw, label=config.yaml; 'all' (default) or 'none'")
     add("--peers", default=ALL,
         help="comma list of peers; 'all' (default: those installed) or 'none'")
     add("--peers-dir", action="append", default=[], type=Path,
@@ -110,11 +110,18 @@ def _command_line() -> str:
 
 
 def _list(settings: Any) -> int:
-    from benchmarks.bench.targets import PEERS, REDIS_VARIANT, find_peer_binary, peer_dirs
+    from benchmarks.bench.targets import (
+        PEERS,
+        REDIS_VARIANT,
+        SPLIT_SUFFIX,
+        find_peer_binary,
+        peer_dirs,
+    )
     from benchmarks.workloads import WORKLOADS
     from router.strategies import STRATEGIES
 
-    print("strategies:", ", ".join([*STRATEGIES, REDIS_VARIANT]))
+    print("strategies:", ", ".join([*STRATEGIES, REDIS_VARIANT]),
+          f"(each also as <strategy>{SPLIT_SUFFIX}: two gateways sharing nothing)")
     for name, spec in PEERS.items():
         binary = find_peer_binary(spec, peer_dirs(settings.peer_dirs))
         print(f"peer {name}: {binary or 'not installed'}")

@@ -1,8 +1,8 @@
 """What a benchmark compares: prefixgate strategies and peer routers, each in its own process.
 
-A ``Target`` starts whatever serves the client (one gateway, two gateways sharing Redis, or a
-peer router) in front of the replicas and returns the URLs the client sends to. Everything
-binds to 127.0.0.1, metrics ports included.
+A ``Target`` starts whatever serves the client (one gateway, two gateways sharing Redis or
+nothing, or a peer router) in front of the replicas and returns the URLs the client sends to.
+Everything binds to 127.0.0.1, metrics ports included.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from benchmarks.bench.settings import BenchSettings
 
 READY_TIMEOUT_S = 60.0
 REDIS_VARIANT = "default-redis-2gw"
+# "<built-in strategy>-2gw": that strategy on two gateways that share nothing.
+SPLIT_SUFFIX = "-2gw"
 
 
 class Unavailable(Exception):
@@ -78,23 +80,31 @@ def _gateway_args(
 
 @dataclass
 class Strategy:
-    """One prefixgate gateway with a built-in strategy, or with a user's YAML config whose
-    pool is replaced by the benchmark's replicas."""
+    """A built-in strategy on ``gateways`` gateway processes, or a user's YAML config whose
+    pool is replaced by the benchmark's replicas. Several gateways share nothing (each keeps
+    its own index, affinity and queue view; the client alternates requests between them, as
+    an L4 balancer in front would): what a fleet without the shared Redis index sees."""
 
     name: str
     settings: BenchSettings
     config: Path | None = None
     kind: str = "prefixgate"
+    strategy: str = ""  # the built-in strategy; the name when empty
+    gateways: int = 1
 
     def unavailable(self) -> str | None:
         return None
+
+    @property
+    def builtin(self) -> str:
+        return self.strategy or self.name
 
     @property
     def needs_kv_events(self) -> bool:
         """Routes on the replicas' KV events: a built-in precise strategy, or a config with
         a ``precisePrefix`` section."""
         if self.config is None:
-            return self.name.startswith("precise")
+            return self.builtin.startswith("precise")
         data = yaml.safe_load(self.config.read_text()) or {}
         return isinstance(data, dict) and "precisePrefix" in data
 
@@ -107,31 +117,34 @@ class Strategy:
         events.setdefault("portOffset", s.kv_events_offset)
         events.setdefault("replayPortOffset", s.kv_replay_offset)
 
-    def _config_file(self, replicas: Sequence[str], port: int) -> Path | None:
+    def _config_file(self, replicas: Sequence[str], port: int, process: str) -> Path | None:
         if self.config is None and not self.needs_kv_events:
             return None
-        data: dict[str, Any] = {"strategy": self.name}
+        data: dict[str, Any] = {"strategy": self.builtin}
         if self.config is not None:
             data = yaml.safe_load(self.config.read_text()) or {}
         if self.needs_kv_events:
             self._precise(data)
         data.setdefault("pool", {})["endpoints"] = [{"url": u} for u in replicas]
         data.setdefault("server", {}).update(host=HOST, port=port)
-        path = self.settings.out / "logs" / f"{self.name}.yaml"
+        path = self.settings.out / "logs" / f"{process}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         return path
 
     async def start(self, replicas: Sequence[str], stack: contextlib.AsyncExitStack) -> list[str]:
-        port = free_port()
-        args = _gateway_args(
-            port, self._config_file(replicas, port), replicas, self.name,
-            self.settings.gateway_log_level,
-        )
-        proc = await _spawn(stack, self.name, args, self.settings)
-        url = f"http://{HOST}:{port}"
-        await wait_ready([proc], [_ready_all(url, len(replicas))], READY_TIMEOUT_S)
-        return [url]
+        urls, procs = [], []
+        for i in range(self.gateways):
+            process = self.name if self.gateways == 1 else f"{self.name}-{i}"
+            port = free_port()
+            args = _gateway_args(
+                port, self._config_file(replicas, port, process), replicas, self.builtin,
+                self.settings.gateway_log_level,
+            )
+            procs.append(await _spawn(stack, process, args, self.settings))
+            urls.append(f"http://{HOST}:{port}")
+        await wait_ready(procs, [_ready_all(u, len(replicas)) for u in urls], READY_TIMEOUT_S)
+        return urls
 
 
 @dataclass
@@ -297,8 +310,9 @@ class Peer:
 def make_targets(
     strategies: Sequence[str], peers: Sequence[str], settings: BenchSettings
 ) -> list[Target]:
-    """Targets for names: built-in strategies, ``default-redis-2gw``, ``label=config.yaml``,
-    and peer names (``PEERS``). Unknown names fail before anything starts."""
+    """Targets for names: built-in strategies, each also as ``<strategy>-2gw`` (two gateways
+    sharing nothing), ``default-redis-2gw``, ``label=config.yaml``, and peer names
+    (``PEERS``). Unknown names fail before anything starts."""
     from router.strategies import STRATEGIES
 
     out: list[Target] = []
@@ -312,8 +326,11 @@ def make_targets(
             out.append(RedisGateways(settings))
         elif name in STRATEGIES:
             out.append(Strategy(name, settings))
+        elif name.endswith(SPLIT_SUFFIX) and name.removesuffix(SPLIT_SUFFIX) in STRATEGIES:
+            base = name.removesuffix(SPLIT_SUFFIX)
+            out.append(Strategy(name, settings, strategy=base, gateways=2))
         else:
-            known = ", ".join([*STRATEGIES, REDIS_VARIANT])
+            known = ", ".join([*STRATEGIES, REDIS_VARIANT, f"<strategy>{SPLIT_SUFFIX}"])
             raise ValueError(f"unknown strategy {name!r} (known: {known}, or label=config.yaml)")
     for name in peers:
         if name not in PEERS:

@@ -45,37 +45,44 @@ async def test_two_strategies_on_two_replicas(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-async def test_precise_strategy_routes_on_the_replicas_kv_events(tmp_path: Path) -> None:
+async def test_precise_on_two_gateways_routes_on_the_replicas_kv_events(tmp_path: Path) -> None:
     settings = BenchSettings(
         out=tmp_path, replicas=2, speed=20.0, num_gpu_blocks=512, deadline_s=30.0,
         plots=False, progress=False, gateway_log_level="debug",
     )  # fmt: skip
     workload = build_workload("agentic", "tiny", sessions=3, turns=2)
-    report = await Runner(settings, workload).run(make_targets(["precise"], [], settings))
+    report = await Runner(settings, workload).run(make_targets(["precise-2gw"], [], settings))
     result = report.results[0]
     assert result.status == "ok", result.note
     assert (result.requests, result.errors) == (workload.num_requests, 0)
-    metrics = (tmp_path / "logs" / "precise.metrics.txt").read_text()
-    trusted = [line for line in metrics.splitlines()
-               if line.startswith("prefixgate_kv_events_trusted{")]
-    assert len(trusted) == 2 and all(line.endswith(" 1.0") for line in trusted), trusted
-    batches = [line for line in metrics.splitlines()
-               if line.startswith("prefixgate_kv_event_batches_total{")]
-    assert len(batches) == 2 and all(float(line.rsplit(" ", 1)[1]) > 0 for line in batches)
-    # Each request's record names its session and the decision the gateway logged for it.
-    lines = (tmp_path / "logs" / "precise.requests.jsonl").read_text().splitlines()
+    # Each gateway subscribed to both replicas' events on its own.
+    for gateway in ("precise-2gw-0", "precise-2gw-1"):
+        metrics = (tmp_path / "logs" / f"{gateway}.metrics.txt").read_text()
+        trusted = [line for line in metrics.splitlines()
+                   if line.startswith("prefixgate_kv_events_trusted{")]
+        assert len(trusted) == 2 and all(line.endswith(" 1.0") for line in trusted), trusted
+        batches = [line for line in metrics.splitlines()
+                   if line.startswith("prefixgate_kv_event_batches_total{")]
+        assert len(batches) == 2 and all(float(line.rsplit(" ", 1)[1]) > 0 for line in batches)
+    # Each request's record names its session and the decision one gateway logged for it;
+    # the client alternated, so both decided.
+    lines = (tmp_path / "logs" / "precise-2gw.requests.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert len(records) == workload.num_requests
-    log = (tmp_path / "logs" / "precise.log").read_text()
+    logs = [(tmp_path / "logs" / f"precise-2gw-{i}.log").read_text() for i in (0, 1)]
     for r in records:
         assert r["ok"] and r["session"] and r["ttft"] > 0
-        assert f"prefixgate.decision: request {r['request_id']}: " in log
+        marker = f"prefixgate.decision: request {r['request_id']}: "
+        assert sum(marker in log for log in logs) == 1
+    assert all("prefixgate.decision: request " in log for log in logs)
 
 
 async def test_unknown_targets_fail_before_anything_starts(tmp_path: Path) -> None:
     settings = BenchSettings(out=tmp_path)
     with pytest.raises(ValueError, match="unknown strategy"):
         make_targets(["fastest"], [], settings)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        make_targets(["fastest-2gw"], [], settings)
     with pytest.raises(ValueError, match="unknown peer"):
         make_targets([], ["nginx"], settings)
     with pytest.raises(ValueError, match="no config file"):
@@ -110,6 +117,7 @@ def test_cli_lists_and_rejects_bad_input(
     assert main(["bench", "--list", "--peers-dir", str(tmp_path)]) == 0
     listing = capsys.readouterr().out
     assert "round-robin" in listing and "default-redis-2gw" in listing
+    assert "<strategy>-2gw" in listing
     assert "vllm-router-cache_aware" in listing and "burst_prob" in listing
     out = str(tmp_path / "o")
     assert main(["bench", "--strategies", "bogus", "--out", out]) == 2
