@@ -91,6 +91,7 @@ class Strategy:
     kind: str = "prefixgate"
     strategy: str = ""  # the built-in strategy; the name when empty
     gateways: int = 1
+    prefix_index: dict[str, Any] | None = None  # the config's prefixIndex section
 
     def unavailable(self) -> str | None:
         return None
@@ -118,13 +119,15 @@ class Strategy:
         events.setdefault("replayPortOffset", s.kv_replay_offset)
 
     def _config_file(self, replicas: Sequence[str], port: int, process: str) -> Path | None:
-        if self.config is None and not self.needs_kv_events:
+        if self.config is None and not self.needs_kv_events and self.prefix_index is None:
             return None
         data: dict[str, Any] = {"strategy": self.builtin}
         if self.config is not None:
             data = yaml.safe_load(self.config.read_text()) or {}
         if self.needs_kv_events:
             self._precise(data)
+        if self.prefix_index is not None:
+            data["prefixIndex"] = self.prefix_index
         data.setdefault("pool", {})["endpoints"] = [{"url": u} for u in replicas]
         data.setdefault("server", {}).update(host=HOST, port=port)
         path = self.settings.out / "logs" / f"{process}.yaml"
@@ -148,14 +151,9 @@ class Strategy:
 
 
 @dataclass
-class RedisGateways:
-    """The default profile on ``gateways`` gateway replicas sharing the Redis prefix index;
-    the client alternates requests between them (an L4 balancer in front)."""
-
-    settings: BenchSettings
-    gateways: int = 2
-    name: str = REDIS_VARIANT
-    kind: str = "prefixgate"
+class RedisGateways(Strategy):
+    """The default profile on two gateway replicas sharing the Redis prefix index; the client
+    alternates requests between them (an L4 balancer in front)."""
 
     def unavailable(self) -> str | None:
         if self.settings.redis_url or shutil.which("redis-server"):
@@ -176,24 +174,8 @@ class RedisGateways:
     async def start(self, replicas: Sequence[str], stack: contextlib.AsyncExitStack) -> list[str]:
         redis_url = await self._redis(stack)
         namespace = "bench" + uuid.uuid4().hex[:12]  # fresh keys: no index left from a last run
-        urls, procs = [], []
-        for i in range(self.gateways):
-            port = free_port()
-            data = {
-                "server": {"host": HOST, "port": port},
-                "pool": {"endpoints": [{"url": u} for u in replicas]},
-                "prefixIndex": {"backend": "redis", "url": redis_url, "namespace": namespace},
-                "strategy": "default",
-            }
-            path = self.settings.out / "logs" / f"{self.name}-{i}.yaml"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(yaml.safe_dump(data, sort_keys=False))
-            args = _gateway_args(
-                port, path, replicas, "default", self.settings.gateway_log_level
-            )
-            procs.append(await _spawn(stack, f"{self.name}-{i}", args, self.settings))
-            urls.append(f"http://{HOST}:{port}")
-        await wait_ready(procs, [_ready_all(u, len(replicas)) for u in urls], READY_TIMEOUT_S)
+        self.prefix_index = {"backend": "redis", "url": redis_url, "namespace": namespace}
+        urls = await super().start(replicas, stack)
         await _require_redis_wired(urls[0])
         return urls
 
@@ -323,7 +305,7 @@ def make_targets(
                 raise ValueError(f"strategy {label}: no config file {path}")
             out.append(Strategy(label, settings, Path(path)))
         elif name == REDIS_VARIANT:
-            out.append(RedisGateways(settings))
+            out.append(RedisGateways(name, settings, strategy="default", gateways=2))
         elif name in STRATEGIES:
             out.append(Strategy(name, settings))
         elif name.endswith(SPLIT_SUFFIX) and name.removesuffix(SPLIT_SUFFIX) in STRATEGIES:

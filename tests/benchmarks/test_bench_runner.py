@@ -17,20 +17,21 @@ from router.cli import main
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.timeout(60)
-async def test_two_strategies_on_two_replicas(tmp_path: Path) -> None:
+@pytest.mark.timeout(90)
+async def test_strategies_on_two_replicas(tmp_path: Path, redis_url: str) -> None:
     settings = BenchSettings(
         out=tmp_path, replicas=2, speed=20.0, num_gpu_blocks=512, deadline_s=30.0,
-        plots=False, progress=False, peer_dirs=[tmp_path / "no-peers"],
+        plots=False, progress=False, peer_dirs=[tmp_path / "no-peers"], redis_url=redis_url,
     )  # fmt: skip
     workload = build_workload("agentic", "tiny", sessions=3, turns=2)
-    targets = make_targets(["default", "round-robin"], ["smg-cache_aware"], settings)
+    names = ["default", "round-robin", "default-redis-2gw"]
+    targets = make_targets(names, ["smg-cache_aware"], settings)
     report = await Runner(settings, workload).run(targets)
 
     by_name = {r.name: r for r in report.results}
     assert by_name["smg-cache_aware"].status == "skipped"
     assert "not installed" in by_name["smg-cache_aware"].note
-    for name in ("default", "round-robin"):
+    for name in names:
         r = by_name[name]
         assert r.status == "ok", r.note
         assert (r.requests, r.errors, r.incomplete) == (workload.num_requests, 0, 0)
@@ -42,6 +43,11 @@ async def test_two_strategies_on_two_replicas(tmp_path: Path) -> None:
         assert r.reusable_fraction == pytest.approx(report.estimate.fraction, abs=0.1)
         assert sum(r.per_replica_requests) == workload.num_requests
     assert (tmp_path / "logs" / "sim.log").exists()
+    # The two gateways of the Redis variant shared one index, in a namespace of their own.
+    configs = [(tmp_path / "logs" / f"default-redis-2gw-{i}.yaml").read_text() for i in (0, 1)]
+    namespaces = [line for c in configs for line in c.splitlines() if "namespace:" in line]
+    assert len(namespaces) == 2 and namespaces[0] == namespaces[1], namespaces
+    assert all(redis_url in c for c in configs)
 
 
 @pytest.mark.timeout(60)
