@@ -14,7 +14,6 @@ Everything runs on the event loop and nothing blocks: no locks are needed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
 import logging
@@ -30,13 +29,7 @@ from flow_control.metrics import FlowControlMetrics
 from flow_control.policies import make_policy
 from flow_control.queues import BandState, FlowQueue, Level, ModelQueue, QueueItem, pick_victim
 from flow_control.request import FlowRequest, Ticket
-from flow_control.resolve import (
-    SESSION_HEADER,
-    ObjectiveResolver,
-    SessionBoost,
-    fairness_id,
-    header_value,
-)
+from flow_control.resolve import RequestResolver
 from flow_control.saturation import (
     DEFAULT_SCRAPE_INTERVAL,
     DEFAULT_SCRAPE_TIMEOUT,
@@ -45,6 +38,7 @@ from flow_control.saturation import (
 )
 from router.endpoints import EndpointSnapshot
 from router.errors import NoEndpointsError, SaturatedError, TTLExpiredError
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefixgate.flow_control")
 
@@ -79,8 +73,7 @@ class FlowController:
             scrape_timeout=scrape_timeout,
         )
         self._metrics = FlowControlMetrics(registry or CollectorRegistry(), max_flow_labels)
-        self._objectives = ObjectiveResolver(config)
-        self._boost = SessionBoost(config.session_boost, clock)
+        self._resolver = RequestResolver(config, clock)
         bands = sorted(config.priority_bands, key=lambda b: b.priority)
         self._band_priorities = [b.priority for b in bands]
         self._bands = [self._band(str(b.priority), b.priority, b) for b in bands]
@@ -120,18 +113,7 @@ class FlowController:
         arrival: float | None = None,
     ) -> FlowRequest:
         """Resolve fairness id, objective (priority, TTL) and session boost from headers."""
-        objective = self._objectives.resolve(headers)
-        if session_id is None:
-            session_id = header_value(headers, (SESSION_HEADER,))
-        return FlowRequest(
-            model=model,
-            fairness_id=fairness_id(headers),
-            priority=self._boost.apply(objective.priority, session_id),
-            objective=objective.name,
-            session_id=session_id,
-            size=size,
-            arrival=arrival,
-        )
+        return self._resolver.build(headers, model, size, session_id, arrival)
 
     # -- admission --------------------------------------------------------------------------
 
@@ -188,7 +170,7 @@ class FlowController:
     ) -> Ticket:
         model = request.model
         self._issued[model] = self._issued.get(model, 0) + 1
-        self._boost.served(request.session_id)
+        self._resolver.boost.served(request.session_id)
         band.wait.observe(waited)
         (band.fast if path == "fast" else band.queued).inc()
         return Ticket(request, waited, self._on_release)
@@ -201,7 +183,7 @@ class FlowController:
         else:
             self._issued.pop(request.model, None)
         # A turn that just ended is what makes its session live for the next one.
-        self._boost.served(request.session_id)
+        self._resolver.boost.served(request.session_id)
         if request.model in self._queues:
             try:
                 self._dispatch_model(request.model)
@@ -215,7 +197,7 @@ class FlowController:
         self._make_room(request, band, size)
         now = self._clock()
         arrival = request.arrival if request.arrival is not None else now
-        deadline = arrival + self._objectives.ttl(request.objective)
+        deadline = arrival + self._resolver.objectives.ttl(request.objective)
         queue = self._queues.get(request.model)
         if queue is None:
             queue = self._queues[request.model] = ModelQueue()
@@ -357,7 +339,7 @@ class FlowController:
             return
         retry = self.config.retry_after_seconds
         if reason == "ttl-expired":
-            ttl = self._objectives.ttl(item.request.objective)
+            ttl = self._resolver.objectives.ttl(item.request.objective)
             message = f"request waited longer than its TTL of {ttl:g}s in the flow control queue"
             item.future.set_exception(TTLExpiredError(message, retry_after=retry))
         else:
@@ -379,10 +361,7 @@ class FlowController:
         """Stop the tick and reject everything still queued (429, as a shed request)."""
         self._stopped = True
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         for _, _, item in self._deadlines:
             if item.queued:
                 self._unlink(item, rotate=False)

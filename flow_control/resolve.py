@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from flow_control.config import FlowControlConfig, SessionBoostConfig
-from flow_control.request import DEFAULT_FLOW
+from flow_control.request import DEFAULT_FLOW, FlowRequest
 
 FAIRNESS_HEADERS = ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
 OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
@@ -126,3 +126,35 @@ class SessionBoost:
     def served(self, session_id: str | None) -> None:
         if self.enabled and session_id is not None:
             self.memory.touch(session_id)
+
+
+class RequestResolver:
+    """Turns a request's headers into a :class:`FlowRequest`: fairness id, objective (priority,
+    TTL) and the session boost, which it also keeps up to date as sessions are served."""
+
+    def __init__(
+        self, config: FlowControlConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.objectives = ObjectiveResolver(config)
+        self.boost = SessionBoost(config.session_boost, clock)
+
+    def build(
+        self,
+        headers: Mapping[str, str],
+        model: str,
+        size: int = 0,
+        session_id: str | None = None,
+        arrival: float | None = None,
+    ) -> FlowRequest:
+        objective = self.objectives.resolve(headers)
+        if session_id is None:
+            session_id = header_value(headers, (SESSION_HEADER,))
+        return FlowRequest(
+            model=model,
+            fairness_id=fairness_id(headers),
+            priority=self.boost.apply(objective.priority, session_id),
+            objective=objective.name,
+            session_id=session_id,
+            size=size,
+            arrival=arrival,
+        )

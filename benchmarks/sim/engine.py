@@ -36,34 +36,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from .clock import SimClock
 from .config import SimConfig
 from .kv_cache import KVCache, extend_block_hashes
-from .kv_events import KVEvent
+from .observers import KVEventSink, LatencyObserver
 from .request import SimRequest, Status
 from .tokenizer import Tokenizer
-
-
-class KVEventSink(Protocol):
-    """Receives each step's KV events (the ZMQ publisher implements it)."""
-
-    def publish(self, events: Sequence[KVEvent]) -> None: ...
-
-
-class LatencyObserver(Protocol):
-    """Receives per-request latencies in simulated seconds (the metrics module implements it)."""
-
-    def on_queued(self, seconds: float) -> None: ...
-
-    def on_first_token(self, seconds: float) -> None: ...
-
-    def on_token(self, seconds: float) -> None: ...
-
-    def on_finished(self, seconds: float) -> None: ...
+from .zero_latency import complete_instantly
 
 
 @dataclass
@@ -126,7 +108,7 @@ class Engine:
     def add_request(self, req: SimRequest) -> None:
         """Queue ``req`` (or, with ``zero_latency``, complete it at once)."""
         if self.config.zero_latency:
-            self._complete_instantly(req)
+            complete_instantly(self, req)
             return
         self._ensure_started()
         req.arrival = self.now()
@@ -152,10 +134,10 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         """Forget cached prefixes; False while requests hold blocks (as vLLM)."""
         done = self.kv.reset()
-        self._publish_events()
+        self.publish_events()
         return done
 
-    def _publish_events(self) -> None:
+    def publish_events(self) -> None:
         if self.kv_events is not None:
             self.kv_events.publish(self.kv.take_events())
 
@@ -190,42 +172,6 @@ class Engine:
             "sim_time": self.clock.now,
         }
 
-    # -- zero-latency path ----------------------------------------------------------------
-
-    def _complete_instantly(self, req: SimRequest) -> None:
-        # Cache accounting only: every block is freed at once, so nothing can be evicted
-        # that a running request holds and admission always fits (the server checks size).
-        extend_block_hashes(req.block_hashes, req.all_tokens, self.kv.block_size, req.cache_salt)
-        admitted = self.kv.admit(req.block_hashes, len(req.all_tokens))
-        req.output = list(req.output_plan[: req.max_tokens])
-        req.all_tokens.extend(req.output)
-        if admitted is not None:
-            req.blocks, req.cached_tokens = admitted
-            total = len(req.all_tokens) - 1
-            for _ in range(self.kv.blocks_for(total) - len(req.blocks)):
-                block = self.kv.allocate_block()
-                if block is None:
-                    break
-                req.blocks.append(block)
-            full = min(total // self.kv.block_size, len(req.blocks))
-            extend_block_hashes(
-                req.block_hashes, req.all_tokens, self.kv.block_size, req.cache_salt
-            )
-            self.kv.cache_blocks(req.blocks, req.block_hashes, 0, full, req.all_tokens)
-            req.transfer_block_ids = list(req.blocks)
-            self.kv.free(req.blocks)
-            req.blocks = []
-        self._publish_events()
-        req.status = Status.FINISHED
-        self.stats.prompt_tokens += req.num_prompt_tokens
-        self.stats.generation_tokens += len(req.output)
-        self.stats.requests_succeeded += 1
-        if self.observer is not None:
-            self.observer.on_queued(0.0)
-            self.observer.on_first_token(0.0)
-            self.observer.on_finished(0.0)
-        req.event.set()
-
     # -- the loop -----------------------------------------------------------------------
 
     def _ensure_started(self) -> None:
@@ -247,7 +193,7 @@ class Engine:
                 self._resync()
             plan = self._schedule()
             if not plan.decodes and not plan.prefills:
-                self._publish_events()
+                self.publish_events()
                 await self._idle_until(plan.next_ready)
                 continue
             await self.clock.run_step(plan.duration_s)
@@ -255,7 +201,7 @@ class Engine:
             self._apply(plan)
             # One batch per step, as vLLM publishes: evictions made while scheduling the
             # step come first, then the blocks it filled.
-            self._publish_events()
+            self.publish_events()
 
     async def _idle_until(self, ready: float | None) -> None:
         """Nothing to compute: wait for an arrival or the next KV transfer to land."""
