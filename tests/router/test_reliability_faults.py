@@ -182,6 +182,23 @@ def _attempts_on(gw: RunningGateway, endpoint: str) -> float:
     )
 
 
+def _all_settled(gw: RunningGateway) -> bool:
+    return all(
+        s.in_flight == 0 and s.pending_prefill_tokens == 0 and s.pending_prefill_requests == 0
+        for s in gw.gateway.pool
+    )
+
+
+def _pool_view(gw: RunningGateway) -> str:
+    """What routing saw of each endpoint, for a failure's message."""
+    return "; ".join(
+        f"{s.endpoint.id} eligible={s.eligible} in_flight={s.in_flight} "
+        f"pending={s.pending_prefill_tokens}/{s.pending_prefill_requests} "
+        f"running={s.metrics.running} waiting={s.metrics.waiting}"
+        for s in gw.gateway.pool
+    )
+
+
 async def _watch_leaving(state: EndpointState, since: float) -> float:
     """Seconds from ``since`` until the endpoint is no longer a candidate."""
     while state.eligible:  # noqa: ASYNC110 (changed by the gateway's tasks)
@@ -217,9 +234,11 @@ async def test_killed_replica_fails_only_its_in_flight_streams() -> None:
                             for o in load.outcomes
                         ),
                         10,
-                    ), "new requests reach the restarted replica"
+                    ), f"new requests reach the restarted replica: {_pool_view(gw)}"
                     await asyncio.sleep(PHASE)
                     await load.stop()  # before the replica goes away again
+                    # Every lease was released, failed streams and retries included.
+                    assert await _wait_for(lambda: _all_settled(gw), 2), _pool_view(gw)
             retries = gw.gateway.metrics.registry.get_sample_value("prefixgate_retries_total")
     outcomes = load.outcomes
     failed = [o for o in outcomes if o.failed]
