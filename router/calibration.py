@@ -5,7 +5,8 @@ prefill work stood in front of it (its own uncached tokens plus the uncached tok
 sent there earlier and still without a first byte). A per-endpoint robust running regression
 ``ttfb = overhead + per_token * tokens`` learns the two figures online: exponentially weighted
 (old samples decay, so a replica that slows down is noticed), with each sample's residual
-clipped (Huber), and the fit held to sane bounds. Until enough samples exist the priors (an 8B
+clipped (Huber), the slope pulled towards the prior's by as much as the token counts lack
+spread (ridge), and the fit held to sane bounds. Until enough samples exist the priors (an 8B
 model on one H100) are blended in.
 """
 
@@ -27,6 +28,14 @@ class CostPriors:
     decay: float = 0.98
     # Residuals beyond this many seconds count as this many (a stall, a GC pause, a preemption).
     clip_s: float = 1.0
+    # Strength of the prior slope, as the spread (standard deviation, tokens) of token counts
+    # at which the samples weigh as much as the prior (ridge regression towards it). Prompts
+    # of nearly one size say little about the cost of a token, and a slope fitted to their
+    # noise can collapse to nothing, which would make every queued or running token free on
+    # that endpoint and herd traffic onto it. Agentic traffic, spread over thousands of
+    # tokens, overrides the prior almost entirely (it keeps 1% of the weight at a spread of
+    # 1,000 tokens, 80% at 50).
+    prior_spread_tokens: float = 100.0
 
 
 @dataclass(slots=True)
@@ -105,13 +114,12 @@ class Calibrator:
     def _solve(self, fit: _Fit) -> None:
         p = self.priors
         mean_x, mean_y = fit.sx / fit.w, fit.sy / fit.w
-        var_x = fit.sxx / fit.w - mean_x * mean_x
-        # Without spread in the token counts the slope is not identifiable: keep the prior's
-        # slope and learn the intercept only.
-        if var_x > (0.05 * max(mean_x, 1.0)) ** 2:
-            slope = (fit.sxy / fit.w - mean_x * mean_y) / var_x
-        else:
-            slope = fit.per_token_s if fit.samples > 1 else p.per_token_s
+        var_x = max(0.0, fit.sxx / fit.w - mean_x * mean_x)
+        cov_xy = fit.sxy / fit.w - mean_x * mean_y
+        # Ridge towards the prior slope: without spread in the token counts the slope is not
+        # identifiable and stays the prior's, while the intercept is learned either way.
+        ridge = max(p.prior_spread_tokens, 1.0) ** 2
+        slope = (cov_xy + ridge * p.per_token_s) / (var_x + ridge)
         # Sane bounds: a token never costs less than a hundredth or more than 100x the prior.
         slope = min(max(slope, p.per_token_s / 100), p.per_token_s * 100)
         fit.per_token_s = slope

@@ -62,10 +62,26 @@ def test_constant_token_counts_keep_the_prior_slope_and_garbage_is_ignored() -> 
     for _ in range(100):
         calibrator.observe("a", 500, 0.2)
     overhead, per_token = calibrator.cost("a")
-    assert per_token == CostPriors().per_token_s
+    assert per_token == pytest.approx(CostPriors().per_token_s, rel=1e-6)
     assert overhead + per_token * 500 == pytest.approx(0.2, rel=0.05)
     calibrator.observe("a", float("nan"), 1.0)
     calibrator.observe("a", 10, -1.0)
     assert calibrator.cost("a") == (overhead, per_token)
     calibrator.forget("a")
     assert calibrator.cost("a") == (CostPriors().overhead_s, CostPriors().per_token_s)
+
+
+def test_prompts_of_nearly_one_size_do_not_make_tokens_free() -> None:
+    # Short prompts of about one size, first bytes jittered by a busy loop: the times carry
+    # no information about the cost of a token. A slope fitted to that noise alone collapsed
+    # to the floor, and with it the price of every queued and running token on the endpoint:
+    # all traffic herded onto it while the others stood idle.
+    calibrator = Calibrator()
+    rng = random.Random(4)
+    for _ in range(300):
+        tokens = rng.uniform(40, 80)
+        seconds = 0.02 + rng.uniform(0.0, 0.03) - 0.0003 * (tokens - 60)  # noise trending down
+        calibrator.observe("a", tokens, seconds)
+    overhead, per_token = calibrator.cost("a")
+    assert per_token == pytest.approx(CostPriors().per_token_s, rel=0.2)
+    assert overhead + per_token * 60 == pytest.approx(0.035, abs=0.01)

@@ -191,10 +191,18 @@ def _all_settled(gw: RunningGateway) -> bool:
 
 def _pool_view(gw: RunningGateway) -> str:
     """What routing saw of each endpoint, for a failure's message."""
+    registry = gw.gateway.metrics.registry
+
+    def learned(name: str, endpoint: str) -> float | None:
+        metric = f"prefixgate_calibrated_prefill_{name}"
+        return registry.get_sample_value(metric, {"endpoint": endpoint})
+
     return "; ".join(
         f"{s.endpoint.id} eligible={s.eligible} in_flight={s.in_flight} "
         f"pending={s.pending_prefill_tokens}/{s.pending_prefill_requests} "
-        f"running={s.metrics.running} waiting={s.metrics.waiting}"
+        f"running={s.metrics.running} waiting={s.metrics.waiting} "
+        f"overhead={learned('overhead_seconds', s.endpoint.id)} "
+        f"per_token={learned('seconds_per_token', s.endpoint.id)}"
         for s in gw.gateway.pool
     )
 

@@ -59,6 +59,10 @@ async def _ready_status(url: str) -> int | str:
             return (await http.get(f"{url}/ready")).status_code
     except httpx.ConnectError:
         return "refused"
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        # Accepted by the kernel into the listener's backlog just as the listener closed, then
+        # dropped unanswered: as refused for a probe (and the next connection is refused).
+        return "refused"
 
 
 def _body(max_tokens: int, stream: bool) -> dict[str, Any]:
