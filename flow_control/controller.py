@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Literal
 
 from prometheus_client import CollectorRegistry
@@ -74,6 +74,8 @@ class FlowController:
         )
         self._metrics = FlowControlMetrics(registry or CollectorRegistry(), max_flow_labels)
         self._resolver = RequestResolver(config, clock)
+        # Resolve fairness id, objective (priority, TTL) and session boost from headers.
+        self.build_request = self._resolver.build
         bands = sorted(config.priority_bands, key=lambda b: b.priority)
         self._band_priorities = [b.priority for b in bands]
         self._bands = [self._band(str(b.priority), b.priority, b) for b in bands]
@@ -101,19 +103,6 @@ class FlowController:
             fast=m.dispatches.labels(name, "fast"),
             queued=m.dispatches.labels(name, "queued"),
         )
-
-    # -- building requests ------------------------------------------------------------------
-
-    def build_request(
-        self,
-        headers: Mapping[str, str],
-        model: str,
-        size: int = 0,
-        session_id: str | None = None,
-        arrival: float | None = None,
-    ) -> FlowRequest:
-        """Resolve fairness id, objective (priority, TTL) and session boost from headers."""
-        return self._resolver.build(headers, model, size, session_id, arrival)
 
     # -- admission --------------------------------------------------------------------------
 
