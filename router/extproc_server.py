@@ -134,8 +134,6 @@ async def running_epp(
         yield RunningEpp(port, health_port, metrics_port, gateway, health)
 
 
-
-
 async def _serve(config: GatewayConfig) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

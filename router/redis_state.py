@@ -30,6 +30,7 @@ from router.redis_link import (
     eval_script,
     key_tag,
 )
+from router.tasks import cancel_and_wait
 from router.update_queue import UpdateQueue
 
 
@@ -210,11 +211,8 @@ class SharedInFlight:
             await asyncio.sleep(self._interval)
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)  # still set meanwhile: nothing starts another
+        self._task = None
         own = self._prefix + self.gateway_id
         with contextlib.suppress(Unavailable):
             # Leaving cleanly: the others stop counting us now rather than at expiry.

@@ -7,13 +7,13 @@ slow or away the oldest are dropped (and counted), since the newest say most abo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 from router.redis_link import RedisLink, Unavailable
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefixgate.redis")
 
@@ -145,8 +145,5 @@ class UpdateQueue(Generic[K, V]):
             self._link.metrics.dropped.labels(self._op, "closing").inc(len(self._items))
             self._items.clear()
             self._idle.set()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)  # still set meanwhile: nothing starts another
+        self._task = None
