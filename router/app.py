@@ -248,6 +248,12 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
         error.error_type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
         return _error_response(error)
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        # A bug, not the client's fault: it still gets an OpenAI-shaped error, and the
+        # server's error middleware logs the traceback after this response.
+        return _error_response(GatewayError("internal error in the gateway"))
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         return _error_response(BadRequestError(str(exc.errors())))

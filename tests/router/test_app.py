@@ -119,6 +119,20 @@ async def test_bad_requests_get_openai_errors(gateway: RunningGateway) -> None:
         assert unknown.status_code == 404 and "error" in unknown.json()
 
 
+async def test_a_bug_is_an_openai_500_not_a_plain_text_page(
+    gateway: RunningGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(gateway.gateway.proxy, "_serve", broken)
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        resp = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert resp.status_code == 500
+    assert resp.json()["error"]["type"] == "internal_error"
+    assert "a bug" not in resp.text  # internals stay in the log
+
+
 async def test_upstream_error_is_passed_through(gateway: RunningGateway) -> None:
     # The replica rejects a prompt longer than its max_model_len: status and body come back as is.
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
