@@ -1,49 +1,97 @@
-"""The upstream HTTP client the proxy forwards requests with.
+"""The upstream HTTP/1.1 client the proxy forwards requests with.
 
-aiohttp rather than httpx on this one path: measured on loopback, an httpx round trip costs the
-gateway ~0.8 ms of CPU per request against ~0.2 ms for aiohttp (C-accelerated parser), which
-alone decides whether the gateway adds more or less than a millisecond. httpx stays for the
-monitor and everything off the hot path.
+Its own small client on ``asyncio.Protocol`` and httptools (``router.upstream_connection``)
+rather than a general one, because this path runs once per request and once per streamed
+token: measured on loopback (``benchmarks.overhead``, ``benchmarks.relay_cost``), httpx cost the
+gateway ~0.8 ms of CPU per round trip, aiohttp ~0.2 ms and a stream reader per chunk, which a
+burst of sub-agent requests pays in series on the one event loop. httpx stays for the monitor and
+everything off the hot path.
+
+Connections are pooled per endpoint, most recently used first, and a pooled connection idle for
+``keepalive_seconds`` is not used again: servers close idle ones on their own clock (uvicorn,
+and so vLLM, after 5 s), and a request written into a connection the server is closing is lost.
+For the same race, a request whose reused connection fails before any byte of an answer goes
+once more on a new connection: the endpoint never read it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import ssl
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from urllib.parse import urlsplit
 
-import aiohttp
+from router.upstream_connection import (
+    Connection,
+    UpstreamConnectionError,
+    UpstreamProtocolError,
+)
 
 # What can go wrong talking to an endpoint, short of a bug: the proxy retries or reports these.
-UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, OSError, TimeoutError)
+# UpstreamConnectionError and UpstreamProtocolError are ConnectionErrors, so OSErrors too.
+UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (OSError, TimeoutError)
+
+__all__ = [
+    "UPSTREAM_ERRORS", "UpstreamClient", "UpstreamConnectionError", "UpstreamProtocolError",
+    "UpstreamReply",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    host: str
+    port: int
+    tls: bool
+    path: str
+    host_header: str
+
+    @property
+    def key(self) -> tuple[str, int, bool]:
+        return (self.host, self.port, self.tls)
+
+
+@lru_cache(maxsize=4096)
+def _target(url: str) -> _Target:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return _Target(parts.hostname, port, tls, path, parts.netloc)
 
 
 class UpstreamReply:
     """An upstream response whose status line and headers have arrived."""
 
-    __slots__ = ("_done", "_response")
+    __slots__ = ("_client", "_conn", "_released")
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self._response = response
-        self._done = False
+    def __init__(self, client: UpstreamClient, conn: Connection) -> None:
+        self._client = client
+        self._conn = conn
+        self._released = False
 
     @property
     def status(self) -> int:
-        return self._response.status
+        return self._conn.status
 
     @property
     def raw_headers(self) -> Sequence[tuple[bytes, bytes]]:
-        return self._response.raw_headers
+        return self._conn.headers
 
     @property
     def content_type(self) -> str:
-        return self._response.headers.get("content-type", "")
+        for name, value in self._conn.headers:
+            if name.lower() == b"content-type":
+                return value.decode("latin-1")
+        return ""
 
     async def next_chunk(self) -> bytes:
         """The next piece of the body as it arrives; ``b""`` at its end."""
-        chunk = await self._response.content.readany()
-        if not chunk:
-            self._done = True
-        return chunk
+        return await self._conn.next_chunk()
 
     async def read_all(self, limit: int = 1 << 20) -> bytes:
         parts: list[bytes] = []
@@ -59,44 +107,125 @@ class UpstreamReply:
     def close(self) -> None:
         """Give the connection back when the body was read to its end; otherwise drop it,
         which is what tells the replica to abort the request."""
-        if self._done:
-            self._response.release()
-        else:
-            with contextlib.suppress(Exception):
-                self._response.close()
+        if not self._released:
+            self._released = True
+            self._client.release(self._conn)
 
 
 class UpstreamClient:
-    def __init__(self, max_connections: int, connect_timeout: float) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=max_connections, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=60
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=None, connect=connect_timeout, sock_connect=connect_timeout
-            ),
-            # Bodies are relayed byte for byte: never decompress, never add encodings the
-            # client did not ask for.
-            auto_decompress=False,
-            skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
-            raise_for_status=False,
-        )
+    def __init__(
+        self,
+        max_connections: int,
+        connect_timeout: float,
+        keepalive_seconds: float = 4.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self._slots = asyncio.Semaphore(max_connections)
+        self._connect_timeout = connect_timeout
+        self._keepalive = keepalive_seconds
+        self._ssl = ssl_context
+        self._idle: dict[tuple[str, int, bool], list[Connection]] = {}
+        self._closed = False
 
     async def post(
         self, url: str, headers: Sequence[tuple[str, str]], body: bytes
     ) -> UpstreamReply:
-        response = await self._session.post(url, data=body, headers=list(headers))
-        return UpstreamReply(response)
+        return await self.request("POST", url, headers, body)
 
     async def request(
         self, method: str, url: str, headers: Sequence[tuple[str, str]], body: bytes = b""
     ) -> UpstreamReply:
-        """Any method (GET/DELETE of a stored response, say); a body only when one is given."""
-        response = await self._session.request(
-            method, url, data=body or None, headers=list(headers)
-        )
-        return UpstreamReply(response)
+        """Write the request, wait for the answer's head. Any method (GET/DELETE of a stored
+        response, say); a Content-Length when there is a body or the method expects one."""
+        target = _target(url)
+        head = _head(method, target, headers, body)
+        data = [head, body] if body else [head]
+        await self._slots.acquire()
+        try:
+            conn = await self._exchange(target, data)
+        except BaseException:
+            self._slots.release()
+            raise
+        return UpstreamReply(self, conn)
+
+    async def _exchange(self, target: _Target, data: list[bytes]) -> Connection:
+        conn = self._pooled(target.key)
+        if conn is not None:
+            try:
+                await _send(conn, data)
+                return conn
+            except OSError:
+                if conn.answered:
+                    raise
+                # Closed by the endpoint while idle: it never read the request.
+        conn = await self._connect(target)
+        await _send(conn, data)
+        return conn
+
+    def _pooled(self, key: tuple[str, int, bool]) -> Connection | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            conn.on_lost = None
+            if not conn.closed and now - conn.idle_since < self._keepalive:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self, target: _Target) -> Connection:
+        loop = asyncio.get_running_loop()
+        tls: ssl.SSLContext | None = None
+        if target.tls:
+            tls = self._ssl or ssl.create_default_context()
+        async with asyncio.timeout(self._connect_timeout):
+            _, conn = await loop.create_connection(
+                lambda: Connection(loop), target.host, target.port, ssl=tls,
+                server_hostname=target.host if tls else None,
+            )
+        conn.key = target.key
+        return conn
+
+    def release(self, conn: Connection) -> None:
+        """A reply is done with its connection: pool it if its answer ended cleanly."""
+        self._slots.release()
+        if self._closed or not conn.reusable:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        conn.on_lost = self._lost
+        self._idle.setdefault(conn.key, []).append(conn)
+
+    def _lost(self, conn: Connection) -> None:
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
 
     async def aclose(self) -> None:
-        await self._session.close()
+        self._closed = True
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.on_lost = None
+                conn.close()
+        self._idle.clear()
+
+
+async def _send(conn: Connection, data: list[bytes]) -> None:
+    if conn.closed:
+        raise UpstreamConnectionError("the endpoint closed the connection")
+    conn.send(data)
+    try:
+        await conn.head()
+    except BaseException:
+        conn.close()
+        raise
+
+
+def _head(method: str, target: _Target, headers: Sequence[tuple[str, str]], body: bytes) -> bytes:
+    lines = [method, " ", target.path, " HTTP/1.1\r\nHost: ", target.host_header, "\r\n"]
+    for name, value in headers:
+        lines += (name, ": ", value, "\r\n")
+    if body or method in ("POST", "PUT", "PATCH"):
+        lines += ("Content-Length: ", str(len(body)), "\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1")
