@@ -91,6 +91,8 @@ def run_point(
     ]
     for peers_dir in args.peers_dir:
         command += ["--peers-dir", peers_dir]
+    if args.speed is not None:
+        command += ["--speed", str(args.speed)]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return folder / "results.json"
 
@@ -103,8 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", default=PEERS)
     parser.add_argument("--peers-dir", action="append", default=[])
     parser.add_argument("--repeat", type=int, default=1, help="runs per point (median shown)")
+    parser.add_argument("--speed", type=float, help="the replicas' speed-up (bench's default)")
+    parser.add_argument("--points", help="only these, e.g. c48-kv8192,c48-kv2048")
     args = parser.parse_args(argv)
+    chosen = set(args.points.split(",")) if args.points else None
+    known = {f"c{c}-kv{b}" for _, c, b in POINTS}
+    if chosen is not None and not chosen <= known:
+        parser.error(f"--points: unknown {sorted(chosen - known)}; known: {sorted(known)}")
     for label, concurrency, blocks in POINTS:
+        if chosen is not None and f"c{concurrency}-kv{blocks}" not in chosen:
+            continue
         runs = []
         for run in range(max(1, args.repeat)):
             path = run_point(args.out, concurrency, blocks, args, run)
