@@ -177,7 +177,9 @@ class UpstreamClient:
         loop = asyncio.get_running_loop()
         tls: ssl.SSLContext | None = None
         if target.tls:
-            tls = self._ssl or ssl.create_default_context()
+            if self._ssl is None:  # built once: loading the CA store takes milliseconds
+                self._ssl = ssl.create_default_context()
+            tls = self._ssl
         async with asyncio.timeout(self._connect_timeout):
             _, conn = await loop.create_connection(
                 lambda: Connection(loop), target.host, target.port, ssl=tls,

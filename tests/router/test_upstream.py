@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -270,3 +274,47 @@ async def test_a_slow_reader_stops_the_socket_being_read() -> None:
         assert len(first) + len(await reply.read_all(size)) == size
         reply.close()
     await client.aclose()
+
+
+@pytest.fixture
+def certificate(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=test",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=30,
+    )
+    return cert, key
+
+
+async def test_https_endpoints_are_verified(certificate: tuple[Path, Path]) -> None:
+    cert, key = certificate
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+    trusting = ssl.create_default_context(cafile=str(cert))
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+            await read_request(reader)
+            writer.write(ok(b"secure"))
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_tls)
+    url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/x"
+    try:
+        client = UpstreamClient(8, 2, ssl_context=trusting)
+        reply = await asyncio.wait_for(client.post(url, [], b"{}"), 5)
+        assert await reply.read_all() == b"secure"
+        reply.close()
+        await client.aclose()
+        untrusting = UpstreamClient(8, 2)  # the system's CAs do not know this certificate
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await asyncio.wait_for(untrusting.post(url, [], b"{}"), 5)
+        await untrusting.aclose()
+    finally:
+        server.close()
