@@ -11,8 +11,8 @@ Trust, per endpoint (an untrusted endpoint is scored from the approximate index 
   lie) and it stays untrusted for ``resync_seconds`` while live events rebuild it;
 - a seq going backwards is a restarted replica: its cache is empty, so are its entries;
 - a lost connection, or a replica that answered requests without publishing anything within
-  ``silence_seconds`` (see :meth:`KVEventsManager.expect_events`), is untrusted until a batch
-  arrives in sequence.
+  ``silence_seconds`` (see ``KVEventsManager.expect_events`` in router.kv_events_manager), is
+  untrusted until a batch arrives in sequence.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,12 +43,11 @@ from router.kv_event_codec import (
 )
 from router.kv_event_sources import EventSource, derive_sources
 from router.precise_index import PreciseIndex
-from router.tasks import cancel_and_wait
 
 __all__ = [
     "BatchMirror", "Cleared", "DecodeError", "EndpointSubscriber", "EventBatch", "EventSource",
-    "KVEventsManager", "Removed", "Stored", "SubscriberSettings", "apply_batch", "decode_batch",
-    "decode_event", "derive_sources",
+    "Removed", "Stored", "SubscriberMetrics", "SubscriberSettings", "apply_batch",
+    "decode_batch", "decode_event", "derive_sources",
 ]
 
 log = logging.getLogger("prefixgate.kv_events")
@@ -316,88 +315,3 @@ class EndpointSubscriber:
                 sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
-
-
-class KVEventsManager:
-    """Runs a subscriber per endpoint with an events address; owns their ZMQ context.
-
-    Endpoints may join (:meth:`add`) and leave (:meth:`remove`) while it runs: discovery."""
-
-    def __init__(
-        self,
-        index: PreciseIndex,
-        sources: Iterable[EventSource],
-        settings: SubscriberSettings,
-        registry: CollectorRegistry,
-        mirror: BatchMirror | None = None,
-    ) -> None:
-        self.index = index
-        self._settings = settings
-        self._metrics = SubscriberMetrics(registry)
-        self._mirror = mirror
-        self._ctx = zmq.asyncio.Context()
-        self.subscribers: dict[str, EndpointSubscriber] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._started = False
-        for source in sources:
-            self.add(source)
-
-    def start(self) -> None:
-        self._started = True
-        for sub in self.subscribers.values():
-            self._spawn(sub)
-
-    def _spawn(self, sub: EndpointSubscriber) -> None:
-        loop = asyncio.get_running_loop()
-        eid = sub.endpoint_id
-        self._tasks[eid] = loop.create_task(self._guarded(sub), name=f"kv-events-{eid}")
-
-    def add(self, source: EventSource) -> bool:
-        """Subscribe to one more endpoint (now, if running); False if it already has one."""
-        if source.endpoint_id in self.subscribers:
-            return False
-        sub = EndpointSubscriber(
-            source, self.index, self._ctx, self._settings, self._metrics, mirror=self._mirror
-        )
-        self.subscribers[source.endpoint_id] = sub
-        if self._started:
-            self._spawn(sub)
-        return True
-
-    async def remove(self, endpoint_id: str) -> None:
-        """Stop following an endpoint that left the pool (its index entries stay: see forget)."""
-        self.subscribers.pop(endpoint_id, None)
-        await cancel_and_wait(self._tasks.pop(endpoint_id, None))
-        for gauge in (self._metrics.trusted, self._metrics.entries):
-            with contextlib.suppress(KeyError):
-                gauge.remove(endpoint_id)
-
-    async def _guarded(self, sub: EndpointSubscriber) -> None:
-        # A bug in one subscriber must not end event intake for good: restart it, bounded.
-        while True:
-            try:
-                await sub.run()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("kv events %s: subscriber failed; restarting", sub.endpoint_id)
-                sub.connected = False
-                sub.last_seq = None
-                self.index.cleared(sub.endpoint_id)
-                self.index.set_trusted(sub.endpoint_id, False, "subscriber restarted")
-                await asyncio.sleep(1.0)
-
-    def expect_events(self, endpoint_id: str, since: float) -> None:
-        sub = self.subscribers.get(endpoint_id)
-        if sub is not None:
-            sub.expect_events(since)
-
-    async def stop(self) -> None:
-        tasks, self._tasks = list(self._tasks.values()), {}
-        self._started = False
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._ctx.term()

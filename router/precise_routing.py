@@ -29,7 +29,8 @@ from router import anthropic, responses_api
 from router.config import GatewayConfig, PluginConfig
 from router.endpoints import Endpoint, EndpointSnapshot
 from router.hf_tokenizer import huggingface_tokenizer
-from router.kv_events import EventSource, KVEventsManager, SubscriberSettings, derive_sources
+from router.kv_events import EventSource, SubscriberSettings, derive_sources
+from router.kv_events_manager import KVEventsManager
 from router.parsing import ParsedRequest
 from router.precise_config import TokenizerConfig
 from router.precise_index import PreciseIndex, block_keys

@@ -27,13 +27,13 @@ from router.kv_events import (
     DecodeError,
     EndpointSubscriber,
     EventSource,
-    KVEventsManager,
     Removed,
     Stored,
     SubscriberSettings,
     decode_batch,
     derive_sources,
 )
+from router.kv_events_manager import KVEventsManager
 from router.precise_index import PreciseIndex, block_keys
 
 BS = 4

@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry
 from benchmarks.sim.cli import start_replicas
 from benchmarks.sim.config import SimConfig
 from benchmarks.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
-from router.kv_events import EventSource, KVEventsManager, SubscriberSettings
+from router.kv_events import EventSource, SubscriberSettings
+from router.kv_events_manager import KVEventsManager
 from router.precise_index import PreciseIndex, block_keys
 from router.precise_redis import RemoteMatch, SharedPreciseIndex
 from router.redis_link import RedisMetrics
