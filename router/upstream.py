@@ -17,6 +17,8 @@ once more on a new connection: the endpoint never read it.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
 import ssl
 import time
 from collections.abc import Sequence
@@ -29,6 +31,11 @@ from router.upstream_connection import (
     UpstreamConnectionError,
     UpstreamProtocolError,
 )
+
+# How long a resolved endpoint host name is dialled without asking DNS again (aiohttp's default
+# too): a burst that opens connections to one replica must not queue getaddrinfo calls on the
+# loop's thread pool, and a replaced pod behind a name is picked up within a minute.
+DNS_TTL_SECONDS = 60.0
 
 # What can go wrong talking to an endpoint, short of a bug: the proxy retries or reports these.
 # UpstreamConnectionError and UpstreamProtocolError are ConnectionErrors, so OSErrors too.
@@ -125,6 +132,7 @@ class UpstreamClient:
         self._keepalive = keepalive_seconds
         self._ssl = ssl_context
         self._idle: dict[tuple[str, int, bool], list[Connection]] = {}
+        self._dns: dict[tuple[str, int], tuple[float, list[str]]] = {}
         self._closed = False
 
     async def post(
@@ -180,13 +188,57 @@ class UpstreamClient:
             if self._ssl is None:  # built once: loading the CA store takes milliseconds
                 self._ssl = ssl.create_default_context()
             tls = self._ssl
-        async with asyncio.timeout(self._connect_timeout):
-            _, conn = await loop.create_connection(
-                lambda: Connection(loop), target.host, target.port, ssl=tls,
-                server_hostname=target.host if tls else None,
-            )
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                addresses = await self._addresses(loop, target.host, target.port)
+                conn = await self._dial(loop, addresses, target, tls)
+        except OSError:
+            self._dns.pop((target.host, target.port), None)  # ask again next time
+            raise
         conn.key = target.key
         return conn
+
+    async def _dial(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        addresses: list[str],
+        target: _Target,
+        tls: ssl.SSLContext | None,
+    ) -> Connection:
+        """The first of a name's addresses that accepts (a name may have an IPv6 address its
+        server does not listen on); that one is tried first from then on."""
+        error: OSError | None = None
+        for address in list(addresses):
+            try:
+                _, conn = await loop.create_connection(
+                    lambda: Connection(loop), address, target.port, ssl=tls,
+                    server_hostname=target.host if tls else None,
+                )
+            except OSError as exc:
+                error = exc
+                continue
+            if address != addresses[0]:
+                addresses.remove(address)
+                addresses.insert(0, address)
+            return conn
+        raise error or OSError(f"{target.host} has no address")
+
+    async def _addresses(
+        self, loop: asyncio.AbstractEventLoop, host: str, port: int
+    ) -> list[str]:
+        """The addresses to dial for ``host``: itself if it is one, else a cached lookup."""
+        if _is_ip(host):
+            return [host]
+        now = time.monotonic()
+        cached = self._dns.get((host, port))
+        if cached is not None and now - cached[0] < DNS_TTL_SECONDS:
+            return cached[1]
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+        if not addresses:
+            raise OSError(f"{host} did not resolve")
+        self._dns[(host, port)] = (now, addresses)
+        return addresses
 
     def release(self, conn: Connection) -> None:
         """A reply is done with its connection: pool it if its answer ended cleanly."""
@@ -210,6 +262,15 @@ class UpstreamClient:
                 conn.on_lost = None
                 conn.close()
         self._idle.clear()
+
+
+@lru_cache(maxsize=1024)
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 async def _send(conn: Connection, data: list[bytes]) -> None:
