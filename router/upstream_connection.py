@@ -108,7 +108,6 @@ class Connection(asyncio.Protocol):
         # llhttp answers this only while the message is current, not once it has ended.
         self._keep_alive = bool(self._parser.should_keep_alive())
         self._complete = True
-        self._framed = True
         self._wake()
 
     # the client's side

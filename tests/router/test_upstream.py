@@ -22,8 +22,6 @@ from router.upstream import (
 )
 from router.upstream_connection import HIGH_WATER_BYTES
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
 
 class Server:
     def __init__(self) -> None:
@@ -41,9 +39,11 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
     return head + await reader.readexactly(length)
 
 
+Answer = Callable[[Server, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
 @contextlib.asynccontextmanager
-async def serve(answer: Callable[[Server, asyncio.StreamReader, asyncio.StreamWriter],
-                                 Awaitable[None]]) -> AsyncIterator[Server]:
+async def serve(answer: Answer) -> AsyncIterator[Server]:
     state = Server()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -67,6 +67,21 @@ def ok(body: bytes) -> bytes:
     return b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s" % (
         len(body), body
     )
+
+
+def answer_once(raw: bytes, hold_open: bool = False) -> Answer:
+    """A server that answers one request with ``raw`` bytes, then hangs up, or with
+    ``hold_open`` waits until the client does."""
+
+    async def answer(state: Server, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(raw)
+        await writer.drain()
+        if hold_open:
+            await reader.read()
+
+    return answer
 
 
 async def keep_answering(state: Server, reader: asyncio.StreamReader,
@@ -118,12 +133,7 @@ async def test_a_stream_arrives_piece_by_piece_before_its_end() -> None:
 
 
 async def test_a_connection_cut_mid_body_is_an_error_not_an_end() -> None:
-    async def cut(state: Server, reader: asyncio.StreamReader,
-                  writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
-        await writer.drain()
-
+    cut = answer_once(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
     client = UpstreamClient(8, 2)
     async with serve(cut) as server:
         reply = await client.post(server.url, [], b"")
@@ -135,12 +145,7 @@ async def test_a_connection_cut_mid_body_is_an_error_not_an_end() -> None:
 
 
 async def test_a_body_without_length_ends_with_the_connection() -> None:
-    async def unframed(state: Server, reader: asyncio.StreamReader,
-                       writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
-        await writer.drain()
-
+    unframed = answer_once(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
     client = UpstreamClient(8, 2)
     async with serve(unframed) as server:
         reply = await client.post(server.url, [], b"")
@@ -217,13 +222,7 @@ async def test_closing_a_reply_before_its_end_drops_the_connection() -> None:
 
 
 async def test_garbage_is_a_protocol_error() -> None:
-    async def garbage(state: Server, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"SMTP ready\r\n\r\n")
-        await writer.drain()
-        await reader.read()
-
+    garbage = answer_once(b"SMTP ready\r\n\r\n", hold_open=True)
     client = UpstreamClient(8, 2)
     async with serve(garbage) as server:
         with pytest.raises(UpstreamProtocolError) as info:
@@ -260,13 +259,7 @@ async def test_max_connections_holds_back_the_next_request_until_one_is_done() -
 async def test_a_slow_reader_stops_the_socket_being_read() -> None:
     size = 4 * HIGH_WATER_BYTES
 
-    async def big(state: Server, reader: asyncio.StreamReader,
-                  writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(ok(b"x" * size))
-        await writer.drain()
-        await reader.read()
-
+    big = answer_once(ok(b"x" * size), hold_open=True)
     client = UpstreamClient(8, 2)
     async with serve(big) as server:
         reply = await client.post(server.url, [], b"")
