@@ -59,6 +59,7 @@ class Gateway:
     flow: FlowController
     router: Router
     proxy: Proxy
+    calibrator: Calibrator
     monitor: EndpointMonitor | None = None
     discovery: KubernetesDiscovery | None = None
     precise: PreciseRuntime | None = None
@@ -139,7 +140,7 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
         pd = config.disaggregation
         timeout = pd.prefill_timeout_seconds or config.proxy.first_byte_timeout_seconds
         proxy.disagg = Disaggregator(pd, router, prefill_profile, metrics, timeout)
-    gateway = Gateway(config, pool, stores, scheduler, metrics, flow, router, proxy)
+    gateway = Gateway(config, pool, stores, scheduler, metrics, flow, router, proxy, calibrator)
     gateway.precise = precise
     gateway.prediction = PredictionTracker(
         metrics.registry,
@@ -156,7 +157,11 @@ async def _start_discovery(gateway: Gateway, stack: AsyncExitStack) -> Kubernete
     assert config is not None
     client, namespace = await asyncio.to_thread(api_client, config)
     await stack.enter_async_context(client)
-    forget = [gateway.stores.index.forget_endpoint, gateway.stores.affinity.forget_endpoint]
+    forget = [
+        gateway.stores.index.forget_endpoint,
+        gateway.stores.affinity.forget_endpoint,
+        gateway.calibrator.forget_endpoint,
+    ]
     joined = []
     if gateway.precise is not None:
         forget.append(gateway.precise.forget_endpoint)

@@ -25,9 +25,16 @@ def test_learns_a_slower_endpoint_and_exports_it() -> None:
     overhead, per_token = calibrator.cost("slow")
     assert per_token == pytest.approx(0.0004, rel=0.05)
     assert overhead == pytest.approx(0.05, abs=0.01)
-    assert calibrator.cost("other") == (CostPriors().overhead_s, CostPriors().per_token_s)
+    # An endpoint without samples of its own starts from what the fleet learned.
+    assert (
+        calibrator.cost("other")
+        == calibrator.fleet_cost()
+        != (CostPriors().overhead_s, CostPriors().per_token_s)
+    )
+    assert calibrator.fleet_cost()[1] == pytest.approx(0.0004, rel=0.05)
     text = generate_latest(registry).decode()
     assert 'prefixgate_calibrated_prefill_seconds_per_token{endpoint="slow"}' in text
+    assert "prefixgate_calibrated_fleet_prefill_seconds_per_token 0.000" in text
 
 
 def test_outliers_are_clipped_and_the_fit_bounded() -> None:
@@ -58,7 +65,7 @@ def test_recent_samples_win() -> None:
 
 
 def test_constant_token_counts_keep_the_prior_slope_and_garbage_is_ignored() -> None:
-    calibrator = Calibrator()
+    calibrator = Calibrator(clock=lambda: 0.0)
     for _ in range(100):
         calibrator.observe("a", 500, 0.2)
     overhead, per_token = calibrator.cost("a")
@@ -67,8 +74,8 @@ def test_constant_token_counts_keep_the_prior_slope_and_garbage_is_ignored() -> 
     calibrator.observe("a", float("nan"), 1.0)
     calibrator.observe("a", 10, -1.0)
     assert calibrator.cost("a") == (overhead, per_token)
-    calibrator.forget("a")
-    assert calibrator.cost("a") == (CostPriors().overhead_s, CostPriors().per_token_s)
+    calibrator.forget("a")  # it left the pool: the fleet keeps what it taught
+    assert calibrator.cost("a") == calibrator.fleet_cost()
 
 
 def test_prompts_of_nearly_one_size_do_not_make_tokens_free() -> None:
@@ -85,3 +92,52 @@ def test_prompts_of_nearly_one_size_do_not_make_tokens_free() -> None:
     overhead, per_token = calibrator.cost("a")
     assert per_token == pytest.approx(CostPriors().per_token_s, rel=0.2)
     assert overhead + per_token * 60 == pytest.approx(0.035, abs=0.01)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fast_replica(calibrator: Calibrator, endpoint: str, rng: random.Random) -> None:
+    """A sample from a replica four times faster than the prior (speed 2 of the wall clock)."""
+    tokens = rng.uniform(200, 6_000)
+    calibrator.observe(endpoint, tokens, 0.005 + 0.000025 * tokens + rng.uniform(0, 0.004))
+
+
+def test_a_replica_priced_out_by_a_cold_start_burst_comes_back() -> None:
+    # Seen in a run: at a cold start the first 8 requests all went to one replica at once and
+    # waited for each other, so later-sent ones answered sooner; fitted alone, that replica
+    # learned a quarter-second overhead, was priced out of all traffic, and never got the
+    # samples that would have corrected it (8 requests of 856 while others served 200).
+    clock = FakeClock()
+    calibrator = Calibrator(clock=clock)
+    for i in range(8):
+        calibrator.observe("unlucky", 3_583 + 319 * i, 0.2747 - 0.003 * i)
+    rng = random.Random(5)
+    for _ in range(100):
+        for endpoint in ("b", "c", "d"):
+            fast_replica(calibrator, endpoint, rng)
+    fleet = calibrator.predict("b", 3_700)
+    # Its own few samples weigh little against what the fleet learned...
+    assert calibrator.predict("unlucky", 3_700) < 1.6 * fleet
+    # ...and fade while it gets no traffic: it is soon priced like its peers.
+    clock.now += 120.0
+    assert calibrator.predict("unlucky", 3_700) == pytest.approx(fleet, rel=0.1)
+
+
+def test_a_truly_slower_replica_stays_slower() -> None:
+    clock = FakeClock()
+    calibrator = Calibrator(clock=clock)
+    rng = random.Random(6)
+    for _ in range(300):
+        clock.now += 0.05
+        tokens = rng.uniform(100, 10_000)
+        calibrator.observe("fast", tokens, 0.03 + 0.0002 * tokens)
+        tokens = rng.uniform(100, 10_000)
+        calibrator.observe("slow", tokens, 0.03 + 0.0006 * tokens)
+    assert calibrator.cost("slow")[1] > 1.8 * calibrator.cost("fast")[1]
+    assert 0.0002 < calibrator.fleet_cost()[1] < 0.0006

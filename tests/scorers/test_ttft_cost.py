@@ -82,6 +82,7 @@ def test_affinity_breaks_near_ties_and_calibration_is_used() -> None:
     calibrator = Calibrator()
     for tokens in range(1_000, 20_000, 500):
         calibrator.observe("slow", tokens, 0.03 + 0.002 * tokens)  # ten times slower
+        calibrator.observe("fast", tokens, 0.03 + 0.0002 * tokens)
     slow_aware = TTFTCostScorer(calibrator)
     scores = slow_aware.score(req(tokens=5_000, hits={"slow": 40}), [snap("slow"), snap("fast")])
     assert scores[1] == 1.0
