@@ -74,7 +74,6 @@ class _Fit:
     samples: int = 0
     overhead_s: float = 0.0
     per_token_s: float = 0.0
-    last_sample: float = 0.0
 
     def add(self, x: float, y: float, decay: float) -> None:
         self.w = self.w * decay + 1.0
@@ -84,14 +83,14 @@ class _Fit:
         self.sxy = self.sxy * decay + x * y
         self.samples += 1
 
-    def solve(self, reference_slope: float, priors: CostPriors) -> None:
+    def solve(self, priors: CostPriors) -> None:
         mean_x, mean_y = self.sx / self.w, self.sy / self.w
         var_x = max(0.0, self.sxx / self.w - mean_x * mean_x)
         cov_xy = self.sxy / self.w - mean_x * mean_y
-        # Ridge towards the reference slope: without spread in the token counts the slope is
-        # not identifiable and stays the reference's, while the intercept is learned either way.
+        # Ridge towards the prior slope: without spread in the token counts the slope is not
+        # identifiable and stays the prior's, while the intercept is learned either way.
         ridge = max(priors.prior_spread_tokens, 1.0) ** 2
-        slope = (cov_xy + ridge * reference_slope) / (var_x + ridge)
+        slope = (cov_xy + ridge * priors.per_token_s) / (var_x + ridge)
         # Sane bounds: a token never costs less than a hundredth or more than 100x the prior.
         slope = min(max(slope, priors.per_token_s / 100), priors.per_token_s * 100)
         self.per_token_s = slope
@@ -167,7 +166,7 @@ class Calibrator:
         p = self.priors
         overhead, per_token = self.fleet_cost()
         self._fleet.add(tokens, self._clipped(overhead + per_token * tokens, seconds), p.decay)
-        self._fleet.solve(p.per_token_s, p)
+        self._fleet.solve(p)
         y = self._clipped(self.predict(endpoint_id, tokens), seconds)
         speed = self._speeds.setdefault(endpoint_id, _Speed())
         d = p.endpoint_decay
