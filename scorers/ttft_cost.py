@@ -171,6 +171,7 @@ class TTFTCostScorer:
         t = self.terms(request, endpoint)
         return {
             "predicted_ttft_s": t.total_s, "queued_tokens": t.queued_tokens,
+            "speed_factor": self._calibrator.factor(endpoint.id),
             "uncached_tokens": t.uncached_tokens, "recompute_weight": t.recompute_weight,
             "evicted_tokens": t.evicted_tokens,
             "prefill_s": t.prefill_s, "load_s": t.load_s, "kv_penalty_s": t.kv_penalty_s,

@@ -179,6 +179,7 @@ def test_explain_reports_every_term() -> None:
     terms = scorer().explain(request, snap("a", in_flight=2, pending_prefill_requests=3))
     assert terms["evicted_tokens"] == terms["uncached_tokens"] == 1_000
     assert terms["recompute_weight"] == pytest.approx(1.3)
+    assert terms["speed_factor"] == 1.0  # no samples: the fleet's figures
     assert terms["predicted_ttft_s"] == pytest.approx(
         terms["prefill_s"] + terms["load_s"] + terms["kv_penalty_s"] - terms["affinity_bonus_s"]
     )
