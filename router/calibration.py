@@ -135,11 +135,13 @@ class Calibrator:
 
     def factor(self, endpoint_id: str) -> float:
         """How much slower than the fleet the endpoint is (shrunk towards 1 by its evidence)."""
+        return self._factor(endpoint_id, self.fleet_cost())
+
+    def _factor(self, endpoint_id: str, fleet: tuple[float, float]) -> float:
         speed = self._speeds.get(endpoint_id)
         if speed is None or speed.w <= 0:
             return 1.0
-        overhead, per_token = self.fleet_cost()
-        predicted = overhead * speed.w + per_token * speed.sx
+        predicted = fleet[0] * speed.w + fleet[1] * speed.sx
         if predicted <= 0 or speed.sy <= 0:
             return 1.0
         p = self.priors
@@ -151,8 +153,8 @@ class Calibrator:
     def cost(self, endpoint_id: str) -> tuple[float, float]:
         """(overhead seconds, seconds per token) for the endpoint: the fleet's, times its
         speed factor."""
-        overhead, per_token = self.fleet_cost()
-        factor = self.factor(endpoint_id)
+        overhead, per_token = fleet = self.fleet_cost()
+        factor = self._factor(endpoint_id, fleet)
         return overhead * factor, per_token * factor
 
     def predict(self, endpoint_id: str, tokens: float) -> float:
