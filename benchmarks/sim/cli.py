@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--prefill-overhead-ms", type=float, default=d.prefill_overhead_ms)
     add("--prefill-ms-per-token", type=float, default=d.prefill_ms_per_token)
     add("--time-factor-under-load", type=float, default=d.time_factor_under_load)
+    add("--prefill-mode", choices=["batched", "independent"], default=d.prefill_mode,
+        help="batched: prefills queue in shared steps (vLLM); independent: each prefill "
+        "runs on its own, only scaled by the load factor (llm-d-inference-sim)")
     add("--kv-transfer-ms-per-token", type=float, default=d.kv_transfer_ms_per_token)
     add("--speed", type=float, default=d.speed, help="run this many times faster than real")
     add("--zero-latency", action="store_true", help="answer at once (gateway overhead runs)")
@@ -81,6 +84,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         prefill_overhead_ms=args.prefill_overhead_ms,
         prefill_ms_per_token=args.prefill_ms_per_token,
         time_factor_under_load=args.time_factor_under_load,
+        prefill_mode=getattr(args, "prefill_mode", "batched"),
         kv_transfer_ms_per_token=args.kv_transfer_ms_per_token,
         speed=args.speed,
         zero_latency=args.zero_latency,

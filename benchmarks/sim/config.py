@@ -24,6 +24,10 @@ class SimConfig:
     prefill_overhead_ms: float = 30.0
     prefill_ms_per_token: float = 0.2
     time_factor_under_load: float = 2.0
+    # "batched": prefills share the engine's steps and queue behind one another (vLLM).
+    # "independent": llm-d-inference-sim's model, each prefill takes overhead + per-token time
+    # on its own, scaled by the load factor, however many run at once.
+    prefill_mode: str = "batched"
     kv_transfer_ms_per_token: float = 0.02
     speed: float = 1.0
     zero_latency: bool = False
@@ -44,6 +48,8 @@ class SimConfig:
             raise ValueError("speed must be > 0")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.prefill_mode not in ("batched", "independent"):
+            raise ValueError("prefill_mode must be 'batched' or 'independent'")
         if self.kv_events_encoding not in ("array", "map"):
             raise ValueError("kv_events_encoding must be 'array' or 'map'")
 

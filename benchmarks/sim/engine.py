@@ -25,6 +25,11 @@ all reported times (TTFT, ITL, queue time, e2e) are simulated seconds, i.e. what
 would show. An idle engine waits on an event and restarts its clock at the arrival that woke
 it, so wake-up latency (multiplied by ``speed``) stays out of the simulated latencies.
 
+With ``prefill_mode="independent"`` (llm-d-inference-sim's model, for checking a router against
+that simulator's world) a prefill does not run in the steps: on admission the request holds its
+slot for ``(prefill_overhead_ms + prefill_ms_per_token * uncached) * load_factor``, however many
+others prefill at once, and its blocks are findable at once.
+
 A request with ``kv_transfer_params.do_remote_prefill`` pulls its uncached prompt KV from a
 prefill server instead of computing it: it holds a slot while the transfer runs outside the
 steps (``kv_transfer_ms_per_token`` per token, no prefill overhead), then computes its last
@@ -271,16 +276,16 @@ class Engine:
         cfg = self.config
         ms = 0.0
         if plan.decodes:
-            running = len(self.running)
-            factor = 1.0
-            if cfg.max_num_seqs > 1:
-                factor += (
-                    (cfg.time_factor_under_load - 1.0) * (running - 1) / (cfg.max_num_seqs - 1)
-                )
-            ms += cfg.itl_ms * factor
+            ms += cfg.itl_ms * self._load_factor(len(self.running))
         ms += cfg.prefill_ms_per_token * sum(chunk for _, chunk in plan.prefills)
         ms += cfg.prefill_overhead_ms * plan.starts
         return ms
+
+    def _load_factor(self, running: int) -> float:
+        cfg = self.config
+        if cfg.max_num_seqs <= 1:
+            return 1.0
+        return 1.0 + (cfg.time_factor_under_load - 1.0) * (running - 1) / (cfg.max_num_seqs - 1)
 
     def _admit(self, req: SimRequest) -> bool:
         extend_block_hashes(req.block_hashes, req.all_tokens, self.kv.block_size, req.cache_salt)
@@ -298,13 +303,27 @@ class Engine:
             req.admitted_at = self.clock.now
             if self.observer is not None:
                 self.observer.on_queued(max(self.clock.now - req.arrival, 0.0))
+        uncached = len(req.all_tokens) - cached
         if req.remote_prefill:
-            uncached = len(req.all_tokens) - cached
-            req.ready_at = self.clock.now + uncached * self.config.kv_transfer_ms_per_token / 1000.0
-            # The pulled KV covers the prompt but its last token, computed here (as vLLM).
-            req.num_computed = len(req.all_tokens) - 1
-            req.prefilling = False
+            ms = uncached * self.config.kv_transfer_ms_per_token
+        elif self.config.prefill_mode == "independent":
+            ms = self._independent_prefill_ms(uncached)
+            self._register(req, len(req.all_tokens))
+        else:
+            return True
+        req.ready_at = self.clock.now + ms / 1000.0
+        # The pulled (or separately timed) KV covers the prompt but its last token, computed
+        # by the first decode step (as vLLM).
+        req.num_computed = len(req.all_tokens) - 1
+        req.prefilling = False
         return True
+
+    def _independent_prefill_ms(self, uncached: int) -> float:
+        """llm-d-inference-sim's prefill: its own overhead and per-token time, slowed only by
+        the load factor (the request itself counts as running)."""
+        cfg = self.config
+        ms = cfg.prefill_overhead_ms + cfg.prefill_ms_per_token * uncached
+        return ms * self._load_factor(len(self.running) + 1)
 
     def _grow(self, req: SimRequest, num_tokens: int) -> bool:
         """Give ``req`` blocks for ``num_tokens``, preempting the newest requests if needed."""

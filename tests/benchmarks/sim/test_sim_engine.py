@@ -96,6 +96,33 @@ async def test_concurrent_prefills_queue_behind_one_another(engine_factory: type
     assert ttfts[2] > 2.5 * ttft(alone)
 
 
+async def test_independent_prefills_run_side_by_side(engine_factory: type[Engine]) -> None:
+    # llm-d-inference-sim's world: three concurrent 2000-token prefills each take their own
+    # time, slowed only by the load factor (3 running of 5: 1 + (2 - 1) * 2 / 4 = 1.5).
+    cfg = SimConfig(speed=50, max_num_seqs=5, prefill_mode="independent")
+    engine = engine_factory(cfg)
+    reqs = [make(engine, unique(2000, 10_000 * (i + 1)), 1) for i in range(3)]
+    for req in reqs:
+        engine.add_request(req)
+    await done(*reqs)
+    alone = 0.030 + 2000 * 0.0002
+    factors = [1.0, 1.25, 1.5]  # each admitted with the ones before it running
+    for req, factor in zip(reqs, factors, strict=True):
+        # Plus the decode step that computes the first token (12 ms at up to 1.5x).
+        assert ttft(req) == pytest.approx(alone * factor + 0.015, abs=0.01)
+    # A repeat of a prompt recomputes only its last block.
+    again = make(engine, unique(2000, 10_000), 1)
+    engine.add_request(again)
+    await done(again)
+    assert again.num_cached_tokens == 1984
+    assert ttft(again) == pytest.approx(0.030 + 16 * 0.0002 + 0.012, abs=0.01)
+
+
+def test_prefill_mode_is_checked() -> None:
+    with pytest.raises(ValueError, match="prefill_mode"):
+        SimConfig(prefill_mode="parallel")
+
+
 @pytest.mark.parametrize(
     ("budget", "sibling_len", "expected"),
     [
