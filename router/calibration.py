@@ -1,12 +1,21 @@
-"""Self-calibration of each endpoint's prefill cost from what the gateway observes.
+"""Self-calibration of each endpoint's first-byte cost from what the gateway observes.
 
-At the first byte of every answer the gateway knows how long the endpoint took and how much
-prefill work stood in front of it (its own uncached tokens plus the uncached tokens of requests
-sent there earlier and still without a first byte). A robust running regression
-``ttfb = overhead + per_token * tokens`` learns the two figures online: exponentially weighted
-(old samples decay, so a replica that slows down is noticed), with each sample's residual
-clipped (Huber), the slope pulled towards the prior's by as much as the token counts
-lack spread (ridge), and the fit held to sane bounds.
+At the first byte of every answer the gateway knows how long the endpoint took and what stood
+in front of it: its own uncached tokens, the uncached tokens of requests sent there earlier and
+still without a first byte (``queued``), and the requests running there. A robust running
+regression learns the figures online::
+
+    ttfb = overhead + per_token * (own + queued + running_tokens * running)
+                    + queue_discount * queued + running_extra * running
+
+exponentially weighted (old samples decay, so a replica that slows down is noticed), with each
+sample's residual clipped (Huber), every coefficient pulled towards its prior by as much as the
+samples lack spread (ridge), and the fit held to sane bounds. The priors are vLLM's: prefills
+run one after another in shared steps, so a queued token costs what an own one does
+(``queue_discount`` 0), and a running request adds a little to every step (``running_tokens``
+prompt tokens' worth, ``running_extra`` 0). Fleets that behave otherwise teach it: where
+prefills run side by side and load only scales them (llm-d-inference-sim), queued tokens come
+out nearly free and running requests dear.
 
 Two levels, because one endpoint's samples are few and biased by the moment they were
 taken. Fitted alone, a replica that served a burst at a cold start learned a huge overhead from
@@ -29,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -49,6 +58,10 @@ class CostPriors:
     # Residuals beyond this many seconds (or the prediction, if larger) count as this many (a
     # stall, a GC pause, a preemption).
     clip_s: float = 1.0
+    # What a running request adds to a first byte, in prompt tokens (its decode share of the
+    # steps a prefill runs in: ~8 ms on the 8B-on-H100 profile, i.e. ~40 tokens), so that the
+    # prior scales with the hardware's learned speed.
+    running_tokens: float = 40.0
     # Strength of the prior slope, as the spread (standard deviation, tokens) of token counts
     # at which the samples weigh as much as the prior (ridge regression towards it). Prompts
     # of nearly one size say little about the cost of a token, and a slope fitted to their
@@ -56,6 +69,12 @@ class CostPriors:
     # herd traffic. Agentic traffic, spread over thousands of tokens, overrides the prior
     # almost entirely (it keeps 1% of the weight at a spread of 1,000 tokens, 80% at 50).
     prior_spread_tokens: float = 100.0
+    # The same for the queued tokens' discount and the running requests' cost: samples with a
+    # queue spread over ~1,000 tokens, or running counts over ~4 requests, weigh as much as the
+    # prior (queued tokens are always counted among the total too, so their discount is only
+    # learned where queues vary a lot).
+    prior_spread_queued_tokens: float = 1000.0
+    prior_spread_running: float = 4.0
     # An endpoint's speed factor counts w / (w + this) of its own evidence (in log space; w:
     # its decayed sample weight, at most 1 / (1 - endpoint_decay) = 50, so at most ~83%).
     endpoint_pseudo_samples: float = 10.0
@@ -63,52 +82,118 @@ class CostPriors:
     stale_half_life_s: float = 30.0
 
 
+_REGRESSORS = 3  # tokens' worth ahead (own + queued + running), queued tokens, running
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """What one endpoint's first byte costs: the learned figures, times its speed factor."""
+
+    overhead_s: float
+    per_token_s: float
+    # What a token of the queue ahead costs (per_token_s plus the learned discount).
+    per_queued_token_s: float
+    per_running_s: float
+
+    def predict(self, own: float, queued: float = 0.0, running: float = 0.0) -> float:
+        return (
+            self.overhead_s + self.per_token_s * own + self.per_queued_token_s * queued
+            + self.per_running_s * running
+        )
+
+    def scaled(self, factor: float) -> Price:
+        return Price(
+            self.overhead_s * factor, self.per_token_s * factor,
+            self.per_queued_token_s * factor, self.per_running_s * factor,
+        )
+
+
 @dataclass(slots=True)
 class _Fit:
-    # Exponentially weighted sums for least squares on y = a + b x.
+    # Exponentially weighted sums for least squares on y = a + beta . x.
     w: float = 0.0
-    sx: float = 0.0
+    sx: list[float] = field(default_factory=lambda: [0.0] * _REGRESSORS)
     sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
+    sxx: list[list[float]] = field(
+        default_factory=lambda: [[0.0] * _REGRESSORS for _ in range(_REGRESSORS)]
+    )
+    sxy: list[float] = field(default_factory=lambda: [0.0] * _REGRESSORS)
     samples: int = 0
     overhead_s: float = 0.0
-    per_token_s: float = 0.0
+    beta: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
-    def add(self, x: float, y: float, decay: float) -> None:
+    def add(self, x: tuple[float, float, float], y: float, decay: float) -> None:
         self.w = self.w * decay + 1.0
-        self.sx = self.sx * decay + x
         self.sy = self.sy * decay + y
-        self.sxx = self.sxx * decay + x * x
-        self.sxy = self.sxy * decay + x * y
+        for i in range(_REGRESSORS):
+            self.sx[i] = self.sx[i] * decay + x[i]
+            self.sxy[i] = self.sxy[i] * decay + x[i] * y
+            row = self.sxx[i]
+            for j in range(_REGRESSORS):
+                row[j] = row[j] * decay + x[i] * x[j]
         self.samples += 1
 
     def solve(self, priors: CostPriors) -> None:
-        mean_x, mean_y = self.sx / self.w, self.sy / self.w
-        var_x = max(0.0, self.sxx / self.w - mean_x * mean_x)
-        cov_xy = self.sxy / self.w - mean_x * mean_y
-        # Ridge towards the prior slope: without spread in the token counts the slope is not
-        # identifiable and stays the prior's, while the intercept is learned either way.
-        ridge = max(priors.prior_spread_tokens, 1.0) ** 2
-        slope = (cov_xy + ridge * priors.per_token_s) / (var_x + ridge)
-        # Sane bounds: a token never costs less than a hundredth or more than 100x the prior.
+        mean = [v / self.w for v in self.sx]
+        mean_y = self.sy / self.w
+        # Ridge towards the priors: a coefficient whose regressor does not vary in the samples
+        # is not identifiable and stays the prior's, while the intercept is learned either way.
+        prior = (priors.per_token_s, 0.0, 0.0)
+        spreads = (
+            priors.prior_spread_tokens, priors.prior_spread_queued_tokens,
+            priors.prior_spread_running,
+        )
+        matrix = [
+            [self.sxx[i][j] / self.w - mean[i] * mean[j] for j in range(_REGRESSORS)]
+            for i in range(_REGRESSORS)
+        ]
+        vector = [self.sxy[i] / self.w - mean[i] * mean_y for i in range(_REGRESSORS)]
+        for i in range(_REGRESSORS):
+            ridge = max(spreads[i], 1e-3) ** 2
+            matrix[i][i] += ridge
+            vector[i] += ridge * prior[i]
+        slope, discount, extra = _solve(matrix, vector)
+        # Sane bounds: a token never costs less than a hundredth or more than 100x the prior; a
+        # queued token between nothing and what an own one costs; a running request between
+        # nothing and 100x the prior's share of the steps.
         slope = min(max(slope, priors.per_token_s / 100), priors.per_token_s * 100)
-        self.per_token_s = slope
-        self.overhead_s = min(max(mean_y - slope * mean_x, 0.0), 60.0)
+        discount = min(max(discount, -slope), 0.0)
+        running_s = slope * priors.running_tokens
+        extra = min(max(extra, -running_s), 99 * priors.per_token_s * priors.running_tokens)
+        self.beta = (slope, discount, extra)
+        intercept = mean_y - sum(b * m for b, m in zip(self.beta, mean, strict=True))
+        self.overhead_s = min(max(intercept, 0.0), 60.0)
+
+
+def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (the ridge keeps the matrix regular)."""
+    n = len(vector)
+    a = [[*row, b] for row, b in zip(matrix, vector, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, n):
+            ratio = a[r][col] / a[col][col]
+            for c in range(col, n + 1):
+                a[r][c] -= ratio * a[col][c]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        out[r] = (a[r][n] - sum(a[r][c] * out[c] for c in range(r + 1, n))) / a[r][r]
+    return out
 
 
 @dataclass(slots=True)
 class _Speed:
-    """One endpoint's decayed sums of prefill tokens and (clipped) first-byte times."""
+    """One endpoint's decayed sums of regressors and (clipped) first-byte times."""
 
     w: float = 0.0
-    sx: float = 0.0
+    sx: list[float] = field(default_factory=lambda: [0.0] * _REGRESSORS)
     sy: float = 0.0
     last_sample: float = 0.0
 
 
 class Calibrator:
-    """Learned (overhead, per-token) prefill cost per endpoint; read by the cost scorer."""
+    """Learned first-byte cost per endpoint; read by the cost scorer."""
 
     def __init__(
         self,
@@ -123,25 +208,41 @@ class Calibrator:
         if registry is not None:
             registry.register(self)
 
-    def fleet_cost(self) -> tuple[float, float]:
-        """(overhead seconds, seconds per token) learned over every endpoint, or the priors."""
+    def fleet_price(self) -> Price:
+        """The figures learned over every endpoint (blended with the priors while few)."""
         p = self.priors
         fleet = self._fleet
         trust = min(1.0, fleet.samples / p.warmup_samples)
-        return (
-            trust * fleet.overhead_s + (1 - trust) * p.overhead_s,
-            trust * fleet.per_token_s + (1 - trust) * p.per_token_s,
+        slope, discount, extra = fleet.beta
+
+        def blend(learned: float, prior: float) -> float:
+            return trust * learned + (1 - trust) * prior
+
+        per_token = blend(slope, p.per_token_s)
+        return Price(
+            blend(fleet.overhead_s, p.overhead_s), per_token,
+            per_token + trust * discount, per_token * p.running_tokens + trust * extra,
         )
+
+    def fleet_cost(self) -> tuple[float, float]:
+        """(overhead seconds, seconds per token) learned over every endpoint, or the priors."""
+        price = self.fleet_price()
+        return price.overhead_s, price.per_token_s
 
     def factor(self, endpoint_id: str) -> float:
         """How much slower than the fleet the endpoint is (shrunk towards 1 by its evidence)."""
-        return self._factor(endpoint_id, self.fleet_cost())
+        return self._factor(endpoint_id, self.fleet_price())
 
-    def _factor(self, endpoint_id: str, fleet: tuple[float, float]) -> float:
+    def _factor(self, endpoint_id: str, fleet: Price) -> float:
         speed = self._speeds.get(endpoint_id)
         if speed is None or speed.w <= 0:
             return 1.0
-        predicted = fleet[0] * speed.w + fleet[1] * speed.sx
+        total, queued, running = speed.sx
+        own = total - queued - self.priors.running_tokens * running
+        predicted = (
+            fleet.overhead_s * speed.w + fleet.per_token_s * own
+            + fleet.per_queued_token_s * queued + fleet.per_running_s * running
+        )
         if predicted <= 0 or speed.sy <= 0:
             return 1.0
         p = self.priors
@@ -150,29 +251,44 @@ class Calibrator:
         weight = speed.w * 0.5 ** (age / p.stale_half_life_s)
         return float(ratio ** (weight / (weight + p.endpoint_pseudo_samples)))
 
+    def price(self, endpoint_id: str) -> Price:
+        """The endpoint's figures: the fleet's, times its speed factor."""
+        fleet = self.fleet_price()
+        return fleet.scaled(self._factor(endpoint_id, fleet))
+
     def cost(self, endpoint_id: str) -> tuple[float, float]:
-        """(overhead seconds, seconds per token) for the endpoint: the fleet's, times its
-        speed factor."""
-        overhead, per_token = fleet = self.fleet_cost()
-        factor = self._factor(endpoint_id, fleet)
-        return overhead * factor, per_token * factor
+        """(overhead seconds, seconds per token) for the endpoint."""
+        price = self.price(endpoint_id)
+        return price.overhead_s, price.per_token_s
 
-    def predict(self, endpoint_id: str, tokens: float) -> float:
-        overhead, per_token = self.cost(endpoint_id)
-        return overhead + per_token * tokens
+    def predict(
+        self, endpoint_id: str, tokens: float, queued: float = 0.0, running: float = 0.0
+    ) -> float:
+        return self.price(endpoint_id).predict(tokens, queued, running)
 
-    def observe(self, endpoint_id: str, tokens: float, seconds: float) -> None:
-        """One first byte: ``seconds`` after sending, with ``tokens`` of prefill ahead of it."""
-        if not (math.isfinite(tokens) and math.isfinite(seconds)) or seconds < 0 or tokens < 0:
+    def observe(
+        self,
+        endpoint_id: str,
+        tokens: float,
+        seconds: float,
+        queued: float = 0.0,
+        running: float = 0.0,
+    ) -> None:
+        """One first byte: ``seconds`` after sending, with ``tokens`` of the request's own
+        prefill, ``queued`` tokens of prefill ahead of it and ``running`` requests beside it."""
+        sample = (tokens, queued, running, seconds)
+        if not all(math.isfinite(v) and v >= 0 for v in sample):
             return
         p = self.priors
-        overhead, per_token = self.fleet_cost()
-        self._fleet.add(tokens, self._clipped(overhead + per_token * tokens, seconds), p.decay)
+        x = (tokens + queued + p.running_tokens * running, queued, running)
+        predicted = self.fleet_price().predict(tokens, queued, running)
+        self._fleet.add(x, self._clipped(predicted, seconds), p.decay)
         self._fleet.solve(p)
-        y = self._clipped(self.predict(endpoint_id, tokens), seconds)
+        y = self._clipped(self.predict(endpoint_id, tokens, queued, running), seconds)
         speed = self._speeds.setdefault(endpoint_id, _Speed())
         d = p.endpoint_decay
-        speed.w, speed.sx, speed.sy = speed.w * d + 1.0, speed.sx * d + tokens, speed.sy * d + y
+        speed.w, speed.sy = speed.w * d + 1.0, speed.sy * d + y
+        speed.sx = [s * d + v for s, v in zip(speed.sx, x, strict=True)]
         speed.last_sample = self._clock()
 
     def _clipped(self, predicted: float, seconds: float) -> float:
@@ -206,14 +322,18 @@ class Calibrator:
             per_token.add_metric([endpoint_id], b)
         yield overhead
         yield per_token
-        a, b = self.fleet_cost()
-        yield GaugeMetricFamily(
-            "prefixgate_calibrated_fleet_prefill_overhead_seconds",
-            "Learned fixed cost of a first token over all endpoints (new endpoints start here).",
-            value=a,
-        )
-        yield GaugeMetricFamily(
-            "prefixgate_calibrated_fleet_prefill_seconds_per_token",
-            "Learned prefill time per uncached prompt token over all endpoints.",
-            value=b,
-        )
+        fleet = self.fleet_price()
+        for name, text, value in (
+            ("prefill_overhead_seconds", "fixed cost of a first token", fleet.overhead_s),
+            ("prefill_seconds_per_token", "prefill time per uncached prompt token",
+             fleet.per_token_s),
+            ("prefill_seconds_per_queued_token",
+             "delay per uncached token of the requests queued ahead", fleet.per_queued_token_s),
+            ("prefill_seconds_per_running_request",
+             "first-byte delay per request running on the endpoint", fleet.per_running_s),
+        ):
+            yield GaugeMetricFamily(
+                f"prefixgate_calibrated_fleet_{name}",
+                f"Learned {text}, over all endpoints (new endpoints start here).",
+                value=value,
+            )

@@ -152,24 +152,28 @@ class Router:
     def lease(self, routing: RoutingRequest, endpoint_id: str) -> Lease:
         """Count the request against the endpoint until the lease is released.
 
-        A streamed answer's first byte teaches the calibrator what the endpoint's prefill
-        costs: the time it took against the prefill queued there plus this request's own.
+        A streamed answer's first byte teaches the calibrator what the endpoint's first byte
+        costs: the time it took against this request's own prefill, the prefill queued there
+        and the requests running there (counted as the cost scorer counts them).
         """
         state = self._pool.get(endpoint_id)
         uncached = self.uncached_tokens(routing, endpoint_id)
-        ahead = uncached + (state.pending_prefill_tokens if state is not None else 0)
+        queued = running = 0.0
+        if state is not None:
+            queued = float(state.pending_prefill_tokens)
+            running = max(float(state.in_flight), state.metrics.running)
         calibrator = self._calibrator
 
         def first_byte(seconds: float) -> None:
             if routing.stream:  # a non-streaming first byte is the answer's last
-                calibrator.observe(endpoint_id, ahead, seconds)
+                calibrator.observe(endpoint_id, uncached, seconds, queued, running)
             self.prefilled(routing, endpoint_id)
 
         lease = self._pool.lease(endpoint_id, uncached, first_byte)
         if not routing.stream:
             # Its first byte is its last: presume the prefill done after a generous multiple
             # of its predicted time, so decode time is not taken for queue.
-            delay = min(600.0, 3.0 * calibrator.predict(endpoint_id, ahead))
+            delay = min(600.0, 3.0 * calibrator.predict(endpoint_id, uncached, queued, running))
             asyncio.get_running_loop().call_later(delay, lease.presume_prefilled)
         return lease
 

@@ -1,18 +1,21 @@
 """TTFT-cost scorer: every endpoint priced in one common unit, the predicted time to first token.
 
-    predicted TTFT(e) = overhead(e) + per_token(e) * (prefill queued on e
-                        + w(e) * this request's uncached tokens on e
-                        + the cached context they would evict on e
-                        + 40 tokens per request running on e
-                        + a KV-admission penalty when e's cache cannot take the request
-                        - a small bonus for the endpoint that served the session last)
+    predicted TTFT(e) = overhead(e)
+                        + per_queued_token(e) * prefill queued on e
+                        + per_running(e) * requests running on e
+                        + per_token(e) * (w(e) * this request's uncached tokens on e
+                            + the cached context they would evict on e
+                            + a KV-admission penalty when e's cache cannot take the request
+                            - a small bonus for the endpoint that served the session last)
 
 The prefill queued on an endpoint is what the gateway itself sent there that has not produced a
 first byte yet (``pending_prefill_tokens``, or its average over the last seconds when that is
 higher), plus, for requests waiting in the replica that the gateway did not send, a prior per
 request. ``w(e)`` grows with the number of requests queued on e: a recompute there delays them
-too. ``overhead`` and ``per_token`` come from the :class:`~router.calibration.Calibrator`,
-learned online per endpoint.
+too. The prices come from the :class:`~router.calibration.Calibrator`, learned online from
+the fleet's first bytes: on vLLM a queued token costs what an own one does, and a running
+request about 40 tokens' worth; where prefills run side by side, queues cost next to nothing
+and running requests more.
 
 Unlike min-max scaled scores, magnitudes survive: a 50,000-token miss costs a thousand times a
 50-token miss, so a session stays where its context lives until the queue there costs more than
@@ -43,10 +46,11 @@ class TTFTCostParameters(Strict):
     # Uncached tokens assumed for each request waiting in a replica that this gateway did not
     # send (another gateway's, or one sent before a restart).
     foreign_request_tokens: int = Field(512, ge=0)
-    # Decode pressure: each running request slows every step this request shares with it,
-    # its prefill and its whole answer (~0.05 ms a token over a ~300-token agent answer on the
-    # 8B-on-H100 profile, ~8 ms, i.e. ~40 prompt tokens). It is also what sends new work to a
-    # replica that just came back with an empty cache.
+    # Decode pressure, at least: each running request slows every step this request shares
+    # with it, its prefill and its whole answer (~0.05 ms a token over a ~300-token agent
+    # answer on the 8B-on-H100 profile, ~8 ms, i.e. ~40 prompt tokens). It is also what sends
+    # new work to a replica that just came back with an empty cache. Where the fleet's first
+    # bytes show a running request costs more, the learned price is used.
     running_request_tokens: float = Field(40.0, ge=0)
     # This request's uncached tokens on an endpoint weigh more than tokens already queued
     # there: a recompute delays not only this request but every request that queues behind it
@@ -130,7 +134,8 @@ class TTFTCostScorer:
 
     def terms(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> CostTerms:
         p = self._p
-        overhead, per_token = self._calibrator.cost(endpoint.id)
+        price = self._calibrator.price(endpoint.id)
+        per_token = price.per_token_s
         uncached = self._uncached(request, endpoint.id)
         evicted = self._evicted_tokens(request, endpoint, uncached)
         foreign_requests = max(0.0, endpoint.waiting - endpoint.in_flight)
@@ -138,10 +143,13 @@ class TTFTCostScorer:
         pending += p.recent_queue_weight * max(0.0, endpoint.recent_prefill_tokens - pending)
         queued = pending + foreign_requests * p.foreign_request_tokens
         weight = self._recompute_weight(endpoint.pending_prefill_requests + foreign_requests)
-        work = queued + weight * uncached + p.eviction_weight * evicted
-        prefill = overhead + per_token * work
+        own = weight * uncached + p.eviction_weight * evicted
+        prefill = price.overhead_s + per_token * own + price.per_queued_token_s * queued
         running = max(float(endpoint.in_flight), endpoint.running)
-        load = per_token * p.running_request_tokens * running
+        # The configured decode pressure (which also slows this request's answer) at least;
+        # more where the fleet's first bytes show running requests cost more.
+        per_running = max(per_token * p.running_request_tokens, price.per_running_s)
+        load = per_running * running
         home = request.affinity_endpoint == endpoint.id
         bonus = per_token * p.affinity_bonus_tokens if home else 0.0
         penalty = per_token * self._kv_penalty_tokens(endpoint, uncached)

@@ -142,3 +142,54 @@ def test_a_truly_slower_replica_stays_slower() -> None:
         calibrator.observe("slow", tokens, 0.03 + 0.0006 * tokens)
     assert calibrator.cost("slow")[1] > 1.8 * calibrator.cost("fast")[1]
     assert 0.0002 < calibrator.fleet_cost()[1] < 0.0006
+
+
+def _first_bytes(calibrator: Calibrator, world: str, samples: int = 400) -> None:
+    """First bytes from four replicas, with queues and running counts spread as under load."""
+    rng = random.Random(7)
+    for i in range(samples):
+        own = rng.uniform(50, 8_000)
+        running = rng.randint(0, 15)
+        queued = rng.choice([0.0, 0.0, rng.uniform(0, 20_000)])
+        if world == "batched":  # vLLM: prefills queue in shared steps
+            seconds = 0.03 + 0.0002 * (own + queued) + 0.008 * running
+        else:  # llm-d-inference-sim: side by side, scaled by the load factor
+            seconds = (0.03 + 0.0002 * own) * (1 + running / 15)
+        calibrator.observe(f"e{i % 4}", own, seconds + rng.gauss(0, 0.01), queued, running)
+
+
+def test_a_batched_fleet_keeps_the_priors_shape() -> None:
+    calibrator = Calibrator()
+    _first_bytes(calibrator, "batched")
+    price = calibrator.fleet_price()
+    assert price.per_token_s == pytest.approx(0.0002, rel=0.05)
+    assert price.per_queued_token_s == pytest.approx(0.0002, rel=0.05)
+    assert price.per_running_s == pytest.approx(0.008, rel=0.15)
+    assert price.overhead_s == pytest.approx(0.03, abs=0.01)
+
+
+def test_side_by_side_prefills_learn_free_queues_and_dear_running_requests() -> None:
+    registry = CollectorRegistry()
+    calibrator = Calibrator(registry=registry)
+    _first_bytes(calibrator, "independent")
+    price = calibrator.fleet_price()
+    # A queued token costs next to nothing, a running request several times the prior's 8 ms.
+    assert price.per_queued_token_s < 0.1 * price.per_token_s
+    assert price.per_running_s > 3 * 0.008
+    assert price.per_token_s == pytest.approx(0.0002 * 1.5, rel=0.3)  # the mean load factor
+    text = generate_latest(registry).decode()
+    assert "prefixgate_calibrated_fleet_prefill_seconds_per_queued_token" in text
+    assert "prefixgate_calibrated_fleet_prefill_seconds_per_running_request" in text
+
+
+def test_no_spread_in_queues_or_running_counts_keeps_their_priors() -> None:
+    calibrator = Calibrator()
+    rng = random.Random(8)
+    for _ in range(300):
+        tokens = rng.uniform(100, 10_000)
+        calibrator.observe("a", tokens, 0.05 + 0.0004 * tokens, queued=0.0, running=3.0)
+    price = calibrator.price("a")
+    assert price.per_token_s == pytest.approx(0.0004, rel=0.05)
+    # Not identifiable from these samples: the prior's shape at the learned speed.
+    assert price.per_queued_token_s == pytest.approx(price.per_token_s, rel=0.01)
+    assert price.per_running_s == pytest.approx(40 * price.per_token_s, rel=0.05)

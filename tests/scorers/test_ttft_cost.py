@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -208,3 +209,23 @@ def test_precise_prefix_source_turns_precise_routing_on() -> None:
             "schedulingProfiles": [profile],
         })
         assert precise_enabled(config, config.plugins or []) is on
+
+
+def test_a_fleet_whose_queues_cost_nothing_keeps_sessions_home() -> None:
+    # Prefills that run side by side (llm-d-inference-sim): the queue at home does not delay
+    # this request, so the session stays where its context is, where with vLLM's queueing it
+    # would move; running requests, which slow everything there, are priced dearer instead.
+    side_by_side = Calibrator()
+    rng = random.Random(9)
+    for i in range(400):
+        own, running = rng.uniform(50, 8_000), rng.randint(0, 15)
+        queued = rng.choice([0.0, rng.uniform(0, 20_000)])
+        seconds = (0.03 + 0.0002 * own) * (1 + running / 15)
+        side_by_side.observe(f"e{i % 4}", own, seconds, queued, running)
+    request = req(tokens=10_000, hits={"home": 150})
+    endpoints = [snap("home", pending_prefill_tokens=40_000), snap("b")]
+    assert scorer().score(request, endpoints)[1] == 1.0
+    assert TTFTCostScorer(side_by_side).score(request, endpoints)[0] == 1.0
+    busy = snap("a", in_flight=12)
+    prior_load = scorer().terms(req(tokens=500), busy).load_s
+    assert TTFTCostScorer(side_by_side).terms(req(tokens=500), busy).load_s > 3 * prior_load
