@@ -184,7 +184,8 @@ def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
 
 @dataclass(slots=True)
 class _Speed:
-    """One endpoint's decayed sums of regressors and (clipped) first-byte times."""
+    """One endpoint's decayed sums of own tokens, queued tokens, running requests and
+    (clipped) first-byte times: what its fleet-predicted times are summed from."""
 
     w: float = 0.0
     sx: list[float] = field(default_factory=lambda: [0.0] * _REGRESSORS)
@@ -237,8 +238,7 @@ class Calibrator:
         speed = self._speeds.get(endpoint_id)
         if speed is None or speed.w <= 0:
             return 1.0
-        total, queued, running = speed.sx
-        own = total - queued - self.priors.running_tokens * running
+        own, queued, running = speed.sx
         predicted = (
             fleet.overhead_s * speed.w + fleet.per_token_s * own
             + fleet.per_queued_token_s * queued + fleet.per_running_s * running
@@ -276,19 +276,19 @@ class Calibrator:
     ) -> None:
         """One first byte: ``seconds`` after sending, with ``tokens`` of the request's own
         prefill, ``queued`` tokens of prefill ahead of it and ``running`` requests beside it."""
-        sample = (tokens, queued, running, seconds)
-        if not all(math.isfinite(v) and v >= 0 for v in sample):
+        counts = (tokens, queued, running)
+        if not all(math.isfinite(v) and v >= 0 for v in (*counts, seconds)):
             return
         p = self.priors
         x = (tokens + queued + p.running_tokens * running, queued, running)
-        predicted = self.fleet_price().predict(tokens, queued, running)
+        predicted = self.fleet_price().predict(*counts)
         self._fleet.add(x, self._clipped(predicted, seconds), p.decay)
         self._fleet.solve(p)
-        y = self._clipped(self.predict(endpoint_id, tokens, queued, running), seconds)
+        y = self._clipped(self.predict(endpoint_id, *counts), seconds)
         speed = self._speeds.setdefault(endpoint_id, _Speed())
         d = p.endpoint_decay
         speed.w, speed.sy = speed.w * d + 1.0, speed.sy * d + y
-        speed.sx = [s * d + v for s, v in zip(speed.sx, x, strict=True)]
+        speed.sx = [s * d + v for s, v in zip(speed.sx, counts, strict=True)]
         speed.last_sample = self._clock()
 
     def _clipped(self, predicted: float, seconds: float) -> float:
