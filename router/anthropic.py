@@ -26,7 +26,7 @@ import orjson
 from starlette.responses import Response
 
 from router.errors import BadRequestError, GatewayError, SaturatedError
-from router.rendering import render_chat
+from router.rendering import render_conversation
 
 OVERLOADED = 529
 # vLLM accepts these roles (recent Claude Code versions send ctx and msg; vLLM maps them to user).
@@ -278,9 +278,10 @@ def session_hint(payload: Mapping[str, Any]) -> str | None:
     return user_id if isinstance(user_id, str) and user_id else None
 
 
-def render_messages(payload: Mapping[str, Any]) -> str:
-    """Validate a Messages body (400 naming the field) and render it for the prefix index."""
+def render_messages(payload: Mapping[str, Any]) -> tuple[str, tuple[int, int] | None]:
+    """Validate a Messages body (400 naming the field) and render it for the prefix index
+    (with the span of its last answer: :func:`router.rendering.render_conversation`)."""
     _check_messages(payload)
     _check_fields(payload)
     messages, tools = to_chat(payload)
-    return render_chat(messages, tools)
+    return render_conversation(messages, tools)

@@ -18,7 +18,7 @@ import orjson
 
 from router import anthropic, responses_api
 from router.errors import BadRequestError
-from router.rendering import render_chat, render_prompt
+from router.rendering import render_conversation, render_prompt
 
 Api = Literal["chat", "completions", "messages", "responses"]
 # Where each API is served on a replica (vLLM serves all four).
@@ -45,6 +45,8 @@ class ParsedRequest:
     session_hint: str | None = None
     # Responses: the stored response the request continues, which pins it to one endpoint.
     previous_response_id: str | None = None
+    # UTF-8 byte span of ``rendered``'s last answer (router.rendering.render_conversation).
+    answer_span: tuple[int, int] | None = None
 
 
 def decode_json(body: bytes) -> dict[str, Any]:
@@ -154,23 +156,27 @@ def parse_request(api: Api, body: bytes) -> ParsedRequest:
     stream = _check_common(payload)
     try:
         if api == "messages":
-            rendered = anthropic.render_messages(payload)
+            rendered, answer = anthropic.render_messages(payload)
             hint = anthropic.session_hint(payload)
-            return ParsedRequest(api, body, payload, model, stream, rendered, hint)
+            return ParsedRequest(
+                api, body, payload, model, stream, rendered, hint, answer_span=answer
+            )
         if api == "responses":
-            rendered = responses_api.render_responses(payload)
+            rendered, answer = responses_api.render_responses(payload)
             hint = responses_api.session_hint(payload)
             previous = payload.get("previous_response_id")
-            return ParsedRequest(api, body, payload, model, stream, rendered, hint, previous)
+            return ParsedRequest(
+                api, body, payload, model, stream, rendered, hint, previous, answer
+            )
         if api == "chat":
             messages = _check_messages(payload)
-            rendered = render_chat(messages, _check_tools(payload))
-        else:
-            prompt = _check_prompt(payload)
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-                # A batch goes to one endpoint as a whole: route on its first prompt.
-                prompt = prompt[0]
-            rendered = render_prompt(prompt)
+            rendered, answer = render_conversation(messages, _check_tools(payload))
+            return ParsedRequest(api, body, payload, model, stream, rendered, answer_span=answer)
+        prompt = _check_prompt(payload)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            # A batch goes to one endpoint as a whole: route on its first prompt.
+            prompt = prompt[0]
+        rendered = render_prompt(prompt)
     except TypeError:
         # orjson refuses to serialise past 254 levels (tools or media parts nested that deep).
         raise BadRequestError("request body is nested too deeply") from None

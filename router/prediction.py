@@ -4,8 +4,9 @@ When a response's usage carries ``prompt_tokens_details.cached_tokens`` (vLLM wi
 ``--enable-prompt-tokens-details``; the simulator always), the prediction each index made for the
 chosen endpoint at pick time is compared with it:
 
-- ``approximate``: the approximate index's matched share of the rendered prompt, applied to the
-  real prompt length and rounded down to whole engine blocks;
+- ``approximate``: the approximate index's matched share of the rendered prompt (run on over
+  the previous turn's answer where the endpoint served that turn), applied to the real prompt
+  length and rounded down to whole engine blocks;
 - ``precise``: the leading blocks the endpoint holds at the pick, for endpoints whose stream
   is trusted: announced by its events, or about to be computed there by a request the gateway
   sent earlier (speculative entries). vLLM v1 makes a block findable as soon as the step that
@@ -154,8 +155,7 @@ class PredictionTracker:
             self._skip("no_usage")
             return
         if routing.block_hashes and routing.prompt_bytes:
-            hit_bytes = routing.prefix_hits.get(endpoint_id, 0) * routing.block_bytes
-            share = min(1.0, hit_bytes / routing.prompt_bytes)
+            share = routing.cached_bytes(endpoint_id) / routing.prompt_bytes
             predicted = self._cap(share * actual.prompt_tokens, actual.prompt_tokens)
             self._record("approximate", predicted, actual)
         elif routing.prompt_bytes:

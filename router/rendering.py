@@ -78,12 +78,34 @@ def render_message(message: Mapping[str, Any]) -> str:
 
 def render_chat(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
     """Render a chat request's tools and messages; each message ends with a separator."""
+    return render_conversation(messages, tools)[0]
+
+
+def render_conversation(
+    messages: Sequence[Mapping[str, Any]], tools: Any = None
+) -> tuple[str, tuple[int, int] | None]:
+    """:func:`render_chat`, and the UTF-8 byte span of the last answer in it.
+
+    The last answer is the last assistant message that another message follows: what the
+    endpoint that served the previous turn generated. vLLM caches the blocks of generated
+    tokens as it decodes, so that endpoint holds the answer although no prompt the gateway
+    indexed contained it. The span ends before the message's separator (the end-of-turn token,
+    sampled last, is never computed).
+    """
     parts: list[str] = []
     if tools:
         parts.append("tools" + _FIELD + _canonical_json(tools) + _MSG)
+    answer = -1
     for message in messages:
+        if message.get("role") == "assistant":
+            answer = len(parts)
         parts.append(render_message(message) + _MSG)
-    return "".join(parts)
+    text = "".join(parts)
+    if answer < 0 or answer == len(parts) - 1:
+        return text, None
+    start = len("".join(parts[:answer]).encode("utf-8", "surrogatepass"))
+    end = start + len(parts[answer].encode("utf-8", "surrogatepass")) - len(_MSG)
+    return text, (start, end)
 
 
 def render_prompt(prompt: Any) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from router.errors import BadRequestError
-from router.rendering import render_chat
+from router.rendering import render_conversation
 from router.response_store import RESPONSE_ID
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -182,11 +182,12 @@ def to_chat(payload: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[Any]
     return messages, _tools(payload.get("tools"))
 
 
-def render_responses(payload: Mapping[str, Any]) -> str:
-    """Validate a Responses body (400 naming the field) and render it for the prefix index."""
+def render_responses(payload: Mapping[str, Any]) -> tuple[str, tuple[int, int] | None]:
+    """Validate a Responses body (400 naming the field) and render it for the prefix index
+    (with the span of its last answer: :func:`router.rendering.render_conversation`)."""
     _check(payload)
     messages, tools = to_chat(payload)
-    return render_chat(messages, tools)
+    return render_conversation(messages, tools)
 
 
 def session_hint(payload: Mapping[str, Any]) -> str | None:

@@ -78,6 +78,7 @@ class Router:
             block_hashes=block_hashes(
                 parsed.rendered, index.block_bytes, parsed.model, index.max_blocks_per_request
             ),
+            answer_bytes=parsed.answer_span,
         )
 
     async def admit(

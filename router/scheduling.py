@@ -34,6 +34,9 @@ class RoutingRequest:
     prompt_tokens: int = 0
     block_bytes: int = 0
     block_hashes: Sequence[int] = ()
+    # Byte span of the prompt's last answer (router.rendering.render_conversation): cached
+    # where the turn that generated it was served, though no indexed prompt held it.
+    answer_bytes: tuple[int, int] | None = None
     # Responses API: the stored response this request continues; only its endpoint can serve it.
     previous_response_id: str | None = None
     # Report why this request went where it went: to the debug log, and to the client when
@@ -55,8 +58,18 @@ class RoutingRequest:
         """This request's prompt tokens the endpoint probably has to compute."""
         if not self.block_hashes or not self.prompt_bytes:
             return self.prompt_tokens
-        hit_bytes = self.prefix_hits.get(endpoint_id, 0) * self.block_bytes
-        return self.uncached_at(min(1.0, hit_bytes / self.prompt_bytes))
+        return self.uncached_at(self.cached_bytes(endpoint_id) / self.prompt_bytes)
+
+    def cached_bytes(self, endpoint_id: str) -> int:
+        """The prompt bytes the endpoint probably holds: its index match, run on over the
+        last answer when the match reaches that answer's start (the endpoint served the turn
+        that generated it: every full block before it matched)."""
+        hits = self.prefix_hits.get(endpoint_id, 0)
+        cached = hits * self.block_bytes
+        answer = self.answer_bytes
+        if answer is not None and hits and hits >= answer[0] // max(1, self.block_bytes):
+            cached = max(cached, answer[1])
+        return min(cached, self.prompt_bytes)
 
     def uncached_at(self, share: float) -> int:
         """This request's prompt tokens left to compute where ``share`` of it is cached."""

@@ -136,6 +136,7 @@ def test_a_growing_session_hashes_to_a_growing_chain() -> None:
     newest block every turn) must not break the chain: each turn extends the previous one."""
     history: list[dict[str, Any]] = []
     previous: list[int] = []
+    end = 0
     for turn in range(6):
         history.append(
             {"role": "user", "content": [{"type": "text", "text": f"step {turn} " * 40}]}
@@ -150,10 +151,15 @@ def test_a_growing_session_hashes_to_a_growing_chain() -> None:
                 {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}},
             ],
         )
-        hashes = block_hashes(parsed(body).rendered, 64, MODEL)
+        request = parsed(body)
+        hashes = block_hashes(request.rendered, 64, MODEL)
         assert hashes[: len(previous)] == previous
         assert len(hashes) > len(previous)
         previous = hashes
+        # The previous turn's answer starts where that turn's prompt ended.
+        start = None if request.answer_span is None else request.answer_span[0]
+        assert start == (end if turn else None)
+        end = len(request.rendered.encode())
         history.append(
             {
                 "role": "assistant",

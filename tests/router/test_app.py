@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import openai
@@ -253,6 +254,32 @@ async def test_index_predictions_are_checked_against_usage(gateway: RunningGatew
         if line.startswith('prefixgate_prefix_prediction_error_tokens_count{mode="approximate"}')
     ]
     assert counts == [3.0], "one comparison per answer, streaming or not"
+
+
+async def test_the_previous_answer_counts_as_cached_where_it_was_generated(
+    gateway: RunningGateway,
+) -> None:
+    """The replica caches an answer's blocks as it decodes them: the next turn's prediction
+    there counts them, though no prompt the gateway indexed held them."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "agent " * 400},
+        {"role": "user", "content": "write it all " * 20},
+    ]
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        for _ in range(2):
+            body = {"model": MODEL, "messages": messages, "max_tokens": 600}
+            resp = await http.post(
+                "/v1/chat/completions", json=body, headers={"x-session-id": "s1"}
+            )
+            assert resp.status_code == 200
+            answer = resp.json()
+            messages += [answer["choices"][0]["message"], {"role": "user", "content": "more"}]
+        text = (await http.get("/metrics")).text
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 600
+    under = 'prefixgate_prefix_prediction_error_tokens_bucket{le="-64.0",mode="approximate"}'
+    assert [line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(under)] == [
+        "0.0"
+    ], "the 600-token answer was predicted cached, to within a gateway block"
 
 
 async def test_a_routing_decision_is_explained_on_request(

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.rendering import render_chat, render_content, render_prompt
+from router.rendering import render_chat, render_content, render_conversation, render_prompt
 
 
 def test_appended_messages_extend_the_rendering() -> None:
@@ -51,3 +51,23 @@ def test_prompt_forms() -> None:
     assert render_prompt([1, 2, 3]) == render_prompt([[1, 2, 3]])
     assert len(render_prompt([1, 2, 3])) == 12
     assert render_prompt([1, 2]) != render_prompt([2, 1])
+
+
+def test_the_last_answer_is_spanned_in_bytes() -> None:
+    turn1: list[dict[str, Any]] = [
+        {"role": "system", "content": "Vous êtes un agent."},  # multi-byte before the answer
+        {"role": "user", "content": "répare"},
+    ]
+    answer = {"role": "assistant", "content": "fait", "tool_calls": [{"id": "1"}]}
+    turn2 = [*turn1, answer, {"role": "tool", "tool_call_id": "1", "content": "ok"}]
+    text, span = render_conversation(turn2)
+    assert text == render_chat(turn2)
+    assert span is not None
+    data = text.encode()
+    assert span[0] == len(render_chat(turn1).encode()), "where the previous prompt ended"
+    assert data[span[0] : span[1]].decode() == render_chat([answer])[:-1], "no separator"
+    assert render_conversation(turn1)[1] is None, "no answer yet"
+    assert render_conversation([*turn1, answer])[1] is None, "a trailing assistant prefill"
+    # Of several answers, the last one that another message follows.
+    _, last = render_conversation([*turn2, answer, {"role": "user", "content": "and?"}])
+    assert last is not None and last[0] > span[1]

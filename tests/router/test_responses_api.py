@@ -116,12 +116,18 @@ def test_responses_render_as_the_chat_request_vllm_runs() -> None:
 def test_full_history_resent_each_turn_hashes_to_a_growing_chain() -> None:
     items: list[dict[str, Any]] = []
     previous: list[int] = []
+    end = 0
     for turn in range(5):
         items.append({"role": "user", "content": f"turn {turn} " * 30})
         body = {"model": MODEL, "instructions": "agent " * 50, "input": items, "store": False}
-        hashes = block_hashes(parsed(body).rendered, 64, MODEL)
+        request = parsed(body)
+        hashes = block_hashes(request.rendered, 64, MODEL)
         assert hashes[: len(previous)] == previous and len(hashes) > len(previous)
         previous = hashes
+        # The previous turn's answer (its function call) starts where its prompt ended.
+        start = None if request.answer_span is None else request.answer_span[0]
+        assert start == (end if turn else None)
+        end = len(request.rendered.encode())
         items.append(
             {"type": "function_call", "call_id": f"c{turn}", "name": "search", "arguments": "{}"}
         )

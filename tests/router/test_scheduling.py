@@ -108,3 +108,23 @@ def test_uncached_tokens_estimate() -> None:
     assert request.uncached_tokens("a") == 250
     assert request.uncached_tokens("b") == 1000
     assert req(prompt_tokens=7).uncached_tokens("a") == 7
+
+
+def test_the_last_answer_is_cached_where_its_turn_was_served() -> None:
+    # Bytes 0-2500: the previous turn's prompt (two full 1000-byte blocks indexed); 2500-3400:
+    # the answer it generated; then the new message.
+    request = req(
+        prompt_bytes=4000, prompt_tokens=1000, block_bytes=1000, block_hashes=(1, 2, 3, 4),
+        answer_bytes=(2500, 3400),
+    )
+    request.prefix_hits = {"home": 2, "short": 1, "longer": 4}
+    assert request.cached_bytes("home") == 3400, "every block before the answer matched"
+    assert request.uncached_tokens("home") == 150
+    assert request.cached_bytes("short") == 1000, "it never saw the turn that generated it"
+    assert request.cached_bytes("none") == 0
+    assert request.cached_bytes("longer") == 4000
+    early = req(
+        prompt_bytes=4000, prompt_tokens=1000, block_bytes=1000, block_hashes=(1, 2, 3, 4),
+        answer_bytes=(500, 900),
+    )
+    assert early.cached_bytes("home") == 0, "no block matched, nothing is credited"
