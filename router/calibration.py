@@ -7,15 +7,19 @@ regression learns the figures online::
 
     ttfb = overhead + per_token * (own + queued + running_tokens * running)
                     + queue_discount * queued + running_extra * running
+                    + per_queued_request * queued_requests
 
 exponentially weighted (old samples decay, so a replica that slows down is noticed), with each
 sample's residual clipped (Huber), every coefficient pulled towards its prior by as much as the
 samples lack spread (ridge), and the fit held to sane bounds. The priors are vLLM's: prefills
 run one after another in shared steps, so a queued token costs what an own one does
-(``queue_discount`` 0), and a running request adds a little to every step (``running_tokens``
-prompt tokens' worth, ``running_extra`` 0). Fleets that behave otherwise teach it: where
-prefills run side by side and load only scales them (llm-d-inference-sim), queued tokens come
-out nearly free and running requests dear.
+(``queue_discount`` 0), a running request adds a little to every step (``running_tokens``
+prompt tokens' worth, ``running_extra`` 0), and a queued request costs its tokens only
+(``per_queued_request`` 0: prefills batched into one step share its fixed cost). Fleets that
+behave otherwise teach it: where prefills run side by side and load only scales them
+(llm-d-inference-sim), queued tokens come out nearly free and running requests dear; where
+every prefill pays a fixed cost of its own, a burst of small requests queued ahead costs
+that much each.
 
 Two levels, because one endpoint's samples are few and biased by the moment they were
 taken. Fitted alone, a replica that served a burst at a cold start learned a huge overhead from
@@ -69,12 +73,14 @@ class CostPriors:
     # herd traffic. Agentic traffic, spread over thousands of tokens, overrides the prior
     # almost entirely (it keeps 1% of the weight at a spread of 1,000 tokens, 80% at 50).
     prior_spread_tokens: float = 100.0
-    # The same for the queued tokens' discount and the running requests' cost: samples with a
-    # queue spread over ~1,000 tokens, or running counts over ~4 requests, weigh as much as the
-    # prior (queued tokens are always counted among the total too, so their discount is only
-    # learned where queues vary a lot).
+    # The same for the queued tokens' discount, the running requests' cost and the queued
+    # requests' own cost: samples with a queue spread over ~1,000 tokens, running counts over
+    # ~4 requests, or queue lengths over ~1 request, weigh as much as the prior (queued tokens
+    # are always counted among the total too, so their discount is only learned where queues
+    # vary a lot).
     prior_spread_queued_tokens: float = 1000.0
     prior_spread_running: float = 4.0
+    prior_spread_queued_requests: float = 1.0
     # An endpoint's speed factor counts w / (w + this) of its own evidence (in log space; w:
     # its decayed sample weight, at most 1 / (1 - endpoint_decay) = 50, so at most ~83%).
     endpoint_pseudo_samples: float = 10.0
@@ -82,7 +88,8 @@ class CostPriors:
     stale_half_life_s: float = 30.0
 
 
-_REGRESSORS = 3  # tokens' worth ahead (own + queued + running), queued tokens, running
+# Tokens' worth ahead (own + queued + running), queued tokens, running requests, queued requests.
+_REGRESSORS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,17 +101,22 @@ class Price:
     # What a token of the queue ahead costs (per_token_s plus the learned discount).
     per_queued_token_s: float
     per_running_s: float
+    # What each request queued ahead costs beyond its tokens.
+    per_queued_request_s: float = 0.0
 
-    def predict(self, own: float, queued: float = 0.0, running: float = 0.0) -> float:
+    def predict(
+        self, own: float, queued: float = 0.0, running: float = 0.0, queued_requests: float = 0.0
+    ) -> float:
         return (
             self.overhead_s + self.per_token_s * own + self.per_queued_token_s * queued
-            + self.per_running_s * running
+            + self.per_running_s * running + self.per_queued_request_s * queued_requests
         )
 
     def scaled(self, factor: float) -> Price:
         return Price(
             self.overhead_s * factor, self.per_token_s * factor,
             self.per_queued_token_s * factor, self.per_running_s * factor,
+            self.per_queued_request_s * factor,
         )
 
 
@@ -120,9 +132,9 @@ class _Fit:
     sxy: list[float] = field(default_factory=lambda: [0.0] * _REGRESSORS)
     samples: int = 0
     overhead_s: float = 0.0
-    beta: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    beta: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
-    def add(self, x: tuple[float, float, float], y: float, decay: float) -> None:
+    def add(self, x: tuple[float, float, float, float], y: float, decay: float) -> None:
         self.w = self.w * decay + 1.0
         self.sy = self.sy * decay + y
         for i in range(_REGRESSORS):
@@ -138,10 +150,10 @@ class _Fit:
         mean_y = self.sy / self.w
         # Ridge towards the priors: a coefficient whose regressor does not vary in the samples
         # is not identifiable and stays the prior's, while the intercept is learned either way.
-        prior = (priors.per_token_s, 0.0, 0.0)
+        prior = (priors.per_token_s, 0.0, 0.0, 0.0)
         spreads = (
             priors.prior_spread_tokens, priors.prior_spread_queued_tokens,
-            priors.prior_spread_running,
+            priors.prior_spread_running, priors.prior_spread_queued_requests,
         )
         matrix = [
             [self.sxx[i][j] / self.w - mean[i] * mean[j] for j in range(_REGRESSORS)]
@@ -152,15 +164,17 @@ class _Fit:
             ridge = max(spreads[i], 1e-3) ** 2
             matrix[i][i] += ridge
             vector[i] += ridge * prior[i]
-        slope, discount, extra = _solve(matrix, vector)
+        slope, discount, extra, per_request = _solve(matrix, vector)
         # Sane bounds: a token never costs less than a hundredth or more than 100x the prior; a
         # queued token between nothing and what an own one costs; a running request between
-        # nothing and 100x the prior's share of the steps.
+        # nothing and 100x the prior's share of the steps; a queued request between nothing
+        # and 10x the prior overhead beyond its tokens.
         slope = min(max(slope, priors.per_token_s / 100), priors.per_token_s * 100)
         discount = min(max(discount, -slope), 0.0)
         running_s = slope * priors.running_tokens
         extra = min(max(extra, -running_s), 99 * priors.per_token_s * priors.running_tokens)
-        self.beta = (slope, discount, extra)
+        per_request = min(max(per_request, 0.0), 10 * priors.overhead_s)
+        self.beta = (slope, discount, extra, per_request)
         intercept = mean_y - sum(b * m for b, m in zip(self.beta, mean, strict=True))
         self.overhead_s = min(max(intercept, 0.0), 60.0)
 
@@ -184,8 +198,8 @@ def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
 
 @dataclass(slots=True)
 class _Speed:
-    """One endpoint's decayed sums of own tokens, queued tokens, running requests and
-    (clipped) first-byte times: what its fleet-predicted times are summed from."""
+    """One endpoint's decayed sums of own tokens, queued tokens, running requests, queued
+    requests and (clipped) first-byte times: what its fleet-predicted times are summed from."""
 
     w: float = 0.0
     sx: list[float] = field(default_factory=lambda: [0.0] * _REGRESSORS)
@@ -214,7 +228,7 @@ class Calibrator:
         p = self.priors
         fleet = self._fleet
         trust = min(1.0, fleet.samples / p.warmup_samples)
-        slope, discount, extra = fleet.beta
+        slope, discount, extra, per_request = fleet.beta
 
         def blend(learned: float, prior: float) -> float:
             return trust * learned + (1 - trust) * prior
@@ -223,6 +237,7 @@ class Calibrator:
         return Price(
             blend(fleet.overhead_s, p.overhead_s), per_token,
             per_token + trust * discount, per_token * p.running_tokens + trust * extra,
+            trust * per_request,
         )
 
     def fleet_cost(self) -> tuple[float, float]:
@@ -238,10 +253,11 @@ class Calibrator:
         speed = self._speeds.get(endpoint_id)
         if speed is None or speed.w <= 0:
             return 1.0
-        own, queued, running = speed.sx
+        own, queued, running, queued_requests = speed.sx
         predicted = (
             fleet.overhead_s * speed.w + fleet.per_token_s * own
             + fleet.per_queued_token_s * queued + fleet.per_running_s * running
+            + fleet.per_queued_request_s * queued_requests
         )
         if predicted <= 0 or speed.sy <= 0:
             return 1.0
@@ -262,9 +278,14 @@ class Calibrator:
         return price.overhead_s, price.per_token_s
 
     def predict(
-        self, endpoint_id: str, tokens: float, queued: float = 0.0, running: float = 0.0
+        self,
+        endpoint_id: str,
+        tokens: float,
+        queued: float = 0.0,
+        running: float = 0.0,
+        queued_requests: float = 0.0,
     ) -> float:
-        return self.price(endpoint_id).predict(tokens, queued, running)
+        return self.price(endpoint_id).predict(tokens, queued, running, queued_requests)
 
     def observe(
         self,
@@ -273,14 +294,16 @@ class Calibrator:
         seconds: float,
         queued: float = 0.0,
         running: float = 0.0,
+        queued_requests: float = 0.0,
     ) -> None:
         """One first byte: ``seconds`` after sending, with ``tokens`` of the request's own
-        prefill, ``queued`` tokens of prefill ahead of it and ``running`` requests beside it."""
-        counts = (tokens, queued, running)
+        prefill, ``queued`` tokens of prefill ahead of it in ``queued_requests`` requests, and
+        ``running`` requests beside it."""
+        counts = (tokens, queued, running, queued_requests)
         if not all(math.isfinite(v) and v >= 0 for v in (*counts, seconds)):
             return
         p = self.priors
-        x = (tokens + queued + p.running_tokens * running, queued, running)
+        x = (tokens + queued + p.running_tokens * running, queued, running, queued_requests)
         predicted = self.fleet_price().predict(*counts)
         self._fleet.add(x, self._clipped(predicted, seconds), p.decay)
         self._fleet.solve(p)
@@ -331,6 +354,8 @@ class Calibrator:
              "delay per uncached token of the requests queued ahead", fleet.per_queued_token_s),
             ("prefill_seconds_per_running_request",
              "first-byte delay per request running on the endpoint", fleet.per_running_s),
+            ("prefill_seconds_per_queued_request",
+             "delay per request queued ahead, beyond its tokens", fleet.per_queued_request_s),
         ):
             yield GaugeMetricFamily(
                 f"prefixgate_calibrated_fleet_{name}",

@@ -155,26 +155,29 @@ class Router:
 
         A streamed answer's first byte teaches the calibrator what the endpoint's first byte
         costs: the time it took against this request's own prefill, the prefill queued there
-        and the requests running there (counted as the cost scorer counts them).
+        (tokens and requests) and the requests running there (counted as the cost scorer
+        counts them).
         """
         state = self._pool.get(endpoint_id)
         uncached = self.uncached_tokens(routing, endpoint_id)
-        queued = running = 0.0
+        queued = running = requests = 0.0
         if state is not None:
             queued = float(state.pending_prefill_tokens)
             running = max(float(state.in_flight), state.metrics.running)
+            requests = float(state.pending_prefill_requests)
         calibrator = self._calibrator
 
         def first_byte(seconds: float) -> None:
             if routing.stream:  # a non-streaming first byte is the answer's last
-                calibrator.observe(endpoint_id, uncached, seconds, queued, running)
+                calibrator.observe(endpoint_id, uncached, seconds, queued, running, requests)
             self.prefilled(routing, endpoint_id)
 
         lease = self._pool.lease(endpoint_id, uncached, first_byte)
         if not routing.stream:
             # Its first byte is its last: presume the prefill done after a generous multiple
             # of its predicted time, so decode time is not taken for queue.
-            delay = min(600.0, 3.0 * calibrator.predict(endpoint_id, uncached, queued, running))
+            predicted = calibrator.predict(endpoint_id, uncached, queued, running, requests)
+            delay = min(600.0, 3.0 * predicted)
             asyncio.get_running_loop().call_later(delay, lease.presume_prefilled)
         return lease
 

@@ -2,6 +2,7 @@
 
     predicted TTFT(e) = overhead(e)
                         + per_queued_token(e) * prefill queued on e
+                        + per_queued_request(e) * requests queued on e
                         + per_running(e) * requests running on e
                         + per_token(e) * (w(e) * this request's uncached tokens on e
                             + the cached context they would evict on e
@@ -13,9 +14,10 @@ first byte yet (``pending_prefill_tokens``, or its average over the last seconds
 higher), plus, for requests waiting in the replica that the gateway did not send, a prior per
 request. ``w(e)`` grows with the number of requests queued on e: a recompute there delays them
 too. The prices come from the :class:`~router.calibration.Calibrator`, learned online from
-the fleet's first bytes: on vLLM a queued token costs what an own one does, and a running
-request about 40 tokens' worth; where prefills run side by side, queues cost next to nothing
-and running requests more.
+the fleet's first bytes: on vLLM a queued token costs what an own one does, a queued request
+little beyond its tokens, and a running request about 40 tokens' worth; where prefills run
+side by side, queues cost next to nothing and running requests more; where each prefill pays
+a fixed cost of its own, so does each request queued ahead.
 
 Unlike min-max scaled scores, magnitudes survive: a 50,000-token miss costs a thousand times a
 50-token miss, so a session stays where its context lives until the queue there costs more than
@@ -101,6 +103,7 @@ class TTFTCostParameters(Strict):
 class CostTerms:
     endpoint: str
     queued_tokens: float
+    queued_requests: float
     uncached_tokens: int
     recompute_weight: float
     evicted_tokens: int
@@ -142,9 +145,11 @@ class TTFTCostScorer:
         pending = float(endpoint.pending_prefill_tokens)
         pending += p.recent_queue_weight * max(0.0, endpoint.recent_prefill_tokens - pending)
         queued = pending + foreign_requests * p.foreign_request_tokens
-        weight = self._recompute_weight(endpoint.pending_prefill_requests + foreign_requests)
+        queued_requests = endpoint.pending_prefill_requests + foreign_requests
+        weight = self._recompute_weight(queued_requests)
         own = weight * uncached + p.eviction_weight * evicted
         prefill = price.overhead_s + per_token * own + price.per_queued_token_s * queued
+        prefill += price.per_queued_request_s * queued_requests
         running = max(float(endpoint.in_flight), endpoint.running)
         # The configured decode pressure (which also slows this request's answer) at least;
         # more where the fleet's first bytes show running requests cost more.
@@ -154,7 +159,8 @@ class TTFTCostScorer:
         bonus = per_token * p.affinity_bonus_tokens if home else 0.0
         penalty = per_token * self._kv_penalty_tokens(endpoint, uncached)
         return CostTerms(
-            endpoint.id, queued, uncached, weight, evicted, prefill, load, penalty, bonus
+            endpoint.id, queued, queued_requests, uncached, weight, evicted, prefill, load,
+            penalty, bonus,
         )
 
     def _recompute_weight(self, queued_requests: float) -> float:
@@ -179,6 +185,7 @@ class TTFTCostScorer:
         t = self.terms(request, endpoint)
         return {
             "predicted_ttft_s": t.total_s, "queued_tokens": t.queued_tokens,
+            "queued_requests": t.queued_requests,
             "speed_factor": self._calibrator.factor(endpoint.id),
             "uncached_tokens": t.uncached_tokens, "recompute_weight": t.recompute_weight,
             "evicted_tokens": t.evicted_tokens,

@@ -151,11 +151,15 @@ def _first_bytes(calibrator: Calibrator, world: str, samples: int = 400) -> None
         own = rng.uniform(50, 8_000)
         running = rng.randint(0, 15)
         queued = rng.choice([0.0, 0.0, rng.uniform(0, 20_000)])
+        requests = rng.randint(1, 8) if queued else 0
         if world == "batched":  # vLLM: prefills queue in shared steps
             seconds = 0.03 + 0.0002 * (own + queued) + 0.008 * running
+        elif world == "own-overheads":  # every prefill pays its fixed cost, queued ones too
+            seconds = 0.03 * (1 + requests) + 0.0002 * (own + queued) + 0.008 * running
         else:  # llm-d-inference-sim: side by side, scaled by the load factor
             seconds = (0.03 + 0.0002 * own) * (1 + running / 15)
-        calibrator.observe(f"e{i % 4}", own, seconds + rng.gauss(0, 0.01), queued, running)
+        seconds += rng.gauss(0, 0.01)
+        calibrator.observe(f"e{i % 4}", own, seconds, queued, running, requests)
 
 
 def test_a_batched_fleet_keeps_the_priors_shape() -> None:
@@ -166,6 +170,19 @@ def test_a_batched_fleet_keeps_the_priors_shape() -> None:
     assert price.per_queued_token_s == pytest.approx(0.0002, rel=0.05)
     assert price.per_running_s == pytest.approx(0.008, rel=0.15)
     assert price.overhead_s == pytest.approx(0.03, abs=0.01)
+    assert price.per_queued_request_s < 0.005, "a queued request costs its tokens only"
+
+
+def test_prefills_with_fixed_costs_of_their_own_price_each_queued_request() -> None:
+    registry = CollectorRegistry()
+    calibrator = Calibrator(registry=registry)
+    _first_bytes(calibrator, "own-overheads")
+    price = calibrator.fleet_price()
+    assert price.per_queued_request_s == pytest.approx(0.03, rel=0.25)
+    assert price.per_queued_token_s == pytest.approx(0.0002, rel=0.1)
+    assert price.overhead_s == pytest.approx(0.03, abs=0.01)
+    text = generate_latest(registry).decode()
+    assert "prefixgate_calibrated_fleet_prefill_seconds_per_queued_request" in text
 
 
 def test_side_by_side_prefills_learn_free_queues_and_dear_running_requests() -> None:
@@ -193,3 +210,4 @@ def test_no_spread_in_queues_or_running_counts_keeps_their_priors() -> None:
     # Not identifiable from these samples: the prior's shape at the learned speed.
     assert price.per_queued_token_s == pytest.approx(price.per_token_s, rel=0.01)
     assert price.per_running_s == pytest.approx(40 * price.per_token_s, rel=0.05)
+    assert price.per_queued_request_s == 0.0

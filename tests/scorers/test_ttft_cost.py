@@ -229,3 +229,31 @@ def test_a_fleet_whose_queues_cost_nothing_keeps_sessions_home() -> None:
     busy = snap("a", in_flight=12)
     prior_load = scorer().terms(req(tokens=500), busy).load_s
     assert TTFTCostScorer(side_by_side).terms(req(tokens=500), busy).load_s > 3 * prior_load
+
+
+def test_where_each_prefill_pays_its_own_fixed_cost_a_burst_queued_ahead_costs_more() -> None:
+    # Eight sub-agents of 150 tokens queued on one endpoint, a single 1,200-token request on
+    # the other: the same tokens, but where every prefill pays a fixed cost of its own (the
+    # first bytes show it), the burst is the longer wait.
+    own_costs = Calibrator()
+    rng = random.Random(10)
+    for i in range(400):
+        own, running = rng.uniform(50, 8_000), rng.randint(0, 15)
+        queued = rng.choice([0.0, rng.uniform(0, 20_000)])
+        requests = rng.randint(1, 8) if queued else 0
+        seconds = 0.03 * (1 + requests) + 0.0002 * (own + queued) + 0.008 * running
+        own_costs.observe(f"e{i % 4}", own, seconds, queued, running, requests)
+    burst = snap("burst", pending_prefill_tokens=1_200, pending_prefill_requests=8, in_flight=8)
+    single = snap("single", pending_prefill_tokens=1_200, pending_prefill_requests=1, in_flight=8)
+    request = req(tokens=2_000)
+    learned = TTFTCostScorer(own_costs)
+
+    def gap(cost: TTFTCostScorer) -> float:
+        return cost.terms(request, burst).total_s - cost.terms(request, single).total_s
+
+    # With vLLM's shared steps (the prior) a queued request costs its tokens, and the gap is
+    # the recompute weight's alone.
+    per_request = own_costs.fleet_price().per_queued_request_s
+    assert per_request == pytest.approx(0.03, rel=0.3)
+    assert gap(learned) - gap(scorer()) == pytest.approx(7 * per_request, rel=0.1)
+    assert learned.score(request, [burst, single])[1] == 1.0
