@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from flow_control.controller import FlowController
 from router import __version__, anthropic
+from router.answer_cache import AnswerCache
 from router.calibration import Calibrator
 from router.config import GatewayConfig
 from router.disagg import Disaggregator, build_disagg_profiles
@@ -96,6 +97,7 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
         assert config.scheduling_profiles  # enforced by the config model
         plugins, profile_cfg = config.plugins, config.scheduling_profiles[0]
     calibrator = Calibrator(registry=metrics.registry)
+    answers = AnswerCache(metrics.registry)
     precise = None
     if precise_enabled(config, plugins):
         precise = PreciseRuntime(config, metrics.registry, stores.redis_metrics)
@@ -128,12 +130,12 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     if precise is not None:
         router: Router = PreciseRouter(
             config, pool, candidates, scheduler, flow, metrics, tracker=precise.tracker,
-            responses=stores.responses, calibrator=calibrator,
+            responses=stores.responses, calibrator=calibrator, answers=answers,
         )
     else:
         router = Router(
             config, pool, candidates, scheduler, flow, metrics, responses=stores.responses,
-            calibrator=calibrator,
+            calibrator=calibrator, answers=answers,
         )
     proxy = Proxy(config, router, metrics)
     if prefill_profile is not None:
@@ -147,6 +149,7 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
         config.precise_prefix.block_size,
         precise.tracker if precise else None,
         precise.expect_events if precise else None,
+        answers=answers,
     )
     proxy.prediction = gateway.prediction
     return gateway

@@ -32,6 +32,7 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from router.answer_cache import AnswerCache
 from router.precise_routing import PreciseTracker
 from router.scheduling import RoutingRequest
 
@@ -107,10 +108,12 @@ class PredictionTracker:
         precise: PreciseTracker | None = None,
         expect_events: Callable[[str, float], None] | None = None,
         window: int = 1000,
+        answers: AnswerCache | None = None,
     ) -> None:
         self.block_size = block_size
         self._precise = precise
         self._expect_events = expect_events
+        self._answers = answers
         r = registry
         self.error_tokens = Histogram(
             "prefixgate_prefix_prediction_error_tokens",
@@ -158,6 +161,7 @@ class PredictionTracker:
             share = routing.cached_bytes(endpoint_id) / routing.prompt_bytes
             predicted = self._cap(share * actual.prompt_tokens, actual.prompt_tokens)
             self._record("approximate", predicted, actual)
+            self._learn_answer(endpoint_id, routing, actual)
         elif routing.prompt_bytes:
             self._record("approximate", 0, actual)
         if self._precise is None:
@@ -178,6 +182,20 @@ class PredictionTracker:
         expect = self._expect_events
         if expect is not None and state.picked_at is not None and uncached >= 2 * self.block_size:
             expect(endpoint_id, state.picked_at)
+
+    def _learn_answer(self, endpoint_id: str, routing: RoutingRequest, actual: Usage) -> None:
+        """How much of the previous answer, counted as cached, the replica really held."""
+        answers = self._answers
+        beyond = routing.answer_bytes_beyond(endpoint_id)
+        if answers is None or not beyond:
+            return
+        tokens_per_byte = actual.prompt_tokens / routing.prompt_bytes
+        matched = routing.matched_bytes(endpoint_id) * tokens_per_byte
+        if actual.cached_tokens < matched - self.block_size:
+            return  # the matched prefix itself was not all there (evicted): says nothing
+        # The replica counts whole blocks: half a block of the answer's end is lost on average.
+        credited = beyond * tokens_per_byte - self.block_size / 2
+        answers.observe(routing.model, credited, actual.cached_tokens - matched)
 
     def _skip(self, reason: str) -> None:
         self.skipped.labels(reason).inc()

@@ -15,6 +15,7 @@ import orjson
 
 from flow_control.controller import FlowController
 from flow_control.request import Ticket
+from router.answer_cache import AnswerCache
 from router.calibration import Calibrator
 from router.config import GatewayConfig
 from router.endpoints import EndpointPool, EndpointSnapshot, Lease
@@ -43,6 +44,7 @@ class Router:
         *,
         responses: ResponseRoutes | None = None,
         calibrator: Calibrator | None = None,
+        answers: AnswerCache | None = None,
     ) -> None:
         self._config = config
         self._pool = pool
@@ -53,6 +55,7 @@ class Router:
         # Which endpoint holds each stored response (Responses API previous_response_id).
         self.responses = responses
         self._calibrator = calibrator or Calibrator()
+        self._answers = answers or AnswerCache()
 
     def routing_request(
         self, parsed: ParsedRequest, headers: Mapping[str, str], request_id: str
@@ -79,6 +82,7 @@ class Router:
                 parsed.rendered, index.block_bytes, parsed.model, index.max_blocks_per_request
             ),
             answer_bytes=parsed.answer_span,
+            answer_share=self._answers.share(parsed.model),
         )
 
     async def admit(

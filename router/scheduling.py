@@ -35,8 +35,10 @@ class RoutingRequest:
     block_bytes: int = 0
     block_hashes: Sequence[int] = ()
     # Byte span of the prompt's last answer (router.rendering.render_conversation): cached
-    # where the turn that generated it was served, though no indexed prompt held it.
+    # where the turn that generated it was served, though no indexed prompt held it, in the
+    # share the model's answers are found cached (router/answer_cache.py).
     answer_bytes: tuple[int, int] | None = None
+    answer_share: float = 1.0
     # Responses API: the stored response this request continues; only its endpoint can serve it.
     previous_response_id: str | None = None
     # Report why this request went where it went: to the debug log, and to the client when
@@ -61,15 +63,24 @@ class RoutingRequest:
         return self.uncached_at(self.cached_bytes(endpoint_id) / self.prompt_bytes)
 
     def cached_bytes(self, endpoint_id: str) -> int:
-        """The prompt bytes the endpoint probably holds: its index match, run on over the
-        last answer when the match reaches that answer's start (the endpoint served the turn
-        that generated it: every full block before it matched)."""
-        hits = self.prefix_hits.get(endpoint_id, 0)
-        cached = hits * self.block_bytes
+        """The prompt bytes the endpoint probably holds: its index match, and the last answer
+        beyond it where the endpoint served the turn that generated it."""
+        matched = self.matched_bytes(endpoint_id)
+        return matched + round(self.answer_share * self.answer_bytes_beyond(endpoint_id))
+
+    def matched_bytes(self, endpoint_id: str) -> int:
+        """The prompt bytes the prefix index matched on the endpoint."""
+        return min(self.prefix_hits.get(endpoint_id, 0) * self.block_bytes, self.prompt_bytes)
+
+    def answer_bytes_beyond(self, endpoint_id: str) -> int:
+        """The last answer's bytes past the endpoint's match, if the match reaches the
+        answer's start (every full block before it matched: the endpoint served the turn that
+        generated it); else 0."""
         answer = self.answer_bytes
-        if answer is not None and hits and hits >= answer[0] // max(1, self.block_bytes):
-            cached = max(cached, answer[1])
-        return min(cached, self.prompt_bytes)
+        hits = self.prefix_hits.get(endpoint_id, 0)
+        if answer is None or not hits or hits < answer[0] // max(1, self.block_bytes):
+            return 0
+        return max(0, min(answer[1], self.prompt_bytes) - self.matched_bytes(endpoint_id))
 
     def uncached_at(self, share: float) -> int:
         """This request's prompt tokens left to compute where ``share`` of it is cached."""

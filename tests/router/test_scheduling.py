@@ -128,3 +128,7 @@ def test_the_last_answer_is_cached_where_its_turn_was_served() -> None:
         answer_bytes=(500, 900),
     )
     assert early.cached_bytes("home") == 0, "no block matched, nothing is credited"
+    request.answer_share = 0.5  # the model's answers are found cached half the time
+    assert request.cached_bytes("home") == 2000 + 700
+    assert request.answer_bytes_beyond("home") == 1400
+    assert request.cached_bytes("longer") == 4000
