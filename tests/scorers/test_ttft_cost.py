@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -215,13 +216,9 @@ def test_a_fleet_whose_queues_cost_nothing_keeps_sessions_home() -> None:
     # Prefills that run side by side (llm-d-inference-sim): the queue at home does not delay
     # this request, so the session stays where its context is, where with vLLM's queueing it
     # would move; running requests, which slow everything there, are priced dearer instead.
-    side_by_side = Calibrator()
-    rng = random.Random(9)
-    for i in range(400):
-        own, running = rng.uniform(50, 8_000), rng.randint(0, 15)
-        queued = rng.choice([0.0, rng.uniform(0, 20_000)])
-        seconds = (0.03 + 0.0002 * own) * (1 + running / 15)
-        side_by_side.observe(f"e{i % 4}", own, seconds, queued, running)
+    side_by_side = _calibrated(
+        lambda own, _queued, running, _requests: (0.03 + 0.0002 * own) * (1 + running / 15)
+    )
     request = req(tokens=10_000, hits={"home": 150})
     endpoints = [snap("home", pending_prefill_tokens=40_000), snap("b")]
     assert scorer().score(request, endpoints)[1] == 1.0
@@ -235,14 +232,10 @@ def test_where_each_prefill_pays_its_own_fixed_cost_a_burst_queued_ahead_costs_m
     # Eight sub-agents of 150 tokens queued on one endpoint, a single 1,200-token request on
     # the other: the same tokens, but where every prefill pays a fixed cost of its own (the
     # first bytes show it), the burst is the longer wait.
-    own_costs = Calibrator()
-    rng = random.Random(10)
-    for i in range(400):
-        own, running = rng.uniform(50, 8_000), rng.randint(0, 15)
-        queued = rng.choice([0.0, rng.uniform(0, 20_000)])
-        requests = rng.randint(1, 8) if queued else 0
-        seconds = 0.03 * (1 + requests) + 0.0002 * (own + queued) + 0.008 * running
-        own_costs.observe(f"e{i % 4}", own, seconds, queued, running, requests)
+    own_costs = _calibrated(
+        lambda own, queued, running, requests: 0.03 * (1 + requests)
+        + 0.0002 * (own + queued) + 0.008 * running
+    )
     burst = snap("burst", pending_prefill_tokens=1_200, pending_prefill_requests=8, in_flight=8)
     single = snap("single", pending_prefill_tokens=1_200, pending_prefill_requests=1, in_flight=8)
     request = req(tokens=2_000)
@@ -257,3 +250,17 @@ def test_where_each_prefill_pays_its_own_fixed_cost_a_burst_queued_ahead_costs_m
     assert per_request == pytest.approx(0.03, rel=0.3)
     assert gap(learned) - gap(scorer()) == pytest.approx(7 * per_request, rel=0.1)
     assert learned.score(request, [burst, single])[1] == 1.0
+
+
+def _calibrated(seconds: Callable[[float, float, int, int], float]) -> Calibrator:
+    """A calibrator fed 400 first bytes from four replicas under spread-out load: ``seconds``
+    of (own tokens, queued tokens, running requests, queued requests)."""
+    calibrator = Calibrator()
+    rng = random.Random(9)
+    for i in range(400):
+        own, running = rng.uniform(50, 8_000), rng.randint(0, 15)
+        queued = rng.choice([0.0, rng.uniform(0, 20_000)])
+        requests = rng.randint(1, 8) if queued else 0
+        took = seconds(own, queued, running, requests)
+        calibrator.observe(f"e{i % 4}", own, took, queued, running, requests)
+    return calibrator
