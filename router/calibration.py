@@ -253,12 +253,8 @@ class Calibrator:
         speed = self._speeds.get(endpoint_id)
         if speed is None or speed.w <= 0:
             return 1.0
-        own, queued, running, queued_requests = speed.sx
-        predicted = (
-            fleet.overhead_s * speed.w + fleet.per_token_s * own
-            + fleet.per_queued_token_s * queued + fleet.per_running_s * running
-            + fleet.per_queued_request_s * queued_requests
-        )
+        # The counts are sums over the endpoint's samples, so the overhead counts once a sample.
+        predicted = fleet.predict(*speed.sx) + fleet.overhead_s * (speed.w - 1.0)
         if predicted <= 0 or speed.sy <= 0:
             return 1.0
         p = self.priors

@@ -148,8 +148,7 @@ class TTFTCostScorer:
         queued_requests = endpoint.pending_prefill_requests + foreign_requests
         weight = self._recompute_weight(queued_requests)
         own = weight * uncached + p.eviction_weight * evicted
-        prefill = price.overhead_s + per_token * own + price.per_queued_token_s * queued
-        prefill += price.per_queued_request_s * queued_requests
+        prefill = price.predict(own, queued, queued_requests=queued_requests)
         running = max(float(endpoint.in_flight), endpoint.running)
         # The configured decode pressure (which also slows this request's answer) at least;
         # more where the fleet's first bytes show running requests cost more.
