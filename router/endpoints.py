@@ -65,6 +65,9 @@ class EngineMetrics:
     prefix_hits: float = 0.0
     prefix_queries: float = 0.0
     scraped_at: float = 0.0
+    # This gateway's requests in flight to the endpoint while the scrape ran (the most seen):
+    # the engine counted them in ``waiting`` or ``running``, even if they have finished since.
+    gateway_in_flight: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,17 @@ class EndpointSnapshot:
     pending_prefill_requests: int = 0
     # pending_prefill_tokens averaged over the last QUEUE_AVERAGE_S (exponentially).
     recent_prefill_tokens: float = 0.0
+    # The gateway's in-flight requests when ``waiting`` was scraped (EngineMetrics).
+    scraped_in_flight: int = 0
+
+    @property
+    def foreign_waiting(self) -> float:
+        """Requests waiting in the engine that no gateway request accounts for.
+
+        Gateway requests may be among the scraped ``waiting``: those in flight now, and those in
+        flight at the scrape that have finished since (a scrape is up to an interval stale).
+        """
+        return max(0.0, self.waiting - max(self.in_flight, self.scraped_in_flight))
 
 
 @dataclass(slots=True)
@@ -146,6 +160,7 @@ class EndpointState:
             num_gpu_blocks=m.num_gpu_blocks,
             pending_prefill_requests=self.pending_prefill_requests,
             recent_prefill_tokens=self.recent_prefill_tokens(now),
+            scraped_in_flight=m.gateway_in_flight,
         )
 
 

@@ -199,6 +199,7 @@ class EndpointMonitor:
 
     async def _scrape(self, state: EndpointState) -> None:
         url = state.endpoint.url
+        in_flight = state.in_flight
         try:
             status, body = await self._get(f"{url}/metrics", self._settings.scrape_timeout)
         except _POLL_ERRORS:
@@ -208,6 +209,7 @@ class EndpointMonitor:
             return  # not every backend exports metrics; health decides liveness
         previous = state.metrics
         state.metrics = parse_vllm_metrics(body.decode("utf-8", "replace"), self._clock())
+        state.metrics.gateway_in_flight = max(in_flight, state.in_flight)
         state.consecutive_failures = 0
         m = state.metrics
         capacity_changed = (m.block_size, m.num_gpu_blocks) != (

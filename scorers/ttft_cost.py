@@ -141,7 +141,7 @@ class TTFTCostScorer:
         per_token = price.per_token_s
         uncached = self._uncached(request, endpoint.id)
         evicted = self._evicted_tokens(request, endpoint, uncached)
-        foreign_requests = max(0.0, endpoint.waiting - endpoint.in_flight)
+        foreign_requests = endpoint.foreign_waiting
         pending = float(endpoint.pending_prefill_tokens)
         pending += p.recent_queue_weight * max(0.0, endpoint.recent_prefill_tokens - pending)
         queued = pending + foreign_requests * p.foreign_request_tokens

@@ -25,6 +25,19 @@ def test_a_lease_counts_its_prefill_until_the_first_byte_and_itself_until_releas
     assert (s.in_flight, s.pending_prefill_tokens, s.pending_prefill_requests) == (0, 0, 0)
 
 
+def test_waiting_requests_are_foreign_only_beyond_the_gateways_own() -> None:
+    s = state()
+    s.metrics.waiting = 3.0
+    s.metrics.gateway_in_flight = 2  # in flight when scraped, so possibly among the 3
+    assert s.snapshot(0.0).foreign_waiting == 1.0
+    leases = [Lease(s, prefill_tokens=10) for _ in range(3)]
+    assert s.snapshot(0.0).foreign_waiting == 0.0  # the scrape may not have seen these yet
+    for lease in leases:
+        lease.release()
+    s.metrics.gateway_in_flight = 0
+    assert s.snapshot(0.0).foreign_waiting == 3.0
+
+
 def test_the_recent_queue_remembers_a_queue_that_just_drained() -> None:
     s = state()
     s.add_pending(10_000, 1, now=100.0)

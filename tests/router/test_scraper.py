@@ -9,7 +9,7 @@ import aiohttp
 
 from benchmarks.sim.cli import start_replicas
 from benchmarks.sim.config import SimConfig
-from router.endpoints import Endpoint, EndpointPool
+from router.endpoints import Endpoint, EndpointPool, Lease
 from router.scraper import EndpointMonitor, MonitorSettings, parse_vllm_metrics
 
 PAGE = """\
@@ -80,3 +80,30 @@ async def test_monitor_scrapes_a_replica_and_marks_a_dead_one_unhealthy() -> Non
         assert capacity == [(live.id, config.block_size, 512)]
         assert states[live.id].metrics.scraped_at > 0
         assert states[live.id].healthy
+
+
+async def test_a_scrape_remembers_the_gateway_requests_it_may_have_counted() -> None:
+    """A request that finished after the scrape still shows in its stale ``waiting``: it must
+    not pass for another gateway's queue until the next scrape (it once moved a session)."""
+    settings = MonitorSettings(scrape_interval=0.02, scrape_timeout=0.5, health_interval=5.0)
+    async with (
+        start_replicas(1, SimConfig(speed=50.0)) as (replica,),
+        aiohttp.ClientSession() as http,
+    ):
+        pool = EndpointPool([Endpoint.from_url(replica.url)])
+        (state,) = list(pool)
+        monitor = EndpointMonitor(pool, http, settings, None)
+        await monitor.check_all()
+        lease = Lease(state, prefill_tokens=500, pool=pool)
+        monitor.start()
+        try:
+            async with asyncio.timeout(5):
+                while not state.metrics.scraped_at:  # noqa: ASYNC110 (monitor tasks)
+                    await asyncio.sleep(0.01)
+        finally:
+            await monitor.stop()
+        lease.release()
+        state.metrics.waiting = 1.0  # the engine had our request queued when it was scraped
+        snapshot = state.snapshot(pool.clock())
+        assert (snapshot.in_flight, snapshot.scraped_in_flight) == (0, 1)
+        assert snapshot.foreign_waiting == 0.0
