@@ -42,7 +42,7 @@ from router.scheduling import PickObserver, Producer, Scheduler, SchedulingProfi
 from router.scraper import EndpointMonitor, MonitorSettings
 from router.stored_responses import StoredResponses, make_probe
 from router.stores import Stores, build_stores
-from router.strategies import strategy
+from router.strategies import Strategy, strategy
 from router.upstream import UpstreamClient
 
 JSON = "application/json"
@@ -77,38 +77,44 @@ class Gateway:
         self.stores.index.set_capacity(endpoint_id, blocks)
 
 
-def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None) -> Gateway:
-    registry = registry or default_registry()
-    rng = random.Random(config.seed)
+def _build_pool(config: GatewayConfig) -> EndpointPool:
     od = config.pool.outlier_detection
     outliers = OutlierSettings(
         od.consecutive_failures, od.base_ejection_seconds, od.max_ejection_seconds,
         od.max_ejection_percent,
     )
-    pool = EndpointPool(
+    return EndpointPool(
         (Endpoint.from_url(e.url, e.role, e.models) for e in config.pool.endpoints),
         outliers=outliers if od.enabled else None,
     )
-    metrics = GatewayMetrics(pool)
-    stores = build_stores(config, pool, metrics.registry)
+
+
+def _plugins(config: GatewayConfig) -> Strategy:
+    """The configured plugins and first profile, or the named strategy's."""
     if config.plugins is None:
-        plugins, profile_cfg = strategy(config.strategy)
-    else:
-        assert config.scheduling_profiles  # enforced by the config model
-        plugins, profile_cfg = config.plugins, config.scheduling_profiles[0]
-    calibrator = Calibrator(registry=metrics.registry)
-    answers = AnswerCache(metrics.registry)
-    precise = None
-    if precise_enabled(config, plugins):
-        precise = PreciseRuntime(config, metrics.registry, stores.redis_metrics)
-    context = PluginContext(rng, calibrator, precise.tracker if precise else None)
+        return strategy(config.strategy)
+    assert config.scheduling_profiles  # enforced by the config model
+    return config.plugins, config.scheduling_profiles[0]
+
+
+def _build_scheduler(
+    config: GatewayConfig,
+    plugins: Strategy,
+    registry: PluginRegistry,
+    context: PluginContext,
+    stores: Stores,
+    metrics: GatewayMetrics,
+    precise: PreciseRuntime | None,
+) -> tuple[Scheduler, SchedulingProfile | None]:
+    """The scheduler with its producers and observers, and the prefill profile (disaggregated)."""
+    configs, profile_cfg = plugins
     prefill_profile: SchedulingProfile | None = None
     if config.disaggregation.enabled:
         profile, prefill_profile = build_disagg_profiles(
-            plugins, config.scheduling_profiles or [profile_cfg], registry, context
+            configs, config.scheduling_profiles or [profile_cfg], registry, context
         )
     else:
-        profile = build_profile(plugins, profile_cfg, registry, context)
+        profile = build_profile(configs, profile_cfg, registry, context)
     prefix = PrefixTracker(stores.index)
     sessions = AffinityTracker(stores.affinity)
     live = LiveSessions(config.session_affinity.max_sessions, registry=metrics.registry)
@@ -117,7 +123,26 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     if precise is not None:
         producers.append(precise.tracker)
         observers.append(precise.tracker)
-    scheduler = Scheduler(profile, producers=producers, observers=observers)
+    return Scheduler(profile, producers=producers, observers=observers), prefill_profile
+
+
+def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None) -> Gateway:
+    registry = registry or default_registry()
+    pool = _build_pool(config)
+    metrics = GatewayMetrics(pool)
+    stores = build_stores(config, pool, metrics.registry)
+    calibrator = Calibrator(registry=metrics.registry)
+    answers = AnswerCache(metrics.registry)
+    plugins = _plugins(config)
+    precise = None
+    if precise_enabled(config, plugins[0]):
+        precise = PreciseRuntime(config, metrics.registry, stores.redis_metrics)
+    context = PluginContext(
+        random.Random(config.seed), calibrator, precise.tracker if precise else None
+    )
+    scheduler, prefill_profile = _build_scheduler(
+        config, plugins, registry, context, stores, metrics, precise
+    )
     candidates = stores.candidates(pool)
     scrape = config.pool.metrics_scrape
     flow = FlowController(
@@ -244,6 +269,15 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
 
     app = FastAPI(title="prefixgate", version=__version__, lifespan=lifespan)
     app.state.gateway = gateway
+    _add_error_handlers(app)
+    _add_inference_routes(app, gateway)
+    _add_stored_response_routes(app, gateway)
+    _add_operations_routes(app, gateway)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI-shaped body (the Messages route re-shapes its own)."""
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> Response:
@@ -266,6 +300,8 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         return _error_response(BadRequestError(str(exc.errors())))
 
+
+def _add_inference_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.post("/v1/chat/completions", openapi_extra=openapi_extra("chat"))
     async def chat_completions(request: Request) -> Response:
         return await gateway.proxy.handle(request, "chat")
@@ -285,9 +321,11 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
     async def responses(request: Request) -> Response:
         return await gateway.proxy.handle(request, "responses")
 
+
+def _add_stored_response_routes(app: FastAPI, gateway: Gateway) -> None:
     stored = StoredResponses(
-        config, gateway.pool, gateway.stores.candidates(gateway.pool), gateway.stores.responses,
-        gateway.proxy,
+        gateway.config, gateway.pool, gateway.stores.candidates(gateway.pool),
+        gateway.stores.responses, gateway.proxy,
     )
 
     @app.get("/v1/responses/{response_id}")
@@ -302,6 +340,8 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
     async def cancel_response(request: Request, response_id: str) -> Response:
         return await stored.handle(request, response_id, "/cancel")
 
+
+def _add_operations_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if gateway.proxy.auth is not None:
@@ -329,5 +369,3 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    return app
