@@ -106,6 +106,9 @@ def test_recompute_weight_follows_the_queue_where_the_recompute_would_run() -> N
     foreign = s.terms(request, snap("b", waiting=5))  # 512 tokens assumed for each
     ours = snap("b", pending_prefill_tokens=5 * 512, pending_prefill_requests=5)
     assert foreign.prefill_s == pytest.approx(s.terms(request, ours).prefill_s)
+    # Our own requests, in flight when the count was scraped and finished since, are no one's.
+    stale = snap("b", waiting=5, scraped_in_flight=5)
+    assert s.terms(request, stale).prefill_s == pytest.approx(s.terms(request, snap("b")).prefill_s)
     crowded = snap("b", pending_prefill_requests=1_000)
     uncapped = scorer(recompute_weight_per_queued=0.1, recompute_weight_max=8.0)
     assert s.terms(request, crowded).prefill_s < uncapped.terms(request, crowded).prefill_s
