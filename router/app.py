@@ -22,7 +22,7 @@ from flow_control.controller import FlowController
 from router import __version__, anthropic
 from router.answer_cache import AnswerCache
 from router.calibration import Calibrator
-from router.config import GatewayConfig
+from router.config import GatewayConfig, PluginConfig, ProfileConfig
 from router.disagg import Disaggregator, build_disagg_profiles
 from router.discovery import KubernetesDiscovery, LivePool, api_client
 from router.endpoints import Endpoint, EndpointPool, OutlierSettings
@@ -99,7 +99,8 @@ def _plugins(config: GatewayConfig) -> Strategy:
 
 def _build_scheduler(
     config: GatewayConfig,
-    plugins: Strategy,
+    plugins: list[PluginConfig],
+    profile_cfg: ProfileConfig,
     registry: PluginRegistry,
     context: PluginContext,
     stores: Stores,
@@ -107,14 +108,13 @@ def _build_scheduler(
     precise: PreciseRuntime | None,
 ) -> tuple[Scheduler, SchedulingProfile | None]:
     """The scheduler with its producers and observers, and the prefill profile (disaggregated)."""
-    configs, profile_cfg = plugins
     prefill_profile: SchedulingProfile | None = None
     if config.disaggregation.enabled:
         profile, prefill_profile = build_disagg_profiles(
-            configs, config.scheduling_profiles or [profile_cfg], registry, context
+            plugins, config.scheduling_profiles or [profile_cfg], registry, context
         )
     else:
-        profile = build_profile(configs, profile_cfg, registry, context)
+        profile = build_profile(plugins, profile_cfg, registry, context)
     prefix = PrefixTracker(stores.index)
     sessions = AffinityTracker(stores.affinity)
     live = LiveSessions(config.session_affinity.max_sessions, registry=metrics.registry)
@@ -133,15 +133,15 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     stores = build_stores(config, pool, metrics.registry)
     calibrator = Calibrator(registry=metrics.registry)
     answers = AnswerCache(metrics.registry)
-    plugins = _plugins(config)
+    plugins, profile_cfg = _plugins(config)
     precise = None
-    if precise_enabled(config, plugins[0]):
+    if precise_enabled(config, plugins):
         precise = PreciseRuntime(config, metrics.registry, stores.redis_metrics)
     context = PluginContext(
         random.Random(config.seed), calibrator, precise.tracker if precise else None
     )
     scheduler, prefill_profile = _build_scheduler(
-        config, plugins, registry, context, stores, metrics, precise
+        config, plugins, profile_cfg, registry, context, stores, metrics, precise
     )
     candidates = stores.candidates(pool)
     scrape = config.pool.metrics_scrape
