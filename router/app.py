@@ -220,9 +220,11 @@ async def gateway_running(gateway: Gateway) -> AsyncIterator[None]:
             health_timeout=hc.timeout_seconds,
             unhealthy_threshold=hc.unhealthy_threshold,
         )
+        shared = gateway.stores.shared_in_flight
         monitor = EndpointMonitor(
             gateway.pool, monitor_client, settings, gateway.kv_capacity_to_blocks,
             auth_headers=gateway.proxy.upstream_keys.headers,
+            remote_in_flight=shared.remote_in_flight if shared else None,
         )
         gateway.monitor = monitor
         stack.push_async_callback(gateway.stores.aclose)

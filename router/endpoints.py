@@ -65,8 +65,9 @@ class EngineMetrics:
     prefix_hits: float = 0.0
     prefix_queries: float = 0.0
     scraped_at: float = 0.0
-    # This gateway's requests in flight to the endpoint while the scrape ran (the most seen):
-    # the engine counted them in ``waiting`` or ``running``, even if they have finished since.
+    # The gateways' requests in flight to the endpoint while the scrape ran (the most seen: this
+    # replica's, plus the others' shared through Redis): the engine counted them in ``waiting``
+    # or ``running``, even if they have finished since.
     gateway_in_flight: int = 0
 
 

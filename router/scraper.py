@@ -111,9 +111,13 @@ class EndpointMonitor:
         on_capacity: CapacityCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
         auth_headers: AuthHeaders | None = None,
+        remote_in_flight: Callable[[str], int] | None = None,
     ) -> None:
         self._pool = pool
         self._auth_headers = auth_headers
+        # The other gateway replicas' in-flight counts (shared through Redis), so that their
+        # requests counted in a stale scrape do not pass for a stranger's queue either.
+        self._remote_in_flight = remote_in_flight
         self._client = client
         self._settings = settings
         self._on_capacity = on_capacity
@@ -200,6 +204,7 @@ class EndpointMonitor:
     async def _scrape(self, state: EndpointState) -> None:
         url = state.endpoint.url
         in_flight = state.in_flight
+        remote = self._remote(state)
         try:
             status, body = await self._get(f"{url}/metrics", self._settings.scrape_timeout)
         except _POLL_ERRORS:
@@ -209,7 +214,10 @@ class EndpointMonitor:
             return  # not every backend exports metrics; health decides liveness
         previous = state.metrics
         state.metrics = parse_vllm_metrics(body.decode("utf-8", "replace"), self._clock())
-        state.metrics.gateway_in_flight = max(in_flight, state.in_flight)
+        # Gateway requests the scrape may have counted: the most in flight before or after it.
+        state.metrics.gateway_in_flight = max(in_flight, state.in_flight) + max(
+            remote, self._remote(state)
+        )
         state.consecutive_failures = 0
         m = state.metrics
         capacity_changed = (m.block_size, m.num_gpu_blocks) != (
@@ -218,6 +226,9 @@ class EndpointMonitor:
         )
         if capacity_changed and m.block_size and m.num_gpu_blocks and self._on_capacity:
             self._on_capacity(state.endpoint.id, m.block_size, m.num_gpu_blocks)
+
+    def _remote(self, state: EndpointState) -> int:
+        return self._remote_in_flight(state.endpoint.id) if self._remote_in_flight else 0
 
     def _mark(self, state: EndpointState, ok: bool) -> None:
         if ok:

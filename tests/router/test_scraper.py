@@ -8,9 +8,13 @@ import socket
 import aiohttp
 
 from benchmarks.sim.cli import start_replicas
-from benchmarks.sim.config import SimConfig
-from router.endpoints import Endpoint, EndpointPool, Lease
+from benchmarks.sim.config import DEFAULT_MODEL, SimConfig
+from router.affinity import InMemoryAffinityStore
+from router.endpoints import Endpoint, EndpointPool, EndpointState, Lease
+from router.prefix_index import InMemoryPrefixIndex
+from router.redis_state import SharedInFlight
 from router.scraper import EndpointMonitor, MonitorSettings, parse_vllm_metrics
+from router.stores import Stores
 
 PAGE = """\
 # HELP vllm:num_requests_waiting Requests waiting.
@@ -95,15 +99,58 @@ async def test_a_scrape_remembers_the_gateway_requests_it_may_have_counted() -> 
         monitor = EndpointMonitor(pool, http, settings, None)
         await monitor.check_all()
         lease = Lease(state, prefill_tokens=500, pool=pool)
-        monitor.start()
-        try:
-            async with asyncio.timeout(5):
-                while not state.metrics.scraped_at:  # noqa: ASYNC110 (monitor tasks)
-                    await asyncio.sleep(0.01)
-        finally:
-            await monitor.stop()
+        await scrape_once(monitor, state)
         lease.release()
         state.metrics.waiting = 1.0  # the engine had our request queued when it was scraped
         snapshot = state.snapshot(pool.clock())
         assert (snapshot.in_flight, snapshot.scraped_in_flight) == (0, 1)
         assert snapshot.foreign_waiting == 0.0
+
+
+async def scrape_once(monitor: EndpointMonitor, state: EndpointState) -> None:
+    monitor.start()
+    try:
+        async with asyncio.timeout(5):
+            while not state.metrics.scraped_at:  # noqa: ASYNC110 (monitor tasks)
+                await asyncio.sleep(0.01)
+    finally:
+        await monitor.stop()
+
+
+async def test_a_scrape_remembers_other_gateways_requests_too(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """Gateways sharing Redis: another replica's request that finished after the scrape is no
+    stranger's queue either."""
+    settings = MonitorSettings(scrape_interval=0.02, scrape_timeout=0.5, health_interval=5.0)
+    others: dict[str, int] = {}
+    other = SharedInFlight(
+        redis_url, lambda: others, namespace=redis_namespace, gateway_id="other", timeout_ms=2000
+    )
+    this = SharedInFlight(
+        redis_url, dict, namespace=redis_namespace, gateway_id="this", timeout_ms=2000
+    )
+    async with (
+        start_replicas(1, SimConfig(speed=50.0)) as (replica,),
+        aiohttp.ClientSession() as http,
+    ):
+        pool = EndpointPool([Endpoint.from_url(replica.url)])
+        (state,) = list(pool)
+        stores = Stores(InMemoryPrefixIndex(), InMemoryAffinityStore(), shared_in_flight=this)
+        try:
+            others[state.endpoint.id] = 2
+            assert await other.sync_once() and await this.sync_once()
+            monitor = EndpointMonitor(
+                pool, http, settings, None, remote_in_flight=this.remote_in_flight
+            )
+            await monitor.check_all()
+            await scrape_once(monitor, state)
+            others.clear()  # the other gateway's two requests finish before the next scrape
+            assert await other.sync_once() and await this.sync_once()
+            state.metrics.waiting = 3.0  # the stale scrape: their two, and one stranger's
+            (snapshot,) = stores.candidates(pool)(DEFAULT_MODEL)
+        finally:
+            await other.aclose()
+            await this.aclose()
+    assert (snapshot.in_flight, snapshot.scraped_in_flight) == (0, 2)
+    assert snapshot.foreign_waiting == 1.0
