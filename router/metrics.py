@@ -20,7 +20,11 @@ class GatewayMetrics:
     def __init__(self, pool: EndpointPool) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._pool = pool
-        r = self.registry
+        self._add_traffic(self.registry)
+        self._add_failures(self.registry)
+        self._add_endpoint_gauges(self.registry)
+
+    def _add_traffic(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
             "prefixgate_requests",
             "Requests answered, by endpoint (or 'none') and HTTP status.",
@@ -62,6 +66,8 @@ class GatewayMetrics:
             buckets=_RATIO_BUCKETS,
             registry=r,
         )
+
+    def _add_failures(self, r: CollectorRegistry) -> None:
         self.upstream_failures = Counter(
             "prefixgate_upstream_failures",
             "Attempts that failed before a response started, by endpoint and kind.",
@@ -82,6 +88,8 @@ class GatewayMetrics:
             "Requests whose client went away; the upstream request was cancelled.",
             registry=r,
         )
+
+    def _add_endpoint_gauges(self, r: CollectorRegistry) -> None:
         self.in_flight = Gauge(
             "prefixgate_endpoint_in_flight",
             "Requests the gateway has in flight to each endpoint.",
