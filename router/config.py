@@ -25,6 +25,7 @@ from router.endpoints import endpoint_id_from_url
 from router.errors import ConfigError
 from router.hashing import DEFAULT_BLOCK_BYTES
 from router.precise_config import PrecisePrefixConfig
+from router.redis_link import check_url
 
 
 class Strict(BaseModel):
@@ -99,13 +100,13 @@ class PrefixIndexConfig(Strict):
     # Redis: the most blocks one update script touches; a longer cold chain goes in pieces, one
     # round trip each, so no script holds the server long. 0: always one round trip.
     max_blocks_per_write: int = Field(256, ge=0)
+    # The url is a node of a Redis Cluster (the client learns the others from it). Every store
+    # built from this url (index, session affinity, in-flight counts, response routes) uses it.
+    cluster: bool = False
 
     @model_validator(mode="after")
     def _redis_url(self) -> PrefixIndexConfig:
-        if self.backend == "redis" and not self.url:
-            raise ValueError("url: the redis backend needs url: redis://host:port/db")
-        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("url: must be redis://, rediss:// or unix://")
+        check_url(self.url, self.backend, self.cluster)
         return self
 
 

@@ -26,6 +26,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from router.redis_link import check_url
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(
@@ -81,13 +83,12 @@ class PreciseIndexConfig(_Strict):
     url: str | None = None
     namespace: str = "prefixgate"
     timeout_ms: float = Field(5.0, gt=0)
+    # The url is a node of a Redis Cluster.
+    cluster: bool = False
 
     @model_validator(mode="after")
     def _redis(self) -> PreciseIndexConfig:
-        if self.backend == "redis" and not self.url:
-            raise ValueError("url: the redis backend needs url: redis://host:port/db")
-        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("url: must be redis://, rediss:// or unix://")
+        check_url(self.url, self.backend, self.cluster)
         if not self.namespace or any(c in self.namespace for c in "{} "):
             raise ValueError("namespace: must be non-empty, without braces or spaces")
         return self

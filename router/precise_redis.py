@@ -159,6 +159,7 @@ class SharedPreciseIndex:
         max_speculative: int = 65_536,
         max_pending: int = 4096,
         breaker: CircuitBreaker | None = None,
+        cluster: bool = False,
         flush_timeout: float = 0.5,
         registry: CollectorRegistry | None = None,
     ) -> None:
@@ -168,6 +169,7 @@ class SharedPreciseIndex:
         self._link = RedisLink(
             url, component="precise_index", metrics=metrics, timeout_ms=timeout_ms,
             breaker=breaker,
+            cluster=cluster,
         )
         self._write_budget = write_timeout_ms / 1000.0
         self._resync_ms = max(0, int(resync_seconds * 1000))

@@ -315,6 +315,7 @@ class PreciseRuntime:
                 self.index, ic.url, namespace=ic.namespace, timeout_ms=ic.timeout_ms,
                 metrics=redis_metrics or RedisMetrics(registry),
                 resync_seconds=pp.kv_events.resync_seconds, registry=registry,
+                cluster=ic.cluster,
             )
         self.tracker = PreciseTracker(
             self.index,

@@ -95,6 +95,7 @@ class RedisPrefixIndex:
         metrics: RedisMetrics | None = None,
         registry: CollectorRegistry | None = None,
         breaker: CircuitBreaker | None = None,
+        cluster: bool = False,
         max_pending: int = 1024,
         max_pending_bytes: int = 16 << 20,
         forget_chunk: int = 1000,
@@ -109,7 +110,8 @@ class RedisPrefixIndex:
             metrics = RedisMetrics(registry)
         self.metrics = default_metrics(metrics)
         self._link = RedisLink(
-            url, component="index", metrics=self.metrics, timeout_ms=timeout_ms, breaker=breaker
+            url, component="index", metrics=self.metrics, timeout_ms=timeout_ms, breaker=breaker,
+            cluster=cluster,
         )
         self._write_budget = write_timeout_ms / 1000.0
         self._ttl_ms = max(1, int(key_ttl_seconds * 1000))

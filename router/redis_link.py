@@ -15,10 +15,11 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import xxhash
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
@@ -26,9 +27,26 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 T = TypeVar("T")
 Clock = Callable[[], float]
+# One server or a Redis Cluster: the stores use only single-slot commands and scripts (the keys
+# of one call share a hash tag), so either serves them alike.
+RedisClient = Redis | RedisCluster
 log = logging.getLogger("prefixgate.redis")
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05)
+
+
+def check_url(url: str | None, backend: str, cluster: bool) -> None:
+    """Config validation of a Redis-backed store's ``url`` and ``cluster`` (ValueError)."""
+    if backend == "redis" and not url:
+        raise ValueError("url: the redis backend needs url: redis://host:port/db")
+    if url is None:
+        return
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("url: must be redis://, rediss:// or unix://")
+    if cluster and url.startswith("unix://"):
+        raise ValueError("cluster: a Redis Cluster is reached at redis:// or rediss:// addresses")
+    if cluster and urlsplit(url).path.strip("/") not in ("", "0"):
+        raise ValueError("url: a Redis Cluster has database 0 only")
 
 
 def key_tag(namespace: str, partition: str | None = None) -> str:
@@ -190,7 +208,7 @@ class LuaScript:
 ScriptCall = tuple[LuaScript, list[str], list[Any]]  # script, KEYS, ARGV
 
 
-async def pipeline_scripts(client: Redis, calls: Sequence[ScriptCall]) -> list[Any]:
+async def pipeline_scripts(client: RedisClient, calls: Sequence[ScriptCall]) -> list[Any]:
     """Every call in one pipelined round trip (EVALSHA; errors returned, not raised). When
     the server lost a script (a restart, SCRIPT FLUSH), the scripts are loaded and the
     pipeline sent once more."""
@@ -198,7 +216,9 @@ async def pipeline_scripts(client: Redis, calls: Sequence[ScriptCall]) -> list[A
     async def send() -> list[Any]:
         pipe = client.pipeline(transaction=False)
         for script, keys, args in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            # Not pipe.evalsha, which a cluster pipeline refuses: each call's keys share one
+            # slot, so the cluster routes it like any single-key command.
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
         results: list[Any] = await pipe.execute(raise_on_error=False)
         return results
 
@@ -211,7 +231,7 @@ async def pipeline_scripts(client: Redis, calls: Sequence[ScriptCall]) -> list[A
 
 
 async def eval_script(
-    client: Redis, script: LuaScript, keys: Sequence[str], args: Sequence[Any]
+    client: RedisClient, script: LuaScript, keys: Sequence[str], args: Sequence[Any]
 ) -> Any:
     """EVALSHA, falling back to EVAL (which caches the script) when the server lost it."""
     try:
@@ -242,31 +262,28 @@ class RedisLink:
         breaker: CircuitBreaker | None = None,
         log_interval: float = 10.0,
         max_connections: int = 64,
+        cluster: bool = False,
     ) -> None:
         self.timeout = timeout_ms / 1000.0
         self.component = component
         self.metrics = metrics
         self.breaker = breaker or CircuitBreaker()
-        # No client-side retries: the budget is the caller's, and the breaker does the waiting.
-        self.client: Redis = Redis.from_url(
-            url,
-            socket_connect_timeout=max(self.timeout, 0.05),
-            socket_timeout=1.0,
-            retry=Retry(NoBackoff(), 0),
-            max_connections=max_connections,
-        )
+        self.client = _client(url, cluster, max(self.timeout, 0.05), max_connections)
         self._log_interval = log_interval
         self._last_log = -float("inf")
         self._suppressed = 0
         self._closed = False
+        self._cluster_init: asyncio.Task[Any] | None = None
 
     async def call(
-        self, op: str, fn: Callable[[Redis], Awaitable[T]], budget: float | None = None
+        self, op: str, fn: Callable[[RedisClient], Awaitable[T]], budget: float | None = None
     ) -> T:
         if self._closed or not self.breaker.allow():
             raise Unavailable("circuit_open")
         try:
             async with asyncio.timeout(self.timeout if budget is None else budget):
+                if isinstance(self.client, RedisCluster):
+                    await self._cluster_ready(self.client)
                 result = await fn(self.client)
         except (TimeoutError, RedisTimeoutError) as exc:
             _raise_if_cancelled(exc)
@@ -275,6 +292,8 @@ class RedisLink:
         except (RedisError, OSError) as exc:
             _raise_if_cancelled(exc)
             self._failed(op, "error", exc)
+            # A node gone or the slots moved: the next call has the client relearn the map.
+            self._cluster_init = None
             raise Unavailable("error") from exc
         _raise_if_cancelled(None)
         if self.breaker.is_open:
@@ -303,6 +322,19 @@ class RedisLink:
             return None
         return None if raw is None else as_text(raw)
 
+    async def _cluster_ready(self, client: RedisCluster) -> None:
+        """A cluster client learns the slot map first, a round trip to every primary (tens of
+        ms). Inside a few-ms budget it would be cut short every time and never finish: it runs
+        as a task of its own that a call waits for only within its budget (a no-op once the
+        map is known, until a failure makes the client relearn it)."""
+        task = self._cluster_init
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._cluster_init = asyncio.get_running_loop().create_task(
+                client.initialize(), name=f"redis-{self.component}-cluster-init"
+            )
+        if not task.done():
+            await asyncio.shield(task)
+
     def _failed(self, op: str, kind: str, exc: BaseException) -> None:
         self.metrics.errors.labels(op, kind).inc()
         self.breaker.failure()
@@ -321,7 +353,33 @@ class RedisLink:
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
+            task = self._cluster_init
+            if task is not None:
+                task.cancel()
+                await asyncio.wait([task])
+                if not task.cancelled():
+                    task.exception()  # retrieved: a failed start is no news at shutdown
             await self.client.aclose()
+
+
+def _client(url: str, cluster: bool, connect_timeout: float, max_connections: int) -> RedisClient:
+    if cluster:
+        # A cluster client keeps its own retries, bounded by each call's budget: they are how
+        # it follows a failover or a resharding (MOVED, ASK) to the slot's new primary.
+        return RedisCluster.from_url(
+            url,
+            socket_connect_timeout=connect_timeout,
+            socket_timeout=1.0,
+            max_connections=max_connections,
+        )
+    # No client-side retries: the budget is the caller's, and the breaker does the waiting.
+    return Redis.from_url(
+        url,
+        socket_connect_timeout=connect_timeout,
+        socket_timeout=1.0,
+        retry=Retry(NoBackoff(), 0),
+        max_connections=max_connections,
+    )
 
 
 def as_text(value: Any) -> str:

@@ -15,13 +15,12 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from redis.asyncio import Redis
-
 from router.affinity import InMemoryAffinityStore
 from router.redis_link import (
     CircuitBreaker,
     Clock,
     LuaScript,
+    RedisClient,
     RedisLink,
     RedisMetrics,
     Unavailable,
@@ -53,6 +52,7 @@ class RedisAffinityStore:
         write_timeout_ms: float = 50.0,
         metrics: RedisMetrics | None = None,
         breaker: CircuitBreaker | None = None,
+        cluster: bool = False,
         max_pending: int = 4096,
     ) -> None:
         key_tag(namespace)
@@ -62,7 +62,7 @@ class RedisAffinityStore:
         self._write_budget = write_timeout_ms / 1000.0
         self._link = RedisLink(
             url, component="affinity", metrics=default_metrics(metrics),
-            timeout_ms=timeout_ms, breaker=breaker,
+            timeout_ms=timeout_ms, breaker=breaker, cluster=cluster,
         )
         self._queue: UpdateQueue[str, str] = UpdateQueue(
             self._ship, op="affinity_set", link=self._link, max_items=max_pending, max_batch=256
@@ -89,7 +89,7 @@ class RedisAffinityStore:
         await self.local.forget_endpoint(endpoint_id)
 
     async def _ship(self, batch: list[tuple[str, str]]) -> None:
-        async def run(client: Redis) -> None:
+        async def run(client: RedisClient) -> None:
             pipe = client.pipeline(transaction=False)
             for session_id, endpoint_id in batch:
                 pipe.set(self._prefix + session_id, endpoint_id, px=self._ttl_ms)
@@ -151,6 +151,7 @@ class SharedInFlight:
         timeout_ms: float = 5.0,
         metrics: RedisMetrics | None = None,
         breaker: CircuitBreaker | None = None,
+        cluster: bool = False,
         clock: Clock = time.monotonic,
     ) -> None:
         tag = key_tag(namespace)
@@ -163,7 +164,7 @@ class SharedInFlight:
         self._prefix = tag + ":if:"
         self._link = RedisLink(
             url, component="inflight", metrics=default_metrics(metrics),
-            timeout_ms=timeout_ms, breaker=breaker,
+            timeout_ms=timeout_ms, breaker=breaker, cluster=cluster,
         )
         self._remote: dict[str, int] = {}
         self._read_at = -float("inf")

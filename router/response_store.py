@@ -28,11 +28,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 
-from redis.asyncio import Redis
-
 from router.endpoints import EndpointPool, EndpointSnapshot
 from router.errors import ResponseNotFoundError, ResponseUnavailableError
 from router.redis_link import (
+    RedisClient,
     RedisLink,
     RedisMetrics,
     default_metrics,
@@ -91,6 +90,7 @@ class ResponseRoutes:
         probe_timeout_seconds: float = 2.0,
         metrics: RedisMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        cluster: bool = False,
     ) -> None:
         self._ttl = ttl_seconds
         self._max = max_entries
@@ -109,6 +109,7 @@ class ResponseRoutes:
                 component="responses",
                 metrics=default_metrics(metrics),
                 timeout_ms=timeout_ms,
+                cluster=cluster,
             )
             self._queue = UpdateQueue(
                 self._ship, op="response_set", link=self._link, max_items=4096, max_batch=256
@@ -221,7 +222,7 @@ class ResponseRoutes:
         assert self._link is not None
         ttl_ms = max(1, int(self._ttl * 1000))
 
-        async def run(client: Redis) -> None:
+        async def run(client: RedisClient) -> None:
             pipe = client.pipeline(transaction=False)
             for response_id, endpoint_id in batch:
                 if endpoint_id is None:

@@ -78,7 +78,7 @@ def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorR
     url, namespace, budget = cfg.url, cfg.namespace, cfg.timeout_ms
     index = RedisPrefixIndex(
         url, namespace=namespace, timeout_ms=budget, metrics=metrics, default_capacity=capacity,
-        max_blocks_per_write=cfg.max_blocks_per_write,
+        max_blocks_per_write=cfg.max_blocks_per_write, cluster=cfg.cluster,
     )
     affinity = RedisAffinityStore(
         url,
@@ -87,6 +87,7 @@ def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorR
         metrics=metrics,
         ttl_seconds=sessions.ttl_seconds,
         max_sessions=sessions.max_sessions,
+        cluster=cfg.cluster,
     )
     shared = SharedInFlight(
         url,
@@ -94,6 +95,7 @@ def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorR
         namespace=namespace,
         timeout_ms=budget,
         metrics=metrics,
+        cluster=cfg.cluster,
     )
     responses = ResponseRoutes(
         rc.ttl_seconds,
@@ -103,5 +105,6 @@ def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorR
         timeout_ms=rc.redis_timeout_ms,
         probe_timeout_seconds=rc.probe_timeout_seconds,
         metrics=metrics,
+        cluster=cfg.cluster,
     )
     return Stores(index, affinity, shared, responses, metrics)

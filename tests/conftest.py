@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from tests.redis_cluster import redis_cluster_url as cluster_url
 from tests.redis_server import namespace_for, redis_server_url
 
 
@@ -13,6 +14,13 @@ from tests.redis_server import namespace_for, redis_server_url
 def redis_url() -> Iterator[str]:
     """A Redis server URL (see tests/redis_server.py); skips the test when none can be had."""
     with redis_server_url() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """A node of a private three-primary Redis Cluster (tests/redis_cluster.py)."""
+    with cluster_url() as url:
         yield url
 
 

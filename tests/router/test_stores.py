@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from redis.crc import key_slot
 
 from benchmarks.driver import cache_stats
 from benchmarks.reuse import ReuseTracker
@@ -24,7 +25,8 @@ from benchmarks.sim.cli import start_replicas
 from benchmarks.sim.config import SimConfig
 from benchmarks.sim.tokenizer import Tokenizer
 from benchmarks.workloads import MultiSessionWorkload, multi_session_chat
-from tests.redis_server import FlakyProxy
+from router.redis_link import key_tag
+from tests.redis_server import FlakyProxy, unique_namespace
 from tests.router.conftest import MODEL
 from tests.router.processes import gateway_process
 
@@ -134,6 +136,25 @@ async def test_gateways_sharing_redis_route_as_one(
         f"captured reuse: 1 gateway {single:.3f}, 3 on Redis {shared:.3f}, 3 apart {separate:.3f}"
     )
     assert shared >= single - 0.05
+    assert shared >= separate + 0.15
+
+
+
+async def test_gateways_sharing_a_redis_cluster_route_as_one(
+    tmp_path: Path, redis_cluster_url: str
+) -> None:
+    # A namespace whose slot the url's node does not serve: every index call is redirected.
+    namespace = next(
+        ns for ns in (unique_namespace() for _ in range(1000))
+        if key_slot(key_tag(ns).encode()) >= 16384 // 3
+    )
+    cluster = {
+        "backend": "redis", "url": redis_cluster_url, "cluster": True, "namespace": namespace,
+        "timeoutMs": 50,
+    }
+    shared = await captured(tmp_path, 3, cluster)
+    separate = await captured(tmp_path, 3, {})
+    print(f"captured reuse: 3 on a Redis Cluster {shared:.3f}, 3 apart {separate:.3f}")
     assert shared >= separate + 0.15
 
 
