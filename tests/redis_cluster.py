@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import redis
 
-from tests.redis_server import START_TIMEOUT, _unavailable, answers
+from tests.redis_server import START_TIMEOUT, answers, unavailable
 
 NODES = 3
 SLOTS = 16384
@@ -116,5 +116,5 @@ def redis_cluster_url() -> Iterator[str]:
         try:
             url = stack.enter_context(private_cluster())
         except RuntimeError as exc:
-            _unavailable(str(exc))
+            unavailable(str(exc))
         yield url

@@ -75,7 +75,7 @@ def redis_server_url() -> Iterator[str]:
     url = os.environ.get("REDIS_URL")
     if url:
         if not answers(url):
-            _unavailable(f"REDIS_URL={url} does not answer PING")
+            unavailable(f"REDIS_URL={url} does not answer PING")
         yield url
         return
     if answers(DEFAULT_URL):
@@ -85,11 +85,11 @@ def redis_server_url() -> Iterator[str]:
         try:
             url = stack.enter_context(private_server())
         except RuntimeError as exc:
-            _unavailable(str(exc))
+            unavailable(str(exc))
         yield url
 
 
-def _unavailable(reason: str) -> NoReturn:
+def unavailable(reason: str) -> NoReturn:
     if os.environ.get("CI"):
         pytest.fail(f"Redis needed under CI: {reason}", pytrace=False)
     pytest.skip(f"Redis tests need a Redis server: {reason}")
