@@ -2,8 +2,10 @@
 :class:`router.redis_link.RedisLink`, so a sick Redis means local fallback, never a wait).
 
 - :class:`RedisAffinityStore`: the session affinity store (``AffinityStore``) shared by replicas.
-- :class:`SharedInFlight`: each replica publishes its own in-flight counts per endpoint and reads
-  the sum of the others', so that replicas do not herd onto the endpoint each thinks is idle.
+- :class:`SharedInFlight`: each replica publishes its own load per endpoint (requests in flight,
+  and the prefill it has queued there: uncached tokens and requests not at their first byte
+  yet) and reads the sum of the others', so that replicas do not herd onto the endpoint each
+  thinks is idle, and the cost scorer prices the whole queue, not this replica's share of it.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from router.affinity import InMemoryAffinityStore
+from router.endpoints import EndpointState
 from router.redis_link import (
     CircuitBreaker,
     Clock,
@@ -132,6 +135,24 @@ return out
 )
 
 
+# Field suffixes of the published load (endpoint ids never hold a space): the bare id counts
+# requests in flight. A gateway of an older release sums these fields too, under names that
+# match no endpoint, so mixed releases during a rolling upgrade still read each other's counts.
+PENDING_TOKENS = " pending_tokens"
+PENDING_REQUESTS = " pending_requests"
+
+
+def gateway_load(pool: Iterable[EndpointState]) -> dict[str, int]:
+    """This replica's load per endpoint, as :class:`SharedInFlight` publishes it."""
+    load: dict[str, int] = {}
+    for state in pool:
+        eid = state.endpoint.id
+        load[eid] = state.in_flight
+        load[eid + PENDING_TOKENS] = state.pending_prefill_tokens
+        load[eid + PENDING_REQUESTS] = state.pending_prefill_requests
+    return load
+
+
 class SharedInFlight:
     """In-flight requests per endpoint summed over the other gateway replicas.
 
@@ -175,6 +196,13 @@ class SharedInFlight:
         if self._clock() - self._read_at > self._expiry:
             return 0
         return self._remote.get(endpoint_id, 0)
+
+    def remote_pending(self, endpoint_id: str) -> tuple[int, int]:
+        """The other replicas' queued prefill on ``endpoint_id``: (tokens, requests)."""
+        return (
+            self.remote_in_flight(endpoint_id + PENDING_TOKENS),
+            self.remote_in_flight(endpoint_id + PENDING_REQUESTS),
+        )
 
     def remote_counts(self) -> dict[str, int]:
         if self._clock() - self._read_at > self._expiry:

@@ -17,7 +17,7 @@ from router.endpoints import EndpointPool, EndpointSnapshot
 from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex, PrefixIndex
 from router.redis_index import RedisPrefixIndex
 from router.redis_link import RedisMetrics
-from router.redis_state import RedisAffinityStore, SharedInFlight
+from router.redis_state import RedisAffinityStore, SharedInFlight, gateway_load
 from router.response_store import ResponseRoutes
 
 Candidates = Callable[[str], list[EndpointSnapshot]]
@@ -34,16 +34,14 @@ class Stores:
     redis_metrics: RedisMetrics | None = None
 
     def candidates(self, pool: EndpointPool) -> Candidates:
-        """The pool's candidates, with the other gateway replicas' in-flight counts added."""
+        """The pool's candidates, with the other gateway replicas' load added (in flight, and
+        the prefill they have queued)."""
         shared = self.shared_in_flight
         if shared is None:
             return pool.candidates
 
         def with_remote(model: str) -> list[EndpointSnapshot]:
-            return [
-                dataclasses.replace(s, in_flight=s.in_flight + shared.remote_in_flight(s.id))
-                for s in pool.candidates(model)
-            ]
+            return [_with_remote(s, shared) for s in pool.candidates(model)]
 
         return with_remote
 
@@ -59,6 +57,16 @@ class Stores:
             await closer()
         await self.responses.aclose()
         await self.index.aclose()
+
+
+def _with_remote(snapshot: EndpointSnapshot, shared: SharedInFlight) -> EndpointSnapshot:
+    tokens, requests = shared.remote_pending(snapshot.id)
+    return dataclasses.replace(
+        snapshot,
+        in_flight=snapshot.in_flight + shared.remote_in_flight(snapshot.id),
+        pending_prefill_tokens=snapshot.pending_prefill_tokens + tokens,
+        pending_prefill_requests=snapshot.pending_prefill_requests + requests,
+    )
 
 
 def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorRegistry) -> Stores:
@@ -91,7 +99,7 @@ def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorR
     )
     shared = SharedInFlight(
         url,
-        lambda: {s.endpoint.id: s.in_flight for s in pool},
+        lambda: gateway_load(pool),
         namespace=namespace,
         timeout_ms=budget,
         metrics=metrics,

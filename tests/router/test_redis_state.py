@@ -4,6 +4,7 @@ plus the circuit breaker and update queue they rely on."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -13,8 +14,12 @@ from prometheus_client import CollectorRegistry
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from router.affinity import InMemoryAffinityStore
+from router.endpoints import Endpoint, EndpointPool
+from router.prefix_index import InMemoryPrefixIndex
 from router.redis_link import CircuitBreaker, RedisLink, RedisMetrics
-from router.redis_state import RedisAffinityStore, SharedInFlight
+from router.redis_state import RedisAffinityStore, SharedInFlight, gateway_load
+from router.stores import Stores
 
 pytestmark = pytest.mark.redis
 
@@ -150,6 +155,46 @@ async def test_in_flight_counts_are_summed_over_other_gateways(
     assert a.remote_counts() == {"e1": 2, "e2": 5}  # its own counts are not included
     assert b.remote_in_flight("e1") == 3 and b.remote_in_flight("e2") == 6
     assert a.remote_in_flight("e3") == 0 and a.remote_in_flight("unknown") == 0
+
+
+def gateway_pool() -> EndpointPool:
+    pool = EndpointPool([Endpoint.from_url(f"http://127.0.0.1:{p}") for p in (9001, 9002)])
+    for state in pool:
+        state.healthy = True
+        state.models.add("m")
+    return pool
+
+
+async def test_the_prefill_queued_by_other_gateways_is_priced_here(
+    redis_url: str, redis_namespace: str, closing: list[Any]
+) -> None:
+    """A replica's queue is what every gateway sent there: each sees the others' share too."""
+    here, there = gateway_pool(), gateway_pool()
+    busy, idle = (s.endpoint.id for s in there)
+    leases = [there.lease(busy, prefill_tokens=700), there.lease(busy, prefill_tokens=300)]
+    local = here.lease(busy, prefill_tokens=50)
+    mine, theirs = (
+        SharedInFlight(
+            redis_url, functools.partial(gateway_load, pool), namespace=redis_namespace,
+            gateway_id=name, timeout_ms=2000.0,
+        )
+        for name, pool in (("here", here), ("there", there))
+    )
+    closing += [mine, theirs]
+    assert await theirs.sync_once() and await mine.sync_once()
+    stores = Stores(InMemoryPrefixIndex(), InMemoryAffinityStore(), shared_in_flight=mine)
+    snapshots = {s.id: s for s in stores.candidates(here)("m")}
+    seen = {
+        eid: (s.in_flight, s.pending_prefill_tokens, s.pending_prefill_requests)
+        for eid, s in snapshots.items()
+    }
+    assert seen == {busy: (3, 1050, 3), idle: (0, 0, 0)}
+    for lease in leases:
+        lease.first_byte()  # their prefills are done; their answers still stream
+    assert await theirs.sync_once() and await mine.sync_once()
+    (snapshot,) = [s for s in stores.candidates(here)("m") if s.id == busy]
+    assert (snapshot.in_flight, snapshot.pending_prefill_tokens) == (3, 50)
+    local.release()
 
 
 async def test_crashed_gateway_counts_expire(
