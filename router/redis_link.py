@@ -364,8 +364,8 @@ class RedisLink:
 
 def _client(url: str, cluster: bool, connect_timeout: float, max_connections: int) -> RedisClient:
     if cluster:
-        # A cluster client keeps its own retries, bounded by each call's budget: they are how
-        # it follows a failover or a resharding (MOVED, ASK) to the slot's new primary.
+        # A cluster client keeps its own retries, bounded by each call's budget: they are how it
+        # reaches a slot's new primary after a failover (redirections it follows anyway).
         return RedisCluster.from_url(
             url,
             socket_connect_timeout=connect_timeout,
