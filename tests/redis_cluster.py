@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import redis
 
-from tests.redis_server import START_TIMEOUT, answers, unavailable
+from tests.redis_server import START_TIMEOUT, answers, started
 
 NODES = 3
 SLOTS = 16384
@@ -112,9 +112,5 @@ def private_cluster() -> Iterator[str]:
 @contextlib.contextmanager
 def redis_cluster_url() -> Iterator[str]:
     """A Redis Cluster URL for the session; skip (or fail under CI) when none can be had."""
-    with contextlib.ExitStack() as stack:
-        try:
-            url = stack.enter_context(private_cluster())
-        except RuntimeError as exc:
-            unavailable(str(exc))
+    with started(private_cluster) as url:
         yield url

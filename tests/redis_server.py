@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import NoReturn
 from urllib.parse import urlsplit
 
@@ -81,9 +81,16 @@ def redis_server_url() -> Iterator[str]:
     if answers(DEFAULT_URL):
         yield DEFAULT_URL
         return
+    with started(private_server) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def started(server: Callable[[], contextlib.AbstractContextManager[str]]) -> Iterator[str]:
+    """The URL of a private ``server`` while it runs; skip (or fail under CI) if it cannot."""
     with contextlib.ExitStack() as stack:
         try:
-            url = stack.enter_context(private_server())
+            url = stack.enter_context(server())
         except RuntimeError as exc:
             unavailable(str(exc))
         yield url

@@ -187,6 +187,8 @@ def _redis_ping(url: str) -> Probe:
         client = redis.asyncio.Redis.from_url(url, socket_timeout=0.5)
         try:
             return bool(await client.ping())
+        except (redis.asyncio.RedisError, OSError):
+            return False  # not listening yet
         finally:
             await client.aclose()
 
