@@ -154,7 +154,7 @@ def gateway_load(pool: Iterable[EndpointState]) -> dict[str, int]:
 
 
 class SharedInFlight:
-    """In-flight requests per endpoint summed over the other gateway replicas.
+    """Load per endpoint summed over the other gateway replicas (see :func:`gateway_load`).
 
     Every ``interval`` one script call publishes this replica's counts (a hash that expires after
     ``expiry`` seconds, so a crashed replica's counts vanish) and reads the others' sums.
