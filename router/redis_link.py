@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import MovedError, NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 T = TypeVar("T")
@@ -343,9 +343,12 @@ class RedisLink:
         if now - self._last_log < self._log_interval:
             self._suppressed += 1
             return
+        reason = str(exc) or type(exc).__name__
+        if isinstance(exc, MovedError):
+            reason = f"MOVED {reason}: the url is a Redis Cluster node; set cluster: true"
         log.warning(
             "redis %s: %s %s (%s); using local state (%d similar failures not logged)",
-            self.component, op, kind, str(exc) or type(exc).__name__, self._suppressed,
+            self.component, op, kind, reason, self._suppressed,
         )
         self._last_log = now
         self._suppressed = 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -19,7 +19,14 @@ from router.kv_event_codec import EventBatch, Stored, apply_batch
 from router.precise_index import PreciseIndex, block_keys
 from router.precise_redis import RemoteMatch, SharedPreciseIndex
 from router.redis_index import RedisPrefixIndex
-from router.redis_link import CircuitBreaker, RedisLink, RedisMetrics, Unavailable, key_tag
+from router.redis_link import (
+    CircuitBreaker,
+    RedisClient,
+    RedisLink,
+    RedisMetrics,
+    Unavailable,
+    key_tag,
+)
 from router.redis_state import RedisAffinityStore, SharedInFlight
 from router.response_store import ResponseRoutes
 from tests.redis_server import unique_namespace
@@ -152,3 +159,22 @@ async def test_a_cluster_client_learns_the_slots_beyond_a_small_budget(
         assert answers == [None]
     finally:
         await link.aclose()
+
+
+def getter(key: str) -> Callable[[RedisClient], Awaitable[Any]]:
+    return lambda client: client.get(key)
+
+
+async def test_a_cluster_node_taken_for_one_server_says_so(
+    redis_cluster_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without cluster: true most keys live on other nodes: every call there fails, and the
+    log says what to change."""
+    link = RedisLink(redis_cluster_url, component="t", metrics=RedisMetrics(CollectorRegistry()))
+    try:
+        for namespace in spread_namespaces(redis_cluster_url, 3):
+            with contextlib.suppress(Unavailable):
+                await link.call("get", getter(key_tag(namespace) + ":k"), budget=2.0)
+    finally:
+        await link.aclose()
+    assert "set cluster: true" in caplog.text
