@@ -4,8 +4,9 @@
 - :class:`RedisAffinityStore`: the session affinity store (``AffinityStore``) shared by replicas.
 - :class:`SharedInFlight`: each replica publishes its own load per endpoint (requests in flight,
   and the prefill it has queued there: uncached tokens and requests not at their first byte
-  yet) and reads the sum of the others', so that replicas do not herd onto the endpoint each
-  thinks is idle, and the cost scorer prices the whole queue, not this replica's share of it.
+  yet, and the tokens' recent average) and reads the sum of the others', so that replicas do
+  not herd onto the endpoint each thinks is idle, and the cost scorer prices the whole queue,
+  not this replica's share of it.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from router.affinity import InMemoryAffinityStore
-from router.endpoints import EndpointState
+from router.endpoints import EndpointPool
 from router.redis_link import (
     CircuitBreaker,
     Clock,
@@ -140,16 +141,20 @@ return out
 # match no endpoint, so mixed releases during a rolling upgrade still read each other's counts.
 PENDING_TOKENS = " pending_tokens"
 PENDING_REQUESTS = " pending_requests"
+RECENT_TOKENS = " recent_tokens"
 
 
-def gateway_load(pool: Iterable[EndpointState]) -> dict[str, int]:
-    """This replica's load per endpoint, as :class:`SharedInFlight` publishes it."""
+def gateway_load(pool: EndpointPool) -> dict[str, int]:
+    """This replica's load per endpoint, as :class:`SharedInFlight` publishes it: in flight,
+    the prefill queued (tokens, requests) and the queue's recent average in tokens."""
+    now = pool.clock()
     load: dict[str, int] = {}
     for state in pool:
         eid = state.endpoint.id
         load[eid] = state.in_flight
         load[eid + PENDING_TOKENS] = state.pending_prefill_tokens
         load[eid + PENDING_REQUESTS] = state.pending_prefill_requests
+        load[eid + RECENT_TOKENS] = round(state.recent_prefill_tokens(now))
     return load
 
 
@@ -197,11 +202,13 @@ class SharedInFlight:
             return 0
         return self._remote.get(endpoint_id, 0)
 
-    def remote_pending(self, endpoint_id: str) -> tuple[int, int]:
-        """The other replicas' queued prefill on ``endpoint_id``: (tokens, requests)."""
+    def remote_pending(self, endpoint_id: str) -> tuple[int, int, int]:
+        """The other replicas' queued prefill on ``endpoint_id``: (tokens, requests, recent
+        average of the tokens)."""
         return (
             self.remote_in_flight(endpoint_id + PENDING_TOKENS),
             self.remote_in_flight(endpoint_id + PENDING_REQUESTS),
+            self.remote_in_flight(endpoint_id + RECENT_TOKENS),
         )
 
     def remote_counts(self) -> dict[str, int]:

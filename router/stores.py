@@ -60,12 +60,13 @@ class Stores:
 
 
 def _with_remote(snapshot: EndpointSnapshot, shared: SharedInFlight) -> EndpointSnapshot:
-    tokens, requests = shared.remote_pending(snapshot.id)
+    tokens, requests, recent = shared.remote_pending(snapshot.id)
     return dataclasses.replace(
         snapshot,
         in_flight=snapshot.in_flight + shared.remote_in_flight(snapshot.id),
         pending_prefill_tokens=snapshot.pending_prefill_tokens + tokens,
         pending_prefill_requests=snapshot.pending_prefill_requests + requests,
+        recent_prefill_tokens=snapshot.recent_prefill_tokens + recent,
     )
 
 

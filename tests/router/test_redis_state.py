@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -15,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.affinity import InMemoryAffinityStore
-from router.endpoints import Endpoint, EndpointPool
+from router.endpoints import QUEUE_AVERAGE_S, Endpoint, EndpointPool
 from router.prefix_index import InMemoryPrefixIndex
 from router.redis_link import CircuitBreaker, RedisLink, RedisMetrics
 from router.redis_state import RedisAffinityStore, SharedInFlight, gateway_load
@@ -157,8 +159,9 @@ async def test_in_flight_counts_are_summed_over_other_gateways(
     assert a.remote_in_flight("e3") == 0 and a.remote_in_flight("unknown") == 0
 
 
-def gateway_pool() -> EndpointPool:
-    pool = EndpointPool([Endpoint.from_url(f"http://127.0.0.1:{p}") for p in (9001, 9002)])
+def gateway_pool(clock: Callable[[], float] = time.monotonic) -> EndpointPool:
+    urls = [f"http://127.0.0.1:{p}" for p in (9001, 9002)]
+    pool = EndpointPool([Endpoint.from_url(u) for u in urls], clock=clock)
     for state in pool:
         state.healthy = True
         state.models.add("m")
@@ -169,7 +172,8 @@ async def test_the_prefill_queued_by_other_gateways_is_priced_here(
     redis_url: str, redis_namespace: str, closing: list[Any]
 ) -> None:
     """A replica's queue is what every gateway sent there: each sees the others' share too."""
-    here, there = gateway_pool(), gateway_pool()
+    clock = FakeClock()
+    here, there = gateway_pool(clock), gateway_pool(clock)
     busy, idle = (s.endpoint.id for s in there)
     leases = [there.lease(busy, prefill_tokens=700), there.lease(busy, prefill_tokens=300)]
     local = here.lease(busy, prefill_tokens=50)
@@ -189,11 +193,16 @@ async def test_the_prefill_queued_by_other_gateways_is_priced_here(
         for eid, s in snapshots.items()
     }
     assert seen == {busy: (3, 1050, 3), idle: (0, 0, 0)}
+    clock.now += 1.0
     for lease in leases:
         lease.first_byte()  # their prefills are done; their answers still stream
     assert await theirs.sync_once() and await mine.sync_once()
     (snapshot,) = [s for s in stores.candidates(here)("m") if s.id == busy]
     assert (snapshot.in_flight, snapshot.pending_prefill_tokens) == (3, 50)
+    # The queue busy a moment ago is remembered, the others' part of it too (QUEUE_AVERAGE_S).
+    decay = math.exp(-1.0 / QUEUE_AVERAGE_S)
+    recent = 50 * (1 - decay) + round(1000 * (1 - decay))
+    assert snapshot.recent_prefill_tokens == pytest.approx(recent)
     local.release()
 
 
