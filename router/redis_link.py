@@ -1,5 +1,6 @@
 """The Redis link shared by every Redis-backed store: time budgets, a circuit breaker, metrics
-and Lua scripts (router/update_queue.py ships their updates in the background).
+and Lua scripts (router/update_queue.py ships their updates in the background), to one server
+or to a Redis Cluster (``cluster: true``; every call's keys share one hash slot).
 
 Every call has a small time budget; after a few failures in a row the breaker skips Redis for a
 growing interval, so a slow or absent Redis costs requests nothing (callers fall back to local
