@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import MovedError, NoScriptError, RedisError
+from redis.exceptions import MovedError, NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 T = TypeVar("T")
@@ -290,11 +290,11 @@ class RedisLink:
             _raise_if_cancelled(exc)
             self._failed(op, "timeout", exc)
             raise Unavailable("timeout") from exc
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
+            # RedisClusterException is no RedisError: a cluster client raises it when no node
+            # it knows answers, and it must fall back like any other failure.
             _raise_if_cancelled(exc)
             self._failed(op, "error", exc)
-            # A node gone or the slots moved: the next call has the client relearn the map.
-            self._cluster_init = None
             raise Unavailable("error") from exc
         _raise_if_cancelled(None)
         if self.breaker.is_open:
@@ -337,6 +337,13 @@ class RedisLink:
             await asyncio.shield(task)
 
     def _failed(self, op: str, kind: str, exc: BaseException) -> None:
+        # A node gone or the slots moved: the cluster client wants the map again. Left to
+        # itself it relearns it inside the next calls, whose few-ms budgets cut it short every
+        # time (a failover was never noticed at 2 ms); the next call starts a task for it
+        # instead (a no-op while the map holds).
+        task = self._cluster_init
+        if task is not None and task.done():
+            self._cluster_init = None
         self.metrics.errors.labels(op, kind).inc()
         self.breaker.failure()
         self.metrics.circuit_open.labels(self.component).set(1 if self.breaker.is_open else 0)

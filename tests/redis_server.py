@@ -17,13 +17,14 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 from urllib.parse import urlsplit
 
 import pytest
 import redis
 import redis.asyncio
 
+T = TypeVar("T")
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 START_TIMEOUT = 5.0
 
@@ -86,8 +87,8 @@ def redis_server_url() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def started(server: Callable[[], contextlib.AbstractContextManager[str]]) -> Iterator[str]:
-    """The URL of a private ``server`` while it runs; skip (or fail under CI) if it cannot."""
+def started(server: Callable[[], contextlib.AbstractContextManager[T]]) -> Iterator[T]:
+    """A private ``server`` (its URL) while it runs; skip (or fail under CI) if it cannot."""
     with contextlib.ExitStack() as stack:
         try:
             url = stack.enter_context(server())

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
+import redis
 import redis.asyncio
 from prometheus_client import CollectorRegistry
 
@@ -29,6 +31,7 @@ from router.redis_link import (
 )
 from router.redis_state import RedisAffinityStore, SharedInFlight
 from router.response_store import ResponseRoutes
+from tests.redis_cluster import PrivateCluster, failover_cluster
 from tests.redis_server import unique_namespace
 
 pytestmark = pytest.mark.redis
@@ -44,7 +47,7 @@ def spread_namespaces(url: str, n: int) -> list[str]:
         namespace = unique_namespace()
         tag = key_tag(namespace)
         slot = redis.asyncio.RedisCluster.from_url(url).keyslot(tag)
-        found.setdefault(slot * 3 // 16384, namespace)
+        found.setdefault(min(slot // (16384 // 3), 2), namespace)
         if len(found) == n:
             return list(found.values())
     raise AssertionError("no spread of namespaces over the primaries")
@@ -178,3 +181,74 @@ async def test_a_cluster_node_taken_for_one_server_says_so(
     finally:
         await link.aclose()
     assert "set cluster: true" in caplog.text
+
+
+@pytest.fixture
+def failover() -> Iterator[PrivateCluster]:
+    with failover_cluster() as cluster:
+        yield cluster
+
+
+def sessions_on(cluster: PrivateCluster, namespace: str, port: int, n: int) -> list[str]:
+    """``n`` session ids whose affinity keys live on the primary at ``port``."""
+    found = []
+    for i in range(10_000):
+        if cluster.primary_of(f"pg:{namespace}:sess:s{i}") == port:
+            found.append(f"s{i}")
+            if len(found) == n:
+                return found
+    raise AssertionError("no session keys on that primary")
+
+
+async def read_all(store: RedisAffinityStore, sessions: list[str]) -> tuple[dict[str, Any], float]:
+    """Every session's endpoint as the store reads it, and the slowest read's seconds."""
+    got, slowest = {}, 0.0
+    for session_id in sessions:
+        started = time.perf_counter()
+        got[session_id] = await store.get(session_id)
+        slowest = max(slowest, time.perf_counter() - started)
+    return got, slowest
+
+
+async def test_a_cluster_primary_lost_is_failed_over_to_without_a_failed_call(
+    failover: PrivateCluster,
+) -> None:
+    """The primary behind the url dies. Until its replica takes over, reads fall back to local
+    state within their small budget; once it has, every read is answered by Redis again, with
+    what was written before, though the url's node is gone for good. (At this budget, relearning
+    the slot map inside the calls never finished.)"""
+    namespace, victim = unique_namespace(), failover.primaries[0]
+    sessions = sessions_on(failover, namespace, victim, 4)
+    sessions += sessions_on(failover, namespace, failover.primaries[1], 2)
+    expected = {session_id: f"e{i}" for i, session_id in enumerate(sessions)}
+    kw: dict[str, Any] = {"namespace": namespace, "cluster": True, "timeout_ms": 2.0}
+    writer = RedisAffinityStore(failover.url, write_timeout_ms=2000.0, **kw)
+    reader = RedisAffinityStore(failover.url, **kw)
+    async with closing(writer, reader):
+        for session_id, endpoint_id in expected.items():
+            writer.set(session_id, endpoint_id)
+        await writer.flush()
+        for _ in range(100):  # the reader learns the slot map (beyond its first budgets)
+            if await reader.get(sessions[0]) == "e0":
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the reader never reached the cluster")
+        primary = redis.Redis(host="127.0.0.1", port=victim)
+        assert primary.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+        primary.close()
+        failover.kill(victim)
+        deadline, slowest, reads = time.monotonic() + 30.0, 0.0, 0
+        while True:
+            got, slow = await read_all(reader, sessions)
+            slowest, reads = max(slowest, slow), reads + 1
+            if got == expected:
+                break
+            assert time.monotonic() < deadline, f"no failover in 30 s: {got}"
+            await asyncio.sleep(0.05)
+    assert reads > 1, "the primary's loss went unnoticed"
+    assert slowest < 0.5, f"a read took {slowest:.3f} s with a 2-ms budget"
+    # A gateway started now knows no node but the dead one: its reads fall back, never raise.
+    late = RedisAffinityStore(failover.url, **{**kw, "timeout_ms": 2000.0})
+    async with closing(late):
+        assert await late.get(sessions[0]) is None
