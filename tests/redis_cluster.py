@@ -66,7 +66,7 @@ def _cluster_ok(port: int, nodes: int) -> bool:
         client.close()
 
 
-def _command(port: int, *args: object) -> object:
+def command(port: int, *args: object) -> object:
     client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
     try:
         return client.execute_command(*args)  # type: ignore[no-untyped-call]
@@ -88,16 +88,16 @@ def _form(primaries: list[int], replicas: list[int]) -> None:
     per = SLOTS // len(primaries)
     for i, port in enumerate(primaries):
         last = SLOTS - 1 if i == len(primaries) - 1 else (i + 1) * per - 1
-        _command(port, "CLUSTER", "ADDSLOTSRANGE", i * per, last)
+        command(port, "CLUSTER", "ADDSLOTSRANGE", i * per, last)
     for port in primaries[1:] + replicas:
-        _command(port, "CLUSTER", "MEET", "127.0.0.1", primaries[0])
+        command(port, "CLUSTER", "MEET", "127.0.0.1", primaries[0])
     nodes = len(primaries) + len(replicas)
     for port in primaries + replicas:
         _wait(functools.partial(_cluster_ok, port, nodes), "not formed")
     for primary, replica in zip(primaries, replicas, strict=False):
-        node_id = _command(primary, "CLUSTER", "MYID")
+        node_id = command(primary, "CLUSTER", "MYID")
         text = node_id.decode() if isinstance(node_id, bytes) else str(node_id)
-        _command(replica, "CLUSTER", "REPLICATE", text)
+        command(replica, "CLUSTER", "REPLICATE", text)
     for port in replicas:
         _wait(functools.partial(_replicating, port), "replica not in sync")
 
