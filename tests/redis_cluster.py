@@ -141,7 +141,10 @@ def private_cluster(
                 args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                         "--appendonly", "no", "--dir", workdir, "--cluster-enabled", "yes",
                         "--cluster-config-file", f"nodes-{port}.conf",
-                        "--cluster-node-timeout", str(node_timeout_ms)]
+                        "--cluster-node-timeout", str(node_timeout_ms),
+                        # A replica's first sync starts at once, not after the default 5-s
+                        # wait for other replicas to share it (diskless sync's delay).
+                        "--repl-diskless-sync-delay", "0"]
                 procs[port] = subprocess.Popen(
                     args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
                 )
