@@ -45,6 +45,11 @@ class RequestRecord:
     error: str | None = None
     session: str = ""
     request_id: str | None = None
+    # Sub-agents launched together with this request's sub-agent, itself included (0 for a
+    # main conversation), and the request's place in its script: a burst's first turns are
+    # ``group > 0, turn == 0``. ``benchmarks.ttft_tail`` classes the TTFT tail by them.
+    group: int = 0
+    turn: int = 0
 
 
 @dataclass(slots=True)
@@ -169,24 +174,34 @@ class WorkloadClient:
         await self._steps(new_state(self._tok, conv), conv, conv.steps, conv.kind)
 
     async def _steps(
-        self, state: ConversationState, conv: Conversation, steps: Sequence[Step], kind: str
+        self,
+        state: ConversationState,
+        conv: Conversation,
+        steps: Sequence[Step],
+        kind: str,
+        group: int = 0,
     ) -> bool:
-        for step in steps:
+        for turn, step in enumerate(steps):
             if step.think_s > 0:
                 await asyncio.sleep(step.think_s / self.speed)
             if step.reset is not None:
                 state.reset(step.reset)
             state.add("user", step.content)
-            answer = await self._request(state, conv, step.max_tokens, kind)
+            answer = await self._request(state, conv, step.max_tokens, kind, group, turn)
             if answer is None:
                 return False  # no answer to build on: the rest of this script cannot run
             state.add("assistant", answer)
             if step.burst:
-                await asyncio.gather(*(self._subagent(state, conv, a) for a in step.burst))
+                size = len(step.burst)
+                await asyncio.gather(
+                    *(self._subagent(state, conv, a, size) for a in step.burst)
+                )
         return True
 
-    async def _subagent(self, parent: ConversationState, conv: Conversation, a: SubAgent) -> None:
-        await self._steps(parent.fork(), conv, a.steps, "subagent")
+    async def _subagent(
+        self, parent: ConversationState, conv: Conversation, a: SubAgent, group: int
+    ) -> None:
+        await self._steps(parent.fork(), conv, a.steps, "subagent", group)
 
     def _body(self, prompt: Prompt, conv: Conversation, max_tokens: int) -> bytes:
         body: dict[str, Any] = {
@@ -201,7 +216,13 @@ class WorkloadClient:
         return orjson.dumps(body)
 
     async def _request(
-        self, state: ConversationState, conv: Conversation, max_tokens: int, kind: str
+        self,
+        state: ConversationState,
+        conv: Conversation,
+        max_tokens: int,
+        kind: str,
+        group: int,
+        turn: int,
     ) -> str | None:
         assert self._http is not None
         prompt = state.prompt()
@@ -214,7 +235,8 @@ class WorkloadClient:
         reusable = self._run.ledger.sent(len(prompt.ids), prompt.chain)
         started = time.perf_counter()
         record = RequestRecord(
-            kind, started - self._t0, 0, False, reusable_tokens=reusable, session=conv.session_id
+            kind, started - self._t0, 0, False, reusable_tokens=reusable,
+            session=conv.session_id, group=group, turn=turn,
         )
         stream = _Stream()
         try:

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from benchmarks import ttft_tail
 from benchmarks.bench.runner import Runner
 from benchmarks.bench.settings import BenchSettings
 from benchmarks.bench.targets import PEERS, Peer, make_targets, peer_dirs
-from benchmarks.workloads import build_workload
+from benchmarks.workloads import Conversation, Step, build_workload
 from router.cli import main
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(90)
-async def test_strategies_on_two_replicas(tmp_path: Path, redis_url: str) -> None:
+async def test_strategies_on_two_replicas(
+    tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     settings = BenchSettings(
         out=tmp_path, replicas=2, speed=20.0, num_gpu_blocks=512, deadline_s=30.0,
         plots=False, progress=False, peer_dirs=[tmp_path / "no-peers"], redis_url=redis_url,
@@ -48,6 +52,25 @@ async def test_strategies_on_two_replicas(tmp_path: Path, redis_url: str) -> Non
     namespaces = [line for c in configs for line in c.splitlines() if "namespace:" in line]
     assert len(namespaces) == 2 and namespaces[0] == namespaces[1], namespaces
     assert all(redis_url in c for c in configs)
+    # Each request line names its place in the script: the burst it came in and its turn.
+    lines = (tmp_path / "logs" / "default.requests.jsonl").read_text().splitlines()
+    places = sorted((r["kind"], r["group"], r["turn"]) for r in map(json.loads, lines))
+    assert places == sorted(_script_places(workload.conversations))
+    assert any(group > 1 for _, group, _ in places)
+    assert ttft_tail.main([str(tmp_path)]) == 0
+    assert "subagent group of 2-3: first turn" in capsys.readouterr().out
+
+
+def _script_places(conversations: Sequence[Conversation]) -> list[tuple[str, int, int]]:
+    def walk(kind: str, steps: Sequence[Step], group: int) -> list[tuple[str, int, int]]:
+        out = []
+        for turn, step in enumerate(steps):
+            out.append((kind, group, turn))
+            for agent in step.burst:
+                out += walk("subagent", agent.steps, len(step.burst))
+        return out
+
+    return [p for c in conversations for p in walk(c.kind, c.steps, 0)]
 
 
 @pytest.mark.timeout(60)
@@ -100,8 +123,11 @@ def test_peer_binaries_are_found_in_peer_dirs_or_by_env(
 ) -> None:
     monkeypatch.delenv("PREFIXGATE_SMG", raising=False)
     monkeypatch.setenv("PREFIXGATE_PEERS_DIR", str(tmp_path / "env-dir"))
+    # Peers installed where the README says (~/.cache/prefixgate-peers) must not leak in.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     dirs = peer_dirs([tmp_path / "flag-dir"])
-    assert dirs[:2] == [tmp_path / "flag-dir", tmp_path / "env-dir"]
+    cache = tmp_path / "home" / ".cache" / "prefixgate-peers"
+    assert dirs == [tmp_path / "flag-dir", tmp_path / "env-dir", cache]
     settings = BenchSettings(out=tmp_path, peer_dirs=dirs)
     peer = Peer("smg-cache_aware", PEERS["smg-cache_aware"], settings)
     assert peer.unavailable() is not None
