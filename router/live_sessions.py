@@ -14,6 +14,9 @@ endpoint a little, never an idle one.
 
 Each gateway replica counts the sessions it served (with several gateways behind a balancer, a
 session's turns spread over them, and each sees its share).
+
+The producer also hands the first request of each new session the requests the session is
+expected to send after it (``RoutingRequest.later_requests``, router/session_lengths.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from router.endpoints import EndpointSnapshot
 from router.scheduling import RoutingRequest
+from router.session_lengths import SessionLengths
 
 HORIZON_GAPS = 3.0
 MIN_HORIZON_S = 1.0
@@ -63,6 +67,7 @@ class LiveSessions:
         self._tokens: dict[str, int] = {}
         self.typical_gap = INITIAL_GAP_S
         self._gaps = 0
+        self.lengths = SessionLengths(max_sessions)
         if registry is not None:
             registry.register(self)
 
@@ -77,17 +82,21 @@ class LiveSessions:
     async def produce(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> None:
         self._expire(self._clock())
         tokens = {e.id: self._tokens.get(e.id, 0) for e in endpoints}
-        own = self._live.get(request.session_id) if request.session_id else None
+        session_id = request.session_id
+        own = self._live.get(session_id) if session_id else None
         if own is not None and own.endpoint_id in tokens:
             # Its own context is extended by this request, not evicted.
             tokens[own.endpoint_id] -= own.tokens
         request.live_tokens = tokens
+        if session_id and self.lengths.is_new(session_id):
+            request.later_requests = self.lengths.later_requests
 
     def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
         session_id = request.session_id
         if not session_id:
             return
         now = self._clock()
+        self.lengths.on_request(session_id, now)
         session = self._sessions.get(session_id)
         if session is None:
             session = self._sessions[session_id] = _Session(endpoint_id, 0, now, 0)
@@ -126,6 +135,7 @@ class LiveSessions:
 
     def _expire(self, now: float) -> None:
         cutoff = now - self.horizon
+        self.lengths.expire(cutoff)
         live = self._live
         while live:
             session_id, session = next(iter(live.items()))
@@ -147,6 +157,12 @@ class LiveSessions:
         yield tokens
         yield GaugeMetricFamily(
             "prefixgate_live_sessions", "Sessions counted as live", value=len(self._live)
+        )
+        yield GaugeMetricFamily(
+            "prefixgate_session_later_requests",
+            "Requests a new session is expected to send after its first (learned from the "
+            "sessions seen; router/session_lengths.py)",
+            value=self.lengths.later_requests,
         )
         yield GaugeMetricFamily(
             "prefixgate_live_session_horizon_seconds",

@@ -53,6 +53,10 @@ class RoutingRequest:
     # Per endpoint, context tokens of the live sessions homed there (router/live_sessions.py),
     # this request's own session excluded.
     live_tokens: dict[str, int] = field(default_factory=dict)
+    # For the first request of a session: the requests the session is expected to send after
+    # it, which will queue wherever this one goes (router/live_sessions.py). 0 for a request
+    # that carries no session or whose session has been placed already.
+    later_requests: float = 0.0
     # Filled by the ranking when ``explain`` is set:
     explanation: dict[str, Any] | None = None
 

@@ -8,6 +8,8 @@
                             + the cached context they would evict on e
                             + a KV-admission penalty when e's cache cannot take the request
                             - a small bonus for the endpoint that served the session last)
+                        + for a session's first request, per_queued_token(e) * the session's
+                            expected later requests * the queue e kept over the last seconds
 
 The prefill queued on an endpoint is what the gateway itself sent there that has not produced a
 first byte yet (``pending_prefill_tokens``, or its average over the last seconds when that is
@@ -18,6 +20,13 @@ the fleet's first bytes: on vLLM a queued token costs what an own one does, a qu
 little beyond its tokens, and a running request about 40 tokens' worth; where prefills run
 side by side, queues cost next to nothing and running requests more; where each prefill pays
 a fixed cost of its own, so does each request queued ahead.
+
+The last term is the placement's cost over the session's life: the first request decides where
+the later ones queue, so a new session goes where the queue it will meet is short, unless
+recomputing its shared prefix (a system prompt, tools) there costs more than that queue over
+the session. Without it, every new session of an agent type went to the replicas that
+already held the type's system prompt until their instantaneous queue outgrew one recompute,
+which piled sessions onto a few replicas and left others idle.
 
 Unlike min-max scaled scores, magnitudes survive: a 50,000-token miss costs a thousand times a
 50-token miss, so a session stays where its context lives until the queue there costs more than
@@ -68,6 +77,13 @@ class TTFTCostParameters(Strict):
     # a session placed on an endpoint comes back to it turn after turn, so a replica busy a
     # second ago but momentarily empty is not an idle one.
     recent_queue_weight: float = Field(1.0, ge=0.0, le=1.0)
+    # A session's first request also places the session: its later requests (as many as
+    # sessions have sent on average, router/live_sessions.py) will meet the queue its home
+    # keeps. So the first request is charged, on each endpoint, that many times the queue the
+    # endpoint kept over the last seconds, times this weight. Recomputing a shared system prompt
+    # once on a replica with room is then cheaper than queueing a whole session behind the
+    # replicas that already hold it; the queue now is priced for the first request as for any.
+    placement_horizon_weight: float = Field(1.0, ge=0.0, le=4.0)
     # Each token of cached context that this request's new blocks would evict on an endpoint
     # (its cache full of context worth keeping: see evictionRoom) weighs this much: someone's
     # context, most likely recomputed later (agent sessions come back after each tool call).
@@ -111,10 +127,12 @@ class CostTerms:
     load_s: float
     kv_penalty_s: float
     affinity_bonus_s: float
+    horizon_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return max(1e-6, self.prefill_s + self.load_s + self.kv_penalty_s - self.affinity_bonus_s)
+        cost = self.prefill_s + self.load_s + self.kv_penalty_s + self.horizon_s
+        return max(1e-6, cost - self.affinity_bonus_s)
 
 
 class TTFTCostScorer:
@@ -157,9 +175,13 @@ class TTFTCostScorer:
         home = request.affinity_endpoint == endpoint.id
         bonus = per_token * p.affinity_bonus_tokens if home else 0.0
         penalty = per_token * self._kv_penalty_tokens(endpoint, uncached)
+        horizon = (
+            p.placement_horizon_weight * request.later_requests
+            * price.per_queued_token_s * endpoint.recent_prefill_tokens
+        )  # fmt: skip
         return CostTerms(
             endpoint.id, queued, queued_requests, uncached, weight, evicted, prefill, load,
-            penalty, bonus,
+            penalty, bonus, horizon,
         )
 
     def _recompute_weight(self, queued_requests: float) -> float:
@@ -189,7 +211,7 @@ class TTFTCostScorer:
             "uncached_tokens": t.uncached_tokens, "recompute_weight": t.recompute_weight,
             "evicted_tokens": t.evicted_tokens,
             "prefill_s": t.prefill_s, "load_s": t.load_s, "kv_penalty_s": t.kv_penalty_s,
-            "affinity_bonus_s": t.affinity_bonus_s,
+            "affinity_bonus_s": t.affinity_bonus_s, "horizon_s": t.horizon_s,
         }
 
     def _kv_penalty_tokens(self, endpoint: EndpointSnapshot, uncached: int) -> float:

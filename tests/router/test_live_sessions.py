@@ -83,3 +83,24 @@ def test_the_table_is_bounded() -> None:
         for _ in range(2):
             live.on_pick(req(f"s{i}", 100), "a")
     assert live.live_tokens("a") == 300
+
+
+
+async def test_a_new_sessions_first_request_is_told_how_many_requests_follow_it() -> None:
+    clock = Clock()
+    registry = CollectorRegistry()
+    live = LiveSessions(clock=clock, registry=registry)
+    for n in range(10):  # sessions of twelve requests each
+        for _ in range(12):
+            live.on_pick(req(f"s{n}", 1_000), "a")
+            clock.now += 1.0
+    expected = live.lengths.later_requests
+    assert expected > 5
+    new, known, anonymous = req("new", 1_000), req("s9", 1_000), req(None, 1_000)
+    for r in (new, known, anonymous):
+        await live.produce(r, [snap("a")])
+    assert (new.later_requests, known.later_requests, anonymous.later_requests) == (
+        expected, 0, 0
+    )
+    text = generate_latest(registry).decode()
+    assert f"prefixgate_session_later_requests {expected}" in text

@@ -267,3 +267,23 @@ def _calibrated(seconds: Callable[[float, float, int, int], float]) -> Calibrato
         took = seconds(own, queued, running, requests)
         calibrator.observe(f"e{i % 4}", own, took, queued, running, requests)
     return calibrator
+
+
+def test_a_new_session_is_placed_by_the_queue_its_later_requests_will_meet() -> None:
+    s = scorer()
+    # A new session whose 3,360-token system prompt the busy replica holds: its last seconds'
+    # queue averaged 800 tokens, the other replica's nothing.
+    endpoints = [snap("holder", recent_prefill_tokens=800.0), snap("empty")]
+    first = req(tokens=3_680, hits={"holder": 210})
+    assert s.score(first, endpoints)[0] == 1.0  # one request: the cache hit wins
+    placing = req(tokens=3_680, hits={"holder": 210}, later_requests=17.0)
+    assert s.score(placing, endpoints)[1] == 1.0  # a whole session: the queue it meets wins
+    terms = s.terms(placing, endpoints[0])
+    per_queued = Calibrator().price("holder").per_queued_token_s
+    assert terms.horizon_s == pytest.approx(17.0 * 800.0 * per_queued)
+    assert s.terms(placing, endpoints[1]).horizon_s == 0
+    # A short queue is not worth recomputing the prompt for, and the weight turns it off.
+    calm = [snap("holder", recent_prefill_tokens=50.0), snap("empty")]
+    assert s.score(placing, calm)[0] == 1.0
+    assert scorer(placement_horizon_weight=0.0).score(placing, endpoints)[0] == 1.0
+    assert "horizon_s" in s.explain(placing, endpoints[0])
