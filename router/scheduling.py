@@ -54,7 +54,7 @@ class RoutingRequest:
     # this request's own session excluded.
     live_tokens: dict[str, int] = field(default_factory=dict)
     # For the first request of a session: the requests the session is expected to send after
-    # it, which will queue wherever this one goes (router/live_sessions.py). 0 for a request
+    # it, which will queue wherever this one goes (router/session_lengths.py). 0 for a request
     # that carries no session or whose session has been placed already.
     later_requests: float = 0.0
     # Filled by the ranking when ``explain`` is set:

@@ -78,7 +78,7 @@ class TTFTCostParameters(Strict):
     # second ago but momentarily empty is not an idle one.
     recent_queue_weight: float = Field(1.0, ge=0.0, le=1.0)
     # A session's first request also places the session: its later requests (as many as
-    # sessions have sent on average, router/live_sessions.py) will meet the queue its home
+    # sessions have sent on average, router/session_lengths.py) will meet the queue its home
     # keeps. So the first request is charged, on each endpoint, that many times the queue the
     # endpoint kept over the last seconds, times this weight. Recomputing a shared system prompt
     # once on a replica with room is then cheaper than queueing a whole session behind the
