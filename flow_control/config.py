@@ -8,9 +8,9 @@ with a message naming it (``flowControl.priorityBands[0].maxRequests: ...``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 
@@ -28,6 +28,11 @@ class Strict(BaseModel):
 FairnessPolicyName = Literal["round-robin", "fcfs"]
 
 MiB = 1024 * 1024
+_UTILIZATION_KEYS = {"queue_depth_threshold", "kv_cache_util_threshold", "in_flight_threshold"}
+
+
+def _snake(key: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in key)
 
 
 class BandConfig(Strict):
@@ -61,14 +66,39 @@ class SessionBoostConfig(Strict):
     max_sessions: int = Field(100_000, ge=1)
 
 
+class ConcurrencyLimitConfig(Strict):
+    """The learned per-endpoint limit on requests waiting for their first byte.
+
+    ``tolerance``: how many times the best first-byte-to-prediction ratio seen may be reached
+    before the limit shrinks (the queue a replica may keep before the gateway holds work).
+    """
+
+    initial_limit: int = Field(16, ge=1)
+    min_limit: int = Field(1, ge=1)
+    max_limit: int = Field(256, ge=1)
+    tolerance: float = Field(2.0, ge=1.0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ConcurrencyLimitConfig:
+        if not self.min_limit <= self.initial_limit <= self.max_limit:
+            raise ValueError("need minLimit <= initialLimit <= maxLimit")
+        return self
+
+
 class SaturationDetectorConfig(Strict):
-    """Per-endpoint thresholds; the pool is saturated when every endpoint reaches one.
+    """When the pool counts as saturated (requests then wait in the gateway).
+
+    ``type: concurrency`` (the default): every endpoint is at its learned concurrency limit
+    (``concurrencyLimit``). ``type: utilization``: llm-d's thresholds on scraped metrics,
+    below; the pool is saturated when every endpoint reaches one.
 
     ``metricsStalenessThreshold`` is left unset on purpose: it is then derived from the
     gateway's scrape settings (see ``flow_control.saturation.default_staleness`` for why
     llm-d's 200 ms is not safe with a 100 ms scrape interval).
     """
 
+    type: Literal["concurrency", "utilization"] = "concurrency"
+    concurrency_limit: ConcurrencyLimitConfig = ConcurrencyLimitConfig()
     queue_depth_threshold: float = Field(5, ge=0)
     kv_cache_util_threshold: float = Field(0.8, gt=0, le=1)
     # The gateway's own count, the one signal available before a scrape lands. vLLM runs up
@@ -76,6 +106,23 @@ class SaturationDetectorConfig(Strict):
     in_flight_threshold: int = Field(256, ge=1)
     # None: derived from pool.metricsScrape (at least 1 s); set it only to override.
     metrics_staleness_threshold: float | None = Field(None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _infer_type(cls, data: Any) -> Any:
+        """Thresholds without a type mean the utilization detector (llm-d's, and this
+        gateway's before the concurrency detector); thresholds with the other type are an
+        error rather than silently unused."""
+        if not isinstance(data, dict):
+            return data
+        given = sorted(k for k in data if _snake(k) in _UTILIZATION_KEYS)
+        if not given:
+            return data
+        if "type" not in data:
+            return {**data, "type": "utilization"}
+        if data["type"] != "utilization":
+            raise ValueError(f"{', '.join(given)} only apply to type: utilization")
+        return data
 
 
 class FlowControlConfig(Strict):

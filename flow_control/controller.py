@@ -25,6 +25,7 @@ from typing import Literal
 from prometheus_client import CollectorRegistry
 
 from flow_control.config import BandConfig, FlowControlConfig
+from flow_control.limits import ConcurrencyLimits, ConcurrencySaturationDetector
 from flow_control.metrics import FlowControlMetrics
 from flow_control.policies import make_policy
 from flow_control.queues import BandState, FlowQueue, Level, ModelQueue, QueueItem, pick_victim
@@ -35,6 +36,7 @@ from flow_control.saturation import (
     DEFAULT_SCRAPE_TIMEOUT,
     SaturationDetector,
     ThresholdSaturationDetector,
+    default_staleness,
 )
 from router.endpoints import EndpointSnapshot
 from router.errors import NoEndpointsError, SaturatedError, TTLExpiredError
@@ -67,12 +69,13 @@ class FlowController:
         self.enabled = config.enabled
         self._candidates = candidates
         self._clock = clock
-        self._detector = detector or ThresholdSaturationDetector(
-            config.saturation_detector,
-            scrape_interval=scrape_interval,
-            scrape_timeout=scrape_timeout,
-        )
+        self.limits: ConcurrencyLimits | None = None
+        if detector is None:
+            detector = self._default_detector(config, scrape_interval, scrape_timeout)
+        self._detector = detector
         self._metrics = FlowControlMetrics(registry or CollectorRegistry(), max_flow_labels)
+        if self.limits is not None:
+            self._metrics.watch_limits(self.limits)
         self._resolver = RequestResolver(config, clock)
         # Resolve fairness id, objective (priority, TTL) and session boost from headers.
         self.build_request = self._resolver.build
@@ -89,6 +92,20 @@ class FlowController:
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._stopped = False
+
+    def _default_detector(
+        self, config: FlowControlConfig, scrape_interval: float, scrape_timeout: float
+    ) -> SaturationDetector:
+        cfg = config.saturation_detector
+        staleness = cfg.metrics_staleness_threshold
+        if staleness is None:
+            staleness = default_staleness(scrape_interval, scrape_timeout)
+        if cfg.type == "utilization":
+            return ThresholdSaturationDetector(
+                cfg, scrape_interval=scrape_interval, scrape_timeout=scrape_timeout
+            )
+        self.limits = ConcurrencyLimits(cfg.concurrency_limit)
+        return ConcurrencySaturationDetector(self.limits, staleness)
 
     def _band(self, name: str, priority: int | None, limits: BandConfig) -> BandState:
         m = self._metrics
@@ -178,6 +195,27 @@ class FlowController:
                 self._dispatch_model(request.model)
             except Exception:  # a release must never fail the request that ends; tick retries
                 log.exception("flow control dispatch on release failed")
+
+    def observe(self, endpoint_id: str, ratio: float, queued_at_send: int) -> None:
+        """A first byte from ``endpoint_id`` (see ConcurrencyLimits.observe); it also frees a
+        place in the endpoint's prefill queue, so queued work is dispatched at once."""
+        if self.limits is not None:
+            self.limits.observe(endpoint_id, ratio, queued_at_send)
+        self.poke()
+
+    def poke(self) -> None:
+        """Something the detector reads changed (a first byte, a scrape): dispatch now rather
+        than on the next tick. Never raises: callers are on the request and scrape paths."""
+        if not self._count or not self.enabled:
+            return
+        try:
+            self.dispatch()
+        except Exception:
+            log.exception("flow control dispatch failed")
+
+    async def forget_endpoint(self, endpoint_id: str) -> None:
+        if self.limits is not None:
+            self.limits.forget(endpoint_id)
 
     # -- queues -----------------------------------------------------------------------------
 

@@ -6,7 +6,13 @@ Flow labels come from a client-set header, so their number is capped: the first
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from flow_control.limits import ConcurrencyLimits
 
 OTHER = "other"
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -18,6 +24,7 @@ class FlowControlMetrics:
         self._max_flow_labels = max_flow_labels
         self._flow_labels: set[str] = set()
         self._saturated_children: dict[str, Gauge] = {}
+        self._registry = registry
         r = registry
         self.queue_requests = Gauge(
             "prefixgate_flow_queue_requests", "Requests queued, by band.", ["band"], registry=r
@@ -64,6 +71,10 @@ class FlowControlMetrics:
             registry=r,
         )
 
+    def watch_limits(self, limits: ConcurrencyLimits) -> None:
+        """Export each endpoint's learned limit, read at scrape time (no per-request work)."""
+        self._registry.register(_LimitCollector(limits))
+
     def flow_label(self, fairness_id: str) -> str:
         if fairness_id in self._flow_labels:
             return fairness_id
@@ -84,3 +95,18 @@ class FlowControlMetrics:
             child = self.pool_saturated.labels(model)
             self._saturated_children[model] = child
         child.set(1 if saturated else 0)
+
+
+class _LimitCollector(Collector):
+    def __init__(self, limits: ConcurrencyLimits) -> None:
+        self._limits = limits
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "prefixgate_flow_concurrency_limit",
+            "Learned limit on this gateway's requests waiting for a first byte, by endpoint.",
+            labels=["endpoint"],
+        )
+        for endpoint_id, limit in self._limits.items():
+            family.add_metric([endpoint_id], limit)
+        yield family

@@ -189,6 +189,7 @@ async def _start_discovery(gateway: Gateway, stack: AsyncExitStack) -> Kubernete
         gateway.stores.index.forget_endpoint,
         gateway.stores.affinity.forget_endpoint,
         gateway.calibrator.forget_endpoint,
+        gateway.flow.forget_endpoint,
     ]
     joined = []
     if gateway.precise is not None:
@@ -225,6 +226,7 @@ async def gateway_running(gateway: Gateway) -> AsyncIterator[None]:
             gateway.pool, monitor_client, settings, gateway.kv_capacity_to_blocks,
             auth_headers=gateway.proxy.upstream_keys.headers,
             remote_in_flight=shared.remote_in_flight if shared else None,
+            on_scrape=gateway.flow.poke,
         )
         gateway.monitor = monitor
         stack.push_async_callback(gateway.stores.aclose)

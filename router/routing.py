@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 
@@ -169,11 +170,15 @@ class Router:
             queued = float(state.pending_prefill_tokens)
             running = max(float(state.in_flight), state.metrics.running)
             requests = float(state.pending_prefill_requests)
-        calibrator = self._calibrator
+        calibrator, flow = self._calibrator, self._flow
 
         def first_byte(seconds: float) -> None:
             if routing.stream:  # a non-streaming first byte is the answer's last
+                idle = calibrator.predict(endpoint_id, uncached)
                 calibrator.observe(endpoint_id, uncached, seconds, queued, running, requests)
+                flow.observe(endpoint_id, seconds / idle if idle > 0 else math.inf, int(requests))
+            else:
+                flow.poke()
             self.prefilled(routing, endpoint_id)
 
         lease = self._pool.lease(endpoint_id, uncached, first_byte)
@@ -182,7 +187,7 @@ class Router:
             # of its predicted time, so decode time is not taken for queue.
             predicted = calibrator.predict(endpoint_id, uncached, queued, running, requests)
             delay = min(600.0, 3.0 * predicted)
-            asyncio.get_running_loop().call_later(delay, lease.presume_prefilled)
+            asyncio.get_running_loop().call_later(delay, _presume_prefilled, lease, flow)
         return lease
 
     def uncached_tokens(self, routing: RoutingRequest, endpoint_id: str) -> int:
@@ -199,3 +204,8 @@ class Router:
             ratio = routing.prefix_hits.get(endpoint_id, 0) / len(routing.block_hashes)
             self._metrics.prefix_match_ratio.observe(ratio)
         self._scheduler.picked(routing, endpoint_id)
+
+
+def _presume_prefilled(lease: Lease, flow: FlowController) -> None:
+    lease.presume_prefilled()
+    flow.poke()  # the endpoint's prefill queue is one shorter

@@ -112,8 +112,12 @@ class EndpointMonitor:
         clock: Callable[[], float] = time.monotonic,
         auth_headers: AuthHeaders | None = None,
         remote_in_flight: Callable[[str], int] | None = None,
+        on_scrape: Callable[[], None] | None = None,
     ) -> None:
         self._pool = pool
+        # Called after each scrape or health change: flow control re-reads the pool at once
+        # instead of waiting for its next tick.
+        self._on_scrape = on_scrape
         self._auth_headers = auth_headers
         # The other gateway replicas' in-flight counts (shared through Redis), so that their
         # requests counted in a stale scrape do not pass for a stranger's queue either.
@@ -160,6 +164,8 @@ class EndpointMonitor:
                 await self._probe_ejected(state)
             if state.healthy:
                 await self._scrape(state)
+            if self._on_scrape is not None:
+                self._on_scrape()
             await asyncio.sleep(self._settings.scrape_interval)
 
     async def _get(
