@@ -150,7 +150,7 @@ def _tools(rng: random.Random, agent: int, n: int, tokens: int) -> tuple[Message
 
 @dataclass(frozen=True, slots=True)
 class AgenticParams:
-    """Shape of agentic coding sessions (REFERENCE.md section 2, scaled to fit a laptop)."""
+    """Shape of agentic coding sessions as field traces show them, scaled to fit a laptop."""
 
     sessions: int = 16
     turns: int = 8

@@ -1,40 +1,11 @@
 """Self-calibration of each endpoint's first-byte cost from what the gateway observes.
 
-At the first byte of every answer the gateway knows how long the endpoint took and what stood
-in front of it: its own uncached tokens, the uncached tokens of requests sent there earlier and
-still without a first byte (``queued``), and the requests running there. A robust running
-regression learns the figures online::
-
-    ttfb = overhead + per_token * (own + queued + running_tokens * running)
-                    + queue_discount * queued + running_extra * running
-                    + per_queued_request * queued_requests
-
-exponentially weighted (old samples decay, so a replica that slows down is noticed), with each
-sample's residual clipped (Huber), every coefficient pulled towards its prior by as much as the
-samples lack spread (ridge), and the fit held to sane bounds. The priors are vLLM's: prefills
-run one after another in shared steps, so a queued token costs what an own one does
-(``queue_discount`` 0), a running request adds a little to every step (``running_tokens``
-prompt tokens' worth, ``running_extra`` 0), and a queued request costs its tokens only
-(``per_queued_request`` 0: prefills batched into one step share its fixed cost). Fleets that
-behave otherwise teach it: where prefills run side by side and load only scales them
-(llm-d-inference-sim), queued tokens come out nearly free and running requests dear; where
-every prefill pays a fixed cost of its own, a burst of small requests queued ahead costs
-that much each.
-
-Two levels, because one endpoint's samples are few and biased by the moment they were
-taken. Fitted alone, a replica that served a burst at a cold start learned a huge overhead from
-requests that waited for each other, was priced out, and so never got the traffic that would
-have corrected it; and busy replicas, whose samples lie further out on the token axis, learned
-flatter slopes than idle ones and so looked cheaper for long prompts, which made them busier.
-So the *fleet* fit (every sample, starting from an 8B-on-H100 prior) gives the shape, and each
-endpoint only a speed factor against it: its decayed sum of observed times over the sum the
-fleet's current fit predicts for the same samples (a replica on slower hardware is slower at
-every prompt length). The factor is shrunk towards 1 by the endpoint's evidence (``w / (w +
-pseudo)`` in log space, ``w`` its decayed sample weight, halved for every
-``stale_half_life_s`` since its last sample). Replicas of one model on one kind of hardware
-are priced alike, a truly slower one stays slower, a new replica starts from what the fleet
-has learned rather than from the prior, and one priced out by an unlucky start drifts back to
-the fleet's figures and gets traffic again.
+At every answer's first byte the gateway knows how long the endpoint took and what stood in
+front of it (its own uncached tokens, the queued ones, the running requests), so the prices of
+the cost model are learned online rather than configured: a robust, exponentially weighted
+regression pulled towards vLLM-shaped priors. Two levels, because one endpoint's samples are
+few and biased by the moment they were taken: a fleet fit gives the shape, each endpoint only a
+speed factor against it. The model and why: docs/routing.md.
 """
 
 from __future__ import annotations

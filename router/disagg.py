@@ -1,35 +1,11 @@
-"""Disaggregated prefill and decode: the decider and the two-step orchestration (issue 5).
+"""Disaggregated prefill and decode: the decider and the two-step orchestration.
 
-The decode profile ranks the decode pool (role ``decode`` or ``both``) for every request, as
-without disaggregation. The decider then looks at that pick: when the prompt tokens it would
-have to compute (``RoutingRequest.uncached_tokens``) reach ``nonCachedTokens``, the prefill
-profile ranks the prefill pool (role ``prefill`` or ``both``, the decode pick excluded) with its
-own weights. The prefix index is consulted for both pools and learns both picks.
-
-``two-step`` (vLLM's NixlConnector proxy protocol, REFERENCE.md section 1): the prefill
-endpoint gets the original body with ``kv_transfer_params = {do_remote_decode: true, ...}``,
-``stream: false`` and ``max_tokens: 1``; its answer carries the ``kv_transfer_params`` the decode
-endpoint needs to pull the KV cache. The original request plus those parameters then takes the
-proxy's ordinary path to the decode pool (retries before the first byte, relay, disconnect
-watch, leases, flow-control ticket), so the client sees one unchanged answer whose usage is the
-decode endpoint's, which covers the whole prompt and every generated token.
-
-``sidecar`` (llm-d's routing sidecar): only the choice is made here; the decode request carries
-``x-prefiller-host-port`` and the sidecar next to the decode server runs the prefill step.
-
-Failures: a prefill 4xx is the client's and goes back to it as is; a 5xx, a timeout, a transport
-error or an answer without ``kv_transfer_params`` falls back to a plain decode request with the
-original body (``prefixgate_disagg_fallbacks_total``): slower for this request, but answered.
-
-The default threshold, 1024 uncached tokens. With the 8B-on-H100 figures of REFERENCE.md
-section 2 (0.15-0.30 ms a prompt token, 10-15 ms a decode step), a 1024-token prefill computed
-on a decode endpoint stretches the steps of every stream batched with it by ~200 ms, some 15
-decode steps, while the two-step path adds to this request only a round trip, the KV pull and
-one decode step (~35 ms, under 15% of its own time to first token). Below it sit the typical
-agentic follow-up turns (a median 632 new tokens on a cached context), which stay where their
-context is instead of doubling the prefill pool's traffic for little gain; and the threshold is
-16 index blocks, well clear of the index's estimation noise (a partial last block, bytes per
-token). llm-d's example value, 512, is one line of config away.
+The decode profile ranks the decode pool for every request; when that pick would compute at
+least ``nonCachedTokens`` uncached prompt tokens, the prefill profile ranks the prefill pool.
+``two-step`` follows vLLM's NixlConnector proxy protocol (a ``max_tokens: 1`` prefill whose
+``kv_transfer_params`` go with the original request to the decode endpoint); ``sidecar`` only
+names the prefiller in ``x-prefiller-host-port`` for llm-d's routing sidecar. A failed prefill
+falls back to a plain decode request. Why 1024 tokens by default: docs/disaggregation.md.
 """
 
 from __future__ import annotations

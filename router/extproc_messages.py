@@ -1,6 +1,6 @@
 """Envoy ext_proc messages: reading what Envoy sends, building what the endpoint picker answers.
 
-The GIE protocol (REFERENCE.md section 3): the pick goes back both as the request header
+The Gateway API Inference Extension's protocol: the pick goes back both as the request header
 ``x-gateway-destination-endpoint`` and as dynamic metadata ``envoy.lb`` ->
 ``x-gateway-destination-endpoint`` (``ip:port`` or an ordered ``ip:port,ip:port`` list);
 the subset hint comes in filter metadata ``envoy.lb.subset_hint``; a request the picker will

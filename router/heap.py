@@ -1,8 +1,8 @@
 """The process's start-up heap, taken out of the garbage collector's full passes.
 
 A full collection walks every tracked object, and about 90K of them (FastAPI, pydantic, aiohttp,
-the config, the app) are built at start-up and live until exit: walking them took 75-83 ms on a
-2-core machine, a stall of every stream each time one ran. ``gc.freeze()`` moves them to a
+the config, the app) are built at start-up and live until exit: walking them stalled every
+stream each time one ran (docs/benchmarks/gateway-cost.md). ``gc.freeze()`` moves them to a
 permanent generation that collections skip, as preforking servers do before they fork; what is
 left to walk is what the running gateway itself allocates.
 

@@ -1,11 +1,11 @@
 """Decoding vLLM's KV event batches, and applying them to the precise index.
 
-Wire format (REFERENCE.md section 1): frames ``[topic, seq, payload]``, ``seq`` 8 bytes
-big-endian, ``payload`` msgpack ``[ts, [events], data_parallel_rank]``; events either tagged
-arrays (``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-medium, lora_name]``, trailing defaults may be omitted) or maps with a ``"type"`` key. Both are
-accepted, and block hashes may be integers or bytes. Events for other media than the GPU (CPU
-offloading) are ignored: a prefix-cache hit reuses GPU blocks.
+Wire format, as vLLM's ZMQ publisher sends it: frames ``[topic, seq, payload]``, ``seq`` 8
+bytes big-endian, ``payload`` msgpack ``[ts, [events], data_parallel_rank]``; events either
+tagged arrays (``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+lora_id, medium, lora_name]``, trailing defaults may be omitted) or maps with a ``"type"`` key.
+Both are accepted, and block hashes may be integers or bytes. Events for other media than the
+GPU (CPU offloading) are ignored: a prefix-cache hit reuses GPU blocks.
 """
 
 from __future__ import annotations

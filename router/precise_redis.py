@@ -1,63 +1,11 @@
 """The precise index shared through Redis (``precisePrefix.index.backend: redis``).
 
-Who subscribes: every gateway replica subscribes to every endpoint's KV events itself and keeps
-its own :class:`PreciseIndex` warm. A ZMQ PUB fans out to any number of SUBs at no cost to the
-engine, each replica keeps its own gap detection, replay and trust, and there is no leader to
-elect and no single point of failure; the local index is also the fail-open fallback whenever
-Redis is slow or down (every call has a time budget and a circuit breaker, see RedisLink).
-
-What Redis adds, for the other replicas:
-
-- (a) the full picture for a replica that starts (or restarts) late: its own stream starts
-  mid-way, so for ``resync_seconds`` its local view is untrusted and misses every block stored
-  before it subscribed; Redis has them, and is trusted if its own stream is consistent;
-- (b) speculative entries written right after a pick, so a burst of same-prefix requests spread
-  over gateways by a load balancer follows one endpoint.
-
-Batches are applied to Redis once and in order, whichever replica delivers them first: the
-``APPLY`` script keeps per endpoint the last applied publisher sequence number and the batch's
-publish time (``ts``), and
-
-- skips a batch with seq <= the last one unless it was published later (a duplicate from a
-  slower replica: no double counting, no resurrected removal);
-- treats an older seq published later as a restarted publisher: the endpoint's entries are
-  cleared (trusted at once if the seq is 0);
-- skips a batch published well before the last applied one (a lagging delivery from before a
-  restart);
-- treats a seq past last + 1 as a gap no replica filled (or writes dropped while Redis was
-  away): the entries are cleared and the endpoint untrusted for ``resync_seconds`` (readers
-  fall back to their local view), or until a batch carries ``AllBlocksCleared``;
-- clears and distrusts an endpoint past its capacity (a stream that lost removals).
-
-A clear is O(1): the endpoint's map is renamed to garbage of its old slot and it gets a new slot;
-each later script reclaims a bounded slice of garbage. Blocks a late replica cannot map (their
-parent was stored before it subscribed) get their parent's key from Redis before shipping, so the
-delivery order does not matter; the local index learns those parents too.
-
-Lookup: one round trip (``MATCH``) per request, returning per endpoint whether Redis trusts it,
-the leading blocks held by events, and the leading blocks held by live speculative entries. The
-tracker merges it with the local view and never reports less than the local view for endpoints
-this replica trusts (router/precise_routing.py).
-
-Layout, all under the tag ``{pg:<namespace>}`` + ``:p`` (one Cluster slot; distinct names from
-the approximate index, which may share the namespace):
-
-- ``h``: key (8 bytes) -> holder bitmap of endpoint slots; ``s``: endpoint -> slot, and
-  ``#<slot>`` for slots whose garbage is not reclaimed yet; ``g``: the set of those slots;
-- per endpoint: ``i:<ep>`` (seq, ts, untrusted-until ms), ``m:<ep>`` (engine hash id -> key),
-  ``k:<ep>`` (extra references, only for keys two engine hashes share), ``z:<ep>`` (speculative
-  keys, score = expiry ms, at most ``max_speculative`` per endpoint);
-- ``d:<slot>``: garbage maps.
-
-Memory, measured on Redis 7.0 (``test_bytes_per_entry`` prints it): about 70 bytes per
-(endpoint, block) in the map plus about 60 bytes per distinct block in the holder hash, so about
-13 MB per endpoint for 100,000 GPU blocks. Bounded by the endpoint's capacity (its
-``num_gpu_blocks`` + 64, else ``maxBlocksPerEndpoint``) and ``max_speculative`` entries per
-endpoint; keys expire after ``key_ttl_seconds`` without writes (speculative sets a second after
-their last entry), and an endpoint that leaves the pool is purged.
-
-Cost, loopback, 8 endpoints: a lookup takes 0.5 / 0.6 / 1.6 ms (p50) for 1K / 8K / 32K-token
-prompts; applying a batch of 500 stored blocks about 4 ms of Redis time, off the request path.
+Every gateway still subscribes to every endpoint's KV events and keeps its own index warm (no
+leader, and the local index answers alone when Redis is slow or down). Redis adds what a
+late-starting replica missed and the speculative entries of every gateway's picks, so a burst
+spread over gateways follows one endpoint. Each event batch is applied once and in order,
+whichever gateway delivers it first. Design, key layout and the rules of the ``APPLY`` script:
+docs/precise-routing.md; memory and cost: docs/benchmarks/precise.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """The prefix index shared through Redis, so that several gateway replicas route as one.
 
 Every replica keeps an :class:`InMemoryPrefixIndex` warm and answers from it whenever Redis is
-slow or down (fail-open); Redis only ever adds what the other replicas learned. One lookup is
-one round trip (a Lua script walks the chain server-side); one record is at most one round trip,
-shipped after the pick by a background task with a bounded, coalescing queue. The lookup is a
-binary search over the chain (see ``_MATCH``), so its cost grows with the log of the prompt.
-
-Data layout, all under one hash tag ``{pg:<namespace>}`` (or ``{pg:<namespace>:<partition>}``)
-so that every key a script touches lives in one Redis Cluster slot:
-
-- ``<tag>:h``  one hash: field = the block hash as 8 raw bytes, value = a bitmap of the endpoint
-  slots that hold it (trailing zero bytes stripped, so one byte for up to 8 endpoints).
-- ``<tag>:s``  one hash: endpoint id -> its slot number (lowest free slot, freed by a purge).
-- ``<tag>:l:<endpoint>``  a sorted set per endpoint: member = block hash, score = its recency.
-  The LRU: a chain head always scores at least as high as its tail, so eviction (ZPOPMIN past
-  the capacity) frees a chain from its tail, exactly like the in-memory index, whose touch
-  rules (touch only what is not fresh; see router/prefix_index.py) the record script repeats.
-- ``<tag>:c``  one hash: endpoint id -> its touch clock (blocks touched so far).
-
-Measured on Redis 7.0 (``python -m benchmarks.index_bench`` prints it): about 61 bytes per block
-in the holder hash plus about 113 bytes per (endpoint, block) LRU entry. The bound for the
-defaults (31,250 blocks per endpoint) is therefore 31,250 * (113 + 61) = 5.4 MB per endpoint when
-no two endpoints share blocks: ~44 MB for 8 endpoints, ~350 MB for 64. Keys also carry a TTL
-(a day by default, refreshed by every record) so that an abandoned namespace disappears.
-
-One slot per namespace (no ``partition``) is the default: the caller hands over hashes only, and
-the chain seed already separates models. The trade-off is that one namespace lives on one Cluster
-node; give each large pool or model its own namespace or ``partition`` to spread the load.
+slow or down (fail-open); Redis only ever adds what the other replicas learned. A lookup is one
+round trip (a Lua script binary-searches the chain server-side); a record is at most one,
+shipped after the pick by a background task. All keys share one hash tag so every script runs
+on one Redis Cluster slot. Key layout: docs/redis.md; memory per block:
+docs/benchmarks/redis-index.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Background health checks and vLLM metric scraping, one task per endpoint.
 
-It polls with aiohttp: measured against a simulated replica's ``/metrics`` page, a scrape costs
-~0.2 ms of the event loop's CPU against ~0.9 ms with httpx, and eight endpoints are scraped
-eighty times a second on the loop that relays every stream.
+It polls with aiohttp, the cheaper client per scrape on the event loop that relays every stream
+(docs/benchmarks/gateway-cost.md); eight endpoints are scraped eighty times a second.
 
 Scrapes parse only the handful of vLLM series a router needs, line by line, instead of the
 whole exposition: a real vLLM ``/metrics`` page carries hundreds of histogram lines, and a full

@@ -5,9 +5,9 @@ Tokenizers cut text at their special (added) tokens before anything else: Huggin
 and the simulator's tokenizer does the same. A prompt's ids are then the concatenation of its
 pieces' ids. Chat templates wrap every message in special tokens, and an agent's context grows
 turn by turn while its earlier messages stay byte for byte the same, so remembering each piece
-makes a turn cost what it added rather than the whole context again: on the simulator's
-pure-Python tokenizer, a 26K-token conversation's next turn drops from about 14 ms to about 1.
-:func:`probe_equivalence` guards the assumption for tokenizers it may not hold for.
+makes a turn cost what it added rather than the whole context again
+(docs/benchmarks/precise.md). :func:`probe_equivalence` guards the assumption for tokenizers it
+may not hold for.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Built-in strategies: the default, the llm-d-style weighted profile, and baselines.
 
 ``default`` prices every endpoint in one common unit, the predicted time to first token
-(scorers/ttft_cost.py); README, "Routing quality", measures it against the weighted profile,
-the baselines and the peer routers at two load levels and two KV capacities. ``weighted`` is
-llm-d's weighted sum of [0, 1] scores, for users who want that model or to tune weights
-themselves. ``precise`` is the default reading the replicas' KV events instead of guessing what
-they hold; ``precise-weighted`` is the weighted profile reading them.
+(scorers/ttft_cost.py); docs/benchmarks/routing-quality.md measures it against the weighted
+profile, the baselines and the peer routers at two load levels and two KV capacities.
+``weighted`` is llm-d's weighted sum of [0, 1] scores, for users who want that model or to tune
+weights themselves. ``precise`` is the default reading the replicas' KV events instead of
+guessing what they hold; ``precise-weighted`` is the weighted profile reading them.
 
 Each is plain config (plugins + one profile), exactly what a user could write in YAML, so a
 baseline is never a special code path.

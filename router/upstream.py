@@ -2,10 +2,10 @@
 
 Its own small client on ``asyncio.Protocol`` and httptools (``router.upstream_connection``)
 rather than a general one, because this path runs once per request and once per streamed
-token: measured on loopback (``benchmarks.overhead``, ``benchmarks.relay_cost``), httpx cost the
-gateway ~0.8 ms of CPU per round trip, aiohttp ~0.2 ms and a stream reader per chunk, which a
-burst of sub-agent requests pays in series on the one event loop. httpx stays for the monitor and
-everything off the hot path.
+token, and a burst of sub-agent requests pays it in series on the one event loop: measured with
+``benchmarks.overhead`` and ``benchmarks.relay_cost``, it costs the gateway less CPU than httpx
+or aiohttp (docs/benchmarks/gateway-cost.md). httpx stays for the monitor and everything off the
+hot path.
 
 Connections are pooled per endpoint, most recently used first, and a pooled connection idle for
 ``keepalive_seconds`` is not used again: servers close idle ones on their own clock (uvicorn,

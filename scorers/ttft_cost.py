@@ -1,38 +1,10 @@
 """TTFT-cost scorer: every endpoint priced in one common unit, the predicted time to first token.
 
-    predicted TTFT(e) = overhead(e)
-                        + per_queued_token(e) * prefill queued on e
-                        + per_queued_request(e) * requests queued on e
-                        + per_running(e) * requests running on e
-                        + per_token(e) * (w(e) * this request's uncached tokens on e
-                            + the cached context they would evict on e
-                            + a KV-admission penalty when e's cache cannot take the request
-                            - a small bonus for the endpoint that served the session last)
-                        + for a session's first request, per_queued_token(e) * the session's
-                            expected later requests * the queue e kept over the last seconds
-
-The prefill queued on an endpoint is what the gateway itself sent there that has not produced a
-first byte yet (``pending_prefill_tokens``, or its average over the last seconds when that is
-higher), plus, for requests waiting in the replica that the gateway did not send, a prior per
-request. ``w(e)`` grows with the number of requests queued on e: a recompute there delays them
-too. The prices come from the :class:`~router.calibration.Calibrator`, learned online from
-the fleet's first bytes: on vLLM a queued token costs what an own one does, a queued request
-little beyond its tokens, and a running request about 40 tokens' worth; where prefills run
-side by side, queues cost next to nothing and running requests more; where each prefill pays
-a fixed cost of its own, so does each request queued ahead.
-
-The last term is the placement's cost over the session's life: the first request decides where
-the later ones queue, so a new session goes where the queue it will meet is short, unless
-recomputing its shared prefix (a system prompt, tools) there costs more than that queue over
-the session. Without it, every new session of an agent type went to the replicas that
-already held the type's system prompt until their instantaneous queue outgrew one recompute,
-which piled sessions onto a few replicas and left others idle.
-
 Unlike min-max scaled scores, magnitudes survive: a 50,000-token miss costs a thousand times a
 50-token miss, so a session stays where its context lives until the queue there costs more than
-recomputing the context elsewhere ("sticky until saturated"), and new sessions and sub-agent
-bursts spread by cost. The score is ``cheapest cost / cost``: 1 for the best endpoint, and the
-ratio keeps its meaning when mixed with other weighted scorers.
+recomputing it elsewhere, and new sessions and sub-agent bursts spread by cost. The score is
+``cheapest cost / cost``, so it keeps its meaning when mixed with other weighted scorers. The
+terms of the cost and why each is there: docs/routing.md.
 """
 
 from __future__ import annotations

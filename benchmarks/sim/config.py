@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Defaults follow vLLM's own (block size, seqs, batched tokens) and the 8B-on-H100 latency
-# profile from llm-d-inference-sim (REFERENCE.md section 2).
+# Defaults follow vLLM's own (block size, seqs, batched tokens) and llm-d-inference-sim's
+# 8B-on-H100 latency profile.
 DEFAULT_MODEL = "sim-model"
 
 

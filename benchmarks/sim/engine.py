@@ -1,39 +1,11 @@
 """Step-based batching engine of one simulated replica.
 
-Each step (as in vLLM's scheduler with chunked prefill):
-
-1. every running request that is decoding gets one token (allocating a KV block when it
-   crosses a block boundary; when none can be had, the most recently admitted running request
-   is preempted: its blocks are freed and it goes back to the head of the waiting queue, to be
-   recomputed later);
-2. the remaining ``max_num_batched_tokens`` budget goes to prefill chunks of running
-   requests still prefilling, in admission order;
-3. waiting requests are admitted FIFO while a slot is free, budget is left and the KV cache
-   can hold their prompt (after prefix hits; free and evictable blocks count), and their first
-   chunk is scheduled in the same step.
-
-A step lasts ``itl_ms * load_factor`` if anything decodes, plus ``prefill_ms_per_token`` per
-prefill token, plus ``prefill_overhead_ms`` per request whose prefill starts in it. As in vLLM v1
-(``allocate_slots`` caches up to ``num_computed + num_new_tokens``), the full blocks a step will
-compute become findable when it is scheduled: a request admitted later in the same step, or in
-any step after, hits them (each layer writes the batch's KV before its attention reads it). The
-step's other effects (tokens out) and its KV events land at its end, as vLLM publishes them after
-the forward pass.
-
-Clock (``clock.SimClock``): simulated seconds run ``speed`` times faster than the wall clock;
-all reported times (TTFT, ITL, queue time, e2e) are simulated seconds, i.e. what a real GPU
-would show. An idle engine waits on an event and restarts its clock at the arrival that woke
-it, so wake-up latency (multiplied by ``speed``) stays out of the simulated latencies.
-
-With ``prefill_mode="independent"`` (llm-d-inference-sim's model, for checking a router against
-that simulator's world) a prefill does not run in the steps: on admission the request holds its
-slot for ``(prefill_overhead_ms + prefill_ms_per_token * uncached) * load_factor``, however many
-others prefill at once, and its blocks are findable at once.
-
-A request with ``kv_transfer_params.do_remote_prefill`` pulls its uncached prompt KV from a
-prefill server instead of computing it: it holds a slot while the transfer runs outside the
-steps (``kv_transfer_ms_per_token`` per token, no prefill overhead), then computes its last
-prompt token and decodes like any other request.
+Steps as in vLLM's scheduler with chunked prefill (decode tokens first, then prefill chunks,
+then FIFO admission), because routing quality depends on how prefills queue behind one another
+and slow every co-batched stream. A step's full blocks are findable from the moment it is
+scheduled, as in vLLM v1; its tokens and KV events land at its end. All reported times are
+simulated seconds. The step, the clock, the independent-prefill mode and remote prefill:
+docs/simulator.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""KV-cache events published the way vLLM publishes them (REFERENCE.md section 1).
+"""KV-cache events published the way vLLM publishes them (its ZMQ publisher and replay socket).
 
 A ZMQ PUB socket bound on the replica's events port sends one message per engine step that
 changed the cache: frames ``[topic, seq, payload]`` where ``topic`` is ``kv@<host:port>@<model>``,

@@ -1,40 +1,10 @@
-"""A deterministic stand-in tokenizer and chat template for the simulator.
+"""A deterministic stand-in tokenizer and chat template (ChatML) for the simulator.
 
-Nothing is downloaded and nothing depends on Python's salted ``hash()``, so two processes
-(the simulator and a gateway test, say) always agree on token ids.
-
-Chat template (ChatML, as Qwen models use)::
-
-    <|im_start|>system\\n{canonical JSON of tools}<|im_end|>\\n      (only if tools are given)
-    <|im_start|>{role}\\n{content}<|im_end|>\\n                       (each message)
-    <|im_start|>assistant\\n                                        (generation prompt)
-
-Content may be a string or a list of parts: text parts are concatenated, ``image_url`` parts
-become one placeholder special token ``<|image:{16 hex of xxh64(url)}|>``.
-
-Encoding:
-
-1. special tokens (``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``, image placeholders)
-   are split out first and get fixed ids;
-2. the text between them is pre-tokenised by one regex into words with their optional single
-   leading space, digit runs, punctuation runs and whitespace runs (GPT-2 style: a newline
-   never merges with the following word);
-3. pieces longer than four characters are cut into pieces of at most four characters, which
-   gives roughly one token per four characters of English;
-4. the pieces of the generation vocabulary (below) have fixed ids from 140000 up; any other
-   piece's id is ``xxh64(piece) % 140000``. Collisions between two such pieces are harmless
-   for a simulator (two different texts could share a cache block, at a rate of about one
-   piece pair in 140K; decoding such an id gives the piece seen first).
-
-Decoding uses the generation vocabulary plus every piece this tokenizer instance has encoded
-(a bounded memo), so ``decode(encode(text)) == text`` for text seen by the same instance and
-for all generated text in any process.
-
-Generated text is drawn from a vocabulary of short words that are each exactly one
-pre-token (``"the"`` for the first token of a chat reply, ``" the"`` afterwards, and a
-single punctuation mark never followed by another), so ``encode(decode(ids)) == ids`` and a
-reply embedded in the next turn's template tokenizes to exactly the generated ids at that
-position: full blocks of generated tokens hit the prefix cache on the next turn, as in vLLM.
+Nothing is downloaded and nothing depends on Python's salted ``hash()``, so two processes (the
+simulator and a gateway test, say) always agree on token ids. Special tokens are split out
+first, as real tokenizers do, and generated text is drawn from one-pre-token words, so a reply
+embedded in the next turn's template tokenizes to exactly the generated ids and its full blocks
+hit the prefix cache, as in vLLM. The encoding rules: docs/simulator.md.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def test_peer_binaries_are_found_in_peer_dirs_or_by_env(
 ) -> None:
     monkeypatch.delenv("PREFIXGATE_SMG", raising=False)
     monkeypatch.setenv("PREFIXGATE_PEERS_DIR", str(tmp_path / "env-dir"))
-    # Peers installed where the README says (~/.cache/prefixgate-peers) must not leak in.
+    # Peers installed where docs/benchmarks says (~/.cache/prefixgate-peers) must not leak in.
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     dirs = peer_dirs([tmp_path / "flag-dir"])
     cache = tmp_path / "home" / ".cache" / "prefixgate-peers"

@@ -265,7 +265,7 @@ async def test_purge_and_clears_leave_no_garbage(redis_url: str, redis_namespace
 
 
 async def test_bytes_per_entry(redis_url: str, redis_namespace: str) -> None:
-    """The README's memory figures (run with -s to see them)."""
+    """The memory figures in docs/benchmarks/redis-index.md (run with -s to see them)."""
     n, step = 20_000, 500
     chain = toks(n * BS)
     p = key_tag(redis_namespace) + ":p"

@@ -7,7 +7,7 @@ new requests go (not to the dead replica once it is out, which must be within on
 interval; to it again once it is back).
 
 ``FAULT_TEST_SECONDS=N`` runs the full versions: N seconds of load before, during and after
-each fault, with 32 clients instead of 8 (figures in the README come from N=30).
+each fault, with 32 clients instead of 8 (docs/benchmarks/reliability.md has N=30's figures).
 """
 
 from __future__ import annotations
