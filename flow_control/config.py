@@ -55,6 +55,9 @@ class ObjectiveConfig(Strict):
     priority: int = 0
     # None: the section's defaultRequestTTL.
     ttl_seconds: float | None = Field(None, gt=0)
+    # Time-to-first-token target of the objective's requests (x-llm-d-slo-ttft-ms overrides
+    # it per request). A sheddable request whose best predicted TTFT misses it is rejected.
+    ttft_slo_ms: float | None = Field(None, gt=0)
 
 
 class SessionBoostConfig(Strict):

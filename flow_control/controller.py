@@ -39,7 +39,7 @@ from flow_control.saturation import (
     default_staleness,
 )
 from router.endpoints import EndpointSnapshot
-from router.errors import NoEndpointsError, SaturatedError, TTLExpiredError
+from router.errors import NoEndpointsError, SaturatedError, SLORejectedError, TTLExpiredError
 from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefixgate.flow_control")
@@ -212,6 +212,14 @@ class FlowController:
             self.dispatch()
         except Exception:
             log.exception("flow control dispatch failed")
+
+    def ttft_slo_ms(self, objective: str | None) -> float | None:
+        """The objective's configured time-to-first-token target, if any."""
+        return self._resolver.objectives.ttft_slo_ms(objective)
+
+    def reject_slo(self, message: str) -> SLORejectedError:
+        self._metrics.rejections.labels("slo").inc()
+        return SLORejectedError(message, retry_after=self.config.retry_after_seconds)
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
         if self.limits is not None:

@@ -39,6 +39,7 @@ class Objective:
     name: str | None
     priority: int
     ttl_seconds: float
+    ttft_slo_ms: float | None = None
 
 
 class ObjectiveResolver:
@@ -48,7 +49,9 @@ class ObjectiveResolver:
         self._default_ttl = config.default_request_ttl
         self._default = Objective(None, 0, config.default_request_ttl)
         self._objectives = {
-            o.name: Objective(o.name, o.priority, o.ttl_seconds or config.default_request_ttl)
+            o.name: Objective(
+                o.name, o.priority, o.ttl_seconds or config.default_request_ttl, o.ttft_slo_ms
+            )
             for o in config.objectives
         }
 
@@ -57,6 +60,10 @@ class ObjectiveResolver:
         if name is None:
             return self._default
         return self._objectives.get(name, self._default)
+
+    def ttft_slo_ms(self, objective: str | None) -> float | None:
+        found = self._objectives.get(objective) if objective is not None else None
+        return found.ttft_slo_ms if found is not None else None
 
     def ttl(self, objective: str | None) -> float:
         if objective is None:

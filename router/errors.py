@@ -146,6 +146,12 @@ class TTLExpiredError(SaturatedError):
     dropped_reason = "rejected-ttl-expired"
 
 
+class SLORejectedError(SaturatedError):
+    """A sheddable request whose best predicted time to first token misses its target."""
+
+    dropped_reason = "rejected-slo"
+
+
 class ShuttingDownError(GatewayError):
     """The gateway is draining for shutdown and gave up on the request (503)."""
 

@@ -20,7 +20,7 @@ from router.answer_cache import AnswerCache
 from router.calibration import Calibrator
 from router.config import GatewayConfig
 from router.endpoints import EndpointPool, EndpointSnapshot, Lease
-from router.errors import ModelNotFoundError, NoEndpointsError
+from router.errors import BadRequestError, ModelNotFoundError, NoEndpointsError
 from router.hashing import block_hashes, estimate_tokens
 from router.headers import EXPLAIN_HEADER
 from router.metrics import GatewayMetrics
@@ -29,6 +29,7 @@ from router.response_store import ResponseRoutes
 from router.scheduling import RoutingRequest, Scheduler, SchedulingProfile
 
 SESSION_HEADER = "x-session-id"
+SLO_HEADER = "x-llm-d-slo-ttft-ms"
 # At DEBUG, one line per routing decision: every endpoint's scores and cost terms, the pick.
 decision_log = logging.getLogger("prefixgate.decision")
 
@@ -93,9 +94,11 @@ class Router:
         flow_request = self._flow.build_request(
             headers, routing.model, size=size, session_id=routing.session_id
         )
+        slo_ms = _slo_ms(headers) or self._flow.ttft_slo_ms(flow_request.objective)
         ticket = await self._flow.admit(flow_request)
         routing.fairness_id = flow_request.fairness_id
         routing.priority = flow_request.priority
+        routing.ttft_slo_s = slo_ms / 1000 if slo_ms is not None else None
         return ticket
 
     async def rank(
@@ -122,6 +125,8 @@ class Router:
         candidates = self._eligible(routing.model, allowed)
         if not candidates:
             raise NoEndpointsError(f"no healthy endpoint serves model {routing.model!r}")
+        if routing.ttft_slo_s is not None and routing.priority < 0:
+            self._check_slo(routing, routing.ttft_slo_s, candidates)
         decision = (profile or self._scheduler.profile).run(routing, candidates)
         if not decision.ranked:
             raise NoEndpointsError(f"no endpoint is eligible for model {routing.model!r}")
@@ -131,6 +136,30 @@ class Router:
                 "request %s: %s", routing.request_id, orjson.dumps(routing.explanation).decode()
             )
         return decision.ranked
+
+    def _check_slo(
+        self, routing: RoutingRequest, slo_s: float, candidates: list[EndpointSnapshot]
+    ) -> None:
+        """A sheddable request that no endpoint is predicted to answer in time is rejected
+        now, while a retry elsewhere (or later) can still help its caller, instead of being
+        answered late and taking capacity from requests that can still make their targets."""
+        best = min(self.predicted_ttft(routing, c) for c in candidates)
+        if best > slo_s:
+            raise self._flow.reject_slo(
+                f"predicted time to first token {best * 1000:.0f} ms exceeds the request's "
+                f"target of {slo_s * 1000:.0f} ms"
+            )
+
+    def predicted_ttft(self, routing: RoutingRequest, endpoint: EndpointSnapshot) -> float:
+        """Seconds to first byte on ``endpoint``, as the calibrator prices the request's own
+        prefill behind what is queued and running there."""
+        return self._calibrator.predict(
+            endpoint.id,
+            self.uncached_tokens(routing, endpoint.id),
+            endpoint.pending_prefill_tokens,
+            max(float(endpoint.in_flight), endpoint.running),
+            endpoint.pending_prefill_requests,
+        )
 
     async def _pinned(
         self,
@@ -204,6 +233,19 @@ class Router:
             ratio = routing.prefix_hits.get(endpoint_id, 0) / len(routing.block_hashes)
             self._metrics.prefix_match_ratio.observe(ratio)
         self._scheduler.picked(routing, endpoint_id)
+
+
+def _slo_ms(headers: Mapping[str, str]) -> float | None:
+    raw = headers.get(SLO_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise BadRequestError(f"{SLO_HEADER} must be a positive number of milliseconds")
+    return value
 
 
 def _presume_prefilled(lease: Lease, flow: FlowController) -> None:

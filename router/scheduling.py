@@ -57,6 +57,8 @@ class RoutingRequest:
     # it, which will queue wherever this one goes (router/session_lengths.py). 0 for a request
     # that carries no session or whose session has been placed already.
     later_requests: float = 0.0
+    # Time-to-first-token target (x-llm-d-slo-ttft-ms, or the objective's), in seconds.
+    ttft_slo_s: float | None = None
     # Filled by the ranking when ``explain`` is set:
     explanation: dict[str, Any] | None = None
 
