@@ -14,6 +14,7 @@ requests a second. TTFT is client-side: request sent to first body byte of the s
 gateway answers once the replica produced its first token).
 
     python -m benchmarks.fairness [--seconds 15] [--replicas 4] [--max-num-seqs 4]
+        [--mode tenants|priority] [--detector concurrency|utilization]
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ HOST = "127.0.0.1"
 MODEL = "sim-model"
 FAIRNESS = "x-gateway-inference-fairness-id"
 DROPPED = "x-gateway-request-dropped-reason"
+OBJECTIVE = "x-gateway-inference-objective"
+OBJECTIVES_CONFIG = {"name": "interactive", "priority": 10}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,9 @@ class Settings:
     ttl: float
     strategy: str
     seed: int
+    # "priority": B is interactive (priority 10), A batch (0); "tenants": both priority 0.
+    mode: str = "tenants"
+    detector: str = "concurrency"
 
 
 @dataclass(slots=True)
@@ -125,11 +131,16 @@ def process(args: list[str], ready_url: str, log: Path) -> Iterator[None]:
 def gateway_config(s: Settings, sim_urls: list[str], port: int, flow: bool) -> dict[str, Any]:
     flow_control: dict[str, Any] = {"enabled": False}
     if flow:
-        # One request per engine slot: what vLLM would only queue is held here, in fair order.
+        # utilization: one request per engine slot, what vLLM would only queue is held here.
+        # concurrency: the default detector, its limits learned.
+        detector: dict[str, Any] = {"type": s.detector}
+        if s.detector == "utilization":
+            detector["inFlightThreshold"] = s.max_num_seqs
         flow_control = {
-            "saturationDetector": {"inFlightThreshold": s.max_num_seqs},
+            "saturationDetector": detector,
             "maxRequests": s.max_queued,
             "defaultRequestTTL": s.ttl,
+            "objectives": [OBJECTIVES_CONFIG],
         }
     return {
         "server": {"host": HOST, "port": port, "accessLog": False},
@@ -146,7 +157,9 @@ def gateway_config(s: Settings, sim_urls: list[str], port: int, flow: bool) -> d
 REQUEST_LIMIT_SECONDS = 60.0
 
 
-async def send(port: int, tenant: str, prompt: str, max_tokens: int) -> Outcome:
+async def send(
+    port: int, tenant: str, prompt: str, max_tokens: int, headers: str = ""
+) -> Outcome:
     """One streamed completion on its own connection; TTFT is the first body byte.
 
     A bare HTTP/1.1 exchange on asyncio streams rather than an HTTP client library: under a
@@ -159,7 +172,7 @@ async def send(port: int, tenant: str, prompt: str, max_tokens: int) -> Outcome:
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        f"{FAIRNESS}: {tenant}\r\nConnection: close\r\n\r\n"
+        f"{FAIRNESS}: {tenant}\r\n{headers}Connection: close\r\n\r\n"
     )
     started = time.perf_counter()
     writer: asyncio.StreamWriter | None = None
@@ -167,7 +180,7 @@ async def send(port: int, tenant: str, prompt: str, max_tokens: int) -> Outcome:
         async with asyncio.timeout(REQUEST_LIMIT_SECONDS):
             reader, writer = await asyncio.open_connection(HOST, port)
             writer.write(head.encode() + body)
-            status, headers = parse_head(await reader.readuntil(b"\r\n\r\n"))
+            status, answer_headers = parse_head(await reader.readuntil(b"\r\n\r\n"))
             first = await reader.read(1)
             ttft = time.perf_counter() - started if first else None
             while await reader.read(65536):
@@ -180,7 +193,7 @@ async def send(port: int, tenant: str, prompt: str, max_tokens: int) -> Outcome:
         if writer is not None:
             writer.close()
     if status != 200:
-        return Outcome(tenant, status, None, headers.get(DROPPED))
+        return Outcome(tenant, status, None, answer_headers.get(DROPPED))
     return Outcome(tenant, 200, ttft)
 
 
@@ -224,7 +237,8 @@ async def tenant_b(port: int, s: Settings) -> list[Outcome]:
     while at < s.seconds:
         await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
         prompt = words(rng, s.b_tokens)
-        tasks.append(asyncio.create_task(send(port, "B", prompt, answer(rng, s))))
+        headers = f"{OBJECTIVE}: interactive\r\n" if s.mode == "priority" else ""
+        tasks.append(asyncio.create_task(send(port, "B", prompt, answer(rng, s), headers)))
         at += rng.expovariate(s.b_rate)  # Poisson arrivals
     return list(await asyncio.gather(*tasks))
 
@@ -309,11 +323,16 @@ def settings(argv: list[str] | None) -> Settings:
     add("--ttl", type=float, default=5.0, help="flowControl.defaultRequestTTL (on)")
     add("--strategy", default="default", help="the gateways' routing strategy")
     add("--seed", type=int, default=0)
+    add("--mode", choices=["tenants", "priority"], default="tenants",
+        help="priority: B's requests carry the objective 'interactive' (priority 10)")
+    add("--detector", choices=["concurrency", "utilization"], default="concurrency",
+        help="flowControl.saturationDetector.type of the gateway with flow control")
     a = parser.parse_args(argv)
     return Settings(
         a.seconds, a.replicas, a.max_num_seqs, a.speed, a.burst, a.burst_every, a.b_rate,
         a.a_tokens, a.b_tokens, a.max_tokens, a.max_queued, a.ttl, a.strategy, a.seed,
-    )
+        a.mode, a.detector,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
