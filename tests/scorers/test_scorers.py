@@ -87,3 +87,31 @@ def test_session_hash_is_stable_and_spreads() -> None:
             fewer = scorer.score(req(session_id=f"s{s}"), endpoints[:3])
             assert fewer.index(1.0) == full.index(1.0)
     assert scorer.score(req(), endpoints) == [0.0] * 4
+
+
+def test_session_hash_bounds_the_load_a_home_endpoint_takes() -> None:
+    """Sessions whose home is over (1 + epsilon) x the average in-flight load go to the next
+    endpoint in their hash order; once loads even out they come home again."""
+    scorer = SessionHashScorer(epsilon=0.25)
+    idle = [snap(f"e{i}") for i in range(4)]
+    request = req(session_id="s1")
+    home = scorer.score(request, idle).index(1.0)
+    busy = [snap(f"e{i}", in_flight=10 if i == home else 0) for i in range(4)]
+    spill = scorer.score(request, busy).index(1.0)
+    assert spill != home, "10 in flight against an average of 2.75 is over the bound"
+    even = [snap(f"e{i}", in_flight=3) for i in range(4)]
+    assert scorer.score(request, even).index(1.0) == home
+
+
+def test_session_hash_with_bounded_loads_spreads_few_sessions_evenly() -> None:
+    """Each session's requests add load where they land: 8 live sessions on 8 endpoints end
+    up at most 2 per endpoint, where plain hashing piles several on one."""
+    endpoints = [f"e{i}" for i in range(8)]
+    load = dict.fromkeys(endpoints, 0)
+    scorer = SessionHashScorer(epsilon=0.25)
+    for s in range(8):
+        scores = scorer.score(
+            req(session_id=f"sess-{s}"), [snap(e, in_flight=load[e]) for e in endpoints]
+        )
+        load[endpoints[scores.index(1.0)]] += 1
+    assert max(load.values()) <= 2
