@@ -11,6 +11,7 @@ from typing import Any
 from router.config import GatewayConfig, load_config, parse_config
 from router.endpoints import endpoint_id_from_url
 from router.errors import ConfigError
+from router.logs import make_formatter
 
 
 def _serve_config(args: argparse.Namespace) -> GatewayConfig:
@@ -146,10 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=str(getattr(args, "log_level", "info")).upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    # The gateway's text formatter, so that an access line carries its fields wherever the
+    # gateway runs in-process (``demo``); ``serve`` installs its own handlers over this.
+    handler = logging.StreamHandler()
+    handler.setFormatter(make_formatter("text"))
+    logging.basicConfig(level=str(getattr(args, "log_level", "info")).upper(), handlers=[handler])
     # httpx logs every request at INFO: far too much for a proxy's log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
