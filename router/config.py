@@ -5,6 +5,7 @@ names the offending key (``pool.endpoints[0].url: ...``).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +27,8 @@ from router.errors import ConfigError
 from router.hashing import DEFAULT_BLOCK_BYTES
 from router.precise_config import PrecisePrefixConfig
 from router.redis_link import check_url
+
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")
 
 
 class Strict(BaseModel):
@@ -113,6 +116,18 @@ class PrefixIndexConfig(Strict):
 class SessionAffinityConfig(Strict):
     ttl_seconds: float = Field(600.0, gt=0)
     max_sessions: int = Field(100_000, ge=1)
+    # Session headers read after x-session-id and before the coding agents' own
+    # (router/agent_identity.py); agentHeaders: false reads only x-session-id and these.
+    headers: list[str] = Field(default_factory=list, max_length=16)
+    agent_headers: bool = True
+
+    @field_validator("headers")
+    @classmethod
+    def _header_names(cls, value: list[str]) -> list[str]:
+        bad = [h for h in value if not _HEADER_NAME.fullmatch(h)]
+        if bad:
+            raise ValueError(f"not an HTTP header name: {', '.join(map(repr, bad))}")
+        return [h.lower() for h in value]
 
 
 class ResponsesConfig(Strict):
