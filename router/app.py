@@ -123,6 +123,8 @@ def _build_scheduler(
     if precise is not None:
         producers.append(precise.tracker)
         observers.append(precise.tracker)
+    # Scorers that learn from the pick (no-hit-lru-scorer), after the stores have recorded it.
+    observers += [ws.scorer for ws in profile.scorers if isinstance(ws.scorer, PickObserver)]
     return Scheduler(profile, producers=producers, observers=observers), prefill_profile
 
 

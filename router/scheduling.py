@@ -136,6 +136,7 @@ class Producer(Protocol):
         ...
 
 
+@runtime_checkable
 class PickObserver(Protocol):
     """Learns from a pick right after it is made (index and affinity updates).
 
