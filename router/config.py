@@ -25,6 +25,8 @@ from flow_control.config import FlowControlConfig
 from router.endpoints import endpoint_id_from_url
 from router.errors import ConfigError
 from router.hashing import DEFAULT_BLOCK_BYTES
+from router.llmd_config import is_llmd
+from router.llmd_config import translate as translate_llmd
 from router.precise_config import PrecisePrefixConfig
 from router.redis_link import check_url
 
@@ -275,6 +277,14 @@ class DisaggregationConfig(Strict):
     prefill_timeout_seconds: float | None = Field(None, gt=0)
 
 
+class CompatibilityConfig(Strict):
+    """Written by the llm-d translation (router/llmd_config.py), not by hand: where the config
+    came from, and what it said that prefixgate accepted but ignored (logged at start-up)."""
+
+    source: str
+    ignored: list[str] = Field(default_factory=list)
+
+
 class GatewayConfig(Strict):
     api_version: str = "prefixgate.dev/v1alpha1"
     kind: Literal["EndpointPickerConfig", "GatewayConfig"] = "EndpointPickerConfig"
@@ -295,6 +305,7 @@ class GatewayConfig(Strict):
     plugins: list[PluginConfig] | None = None
     scheduling_profiles: list[ProfileConfig] | None = None
     seed: int | None = None
+    compatibility: CompatibilityConfig | None = None
 
     @model_validator(mode="after")
     def _profiles(self) -> GatewayConfig:
@@ -336,6 +347,8 @@ def parse_config(data: Any) -> GatewayConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError("config: the top level must be a mapping")
+    if is_llmd(data):
+        data = translate_llmd(data)
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as exc:
