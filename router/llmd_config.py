@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from router.errors import ConfigError
-from router.llmd_params import Notes, Params, duration_seconds, quantity
-from router.llmd_plugins import LATE, PD_TYPES, State, apply
+from router.llmd_params import Notes, Params, State, duration_seconds, quantity
+from router.llmd_plugins import LATE, PD_TYPES, apply
 
 LLMD_API_VERSIONS = frozenset({"llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1"})
 _LLMD_KEYS = frozenset({

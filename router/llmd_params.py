@@ -9,7 +9,7 @@ the list at start-up (router/llmd_config.py).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -109,3 +109,34 @@ class Params:
         if self._raw:
             key = sorted(self._raw)[0]
             raise ConfigError(f"{self.at(key)}: unknown parameter of {self.type}")
+
+
+@dataclass(slots=True)
+class State:
+    """What the rules build: native plugins by name, config sections, and the cross-plugin
+    facts (profile handler, deciders, producers, fairness policies, saturation detectors)."""
+
+    notes: Notes
+    types: dict[str, str] = field(default_factory=dict)  # every plugin name -> llm-d type
+    native: dict[str, dict[str, Any]] = field(default_factory=dict)  # filters, scorers, pickers
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    handler: str | None = None
+    handler_params: dict[str, Any] = field(default_factory=dict)
+    deciders: dict[str, int] = field(default_factory=dict)  # name -> nonCachedTokens
+    producers: dict[str, str] = field(default_factory=dict)  # name -> llm-d type
+    fairness: dict[str, dict[str, Any]] = field(default_factory=dict)
+    detectors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    orderings: set[str] = field(default_factory=set)
+
+    def section(self, *path: str) -> dict[str, Any]:
+        node = self.sections.setdefault(path[0], {})
+        for key in path[1:]:
+            node = node.setdefault(key, {})
+        return node
+
+    def add(self, name: str, native_type: str, parameters: dict[str, Any] | None = None) -> None:
+        self.native[name] = {"type": native_type, "name": name, "parameters": parameters or {}}
+
+
+# A rule builds what one llm-d plugin becomes: (state, the plugin's name, its parameters).
+Rule = Callable[[State, str, Params], None]

@@ -16,44 +16,12 @@ unknown key fails and a known but meaningless one is logged once.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from router.errors import ConfigError
 from router.hashing import BYTES_PER_TOKEN
-from router.llmd_params import Notes, Params, duration_seconds
+from router.llmd_flow import FLOW_RULES
+from router.llmd_params import Params, Rule, State, duration_seconds
 from router.llmd_refused import REFUSED
-
-
-@dataclass(slots=True)
-class State:
-    """What the rules build: native plugins by name, config sections, and the cross-plugin
-    facts (profile handler, deciders, producers, fairness policies, saturation detectors)."""
-
-    notes: Notes
-    types: dict[str, str] = field(default_factory=dict)  # every plugin name -> llm-d type
-    native: dict[str, dict[str, Any]] = field(default_factory=dict)  # filters, scorers, pickers
-    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
-    handler: str | None = None
-    handler_params: dict[str, Any] = field(default_factory=dict)
-    deciders: dict[str, int] = field(default_factory=dict)  # name -> nonCachedTokens
-    producers: dict[str, str] = field(default_factory=dict)  # name -> llm-d type
-    fairness: dict[str, dict[str, Any]] = field(default_factory=dict)
-    detectors: dict[str, dict[str, Any]] = field(default_factory=dict)
-    orderings: set[str] = field(default_factory=set)
-
-    def section(self, *path: str) -> dict[str, Any]:
-        node = self.sections.setdefault(path[0], {})
-        for key in path[1:]:
-            node = node.setdefault(key, {})
-        return node
-
-    def add(self, name: str, native_type: str, parameters: dict[str, Any] | None = None) -> None:
-        self.native[name] = {"type": native_type, "name": name, "parameters": parameters or {}}
-
-
-Rule = Callable[[State, str, Params], None]
 
 
 def _same(native_type: str) -> Rule:
@@ -284,90 +252,6 @@ def _always_decider(state: State, name: str, p: Params) -> None:
     state.deciders[name] = -1  # always: prefill runs on the prefill pool for every request
 
 
-# -- flow control ---------------------------------------------------------------------------
-
-
-def _program_aware(state: State, name: str, p: Params) -> None:
-    strategy = p.get("strategy", str, "las")
-    if strategy != "las":
-        raise ConfigError(f"{p.at('strategy')}: only 'las' (least attained service) exists here")
-    params = {
-        "serviceWeight": p.get("lasWeightService", float, 0.8),
-        "headWaitWeight": p.get("lasWeightHeadWait", float, 0.2),
-        "halfLifeSeconds": p.get("lasHalfLifeSeconds", float, 60.0),
-    }
-    p.ignore("idle programs are forgotten by count (programAware.maxPrograms), not by age",
-             "evictionTtlSeconds", "evictionSweepSeconds")
-    p.done()
-    state.fairness[name] = {"fairnessPolicy": "program-aware", "programAware": params}
-
-
-def _fairness(policy: str) -> Rule:
-    def rule(state: State, name: str, p: Params) -> None:
-        p.done()
-        state.fairness[name] = {"fairnessPolicy": policy}
-
-    return rule
-
-
-def _fcfs_ordering(state: State, name: str, p: Params) -> None:
-    p.done()
-    state.orderings.add(name)
-
-
-def _utilization_detector(state: State, name: str, p: Params) -> None:
-    detector: dict[str, Any] = {}
-    if p.has("queueDepthThreshold"):
-        detector["queueDepthThreshold"] = p.get("queueDepthThreshold", int, 5)
-    if p.has("kvCacheUtilThreshold"):
-        detector["kvCacheUtilThreshold"] = p.get("kvCacheUtilThreshold", float, 0.8)
-    if p.has("metricsStalenessThreshold"):
-        raw = p.get("metricsStalenessThreshold", str, "")
-        detector["metricsStalenessThreshold"] = duration_seconds(
-            raw, p.at("metricsStalenessThreshold")
-        )
-    p.ignore("routing does not filter endpoints on the detector's limits", "headroom")
-    p.done()
-    state.detectors[name] = detector
-
-
-def _concurrency_detector(state: State, name: str, p: Params) -> None:
-    detector: dict[str, Any] = {}
-    mode = p.get("concurrencyMode", str, "requests")
-    if mode != "requests":
-        raise ConfigError(f"{p.at('concurrencyMode')}: only 'requests' is supported "
-                          "(the gateway counts requests in flight, not tokens)")
-    if p.has("maxConcurrency"):
-        detector["inFlightThreshold"] = p.get("maxConcurrency", int, 256)
-    p.ignore("routing does not filter endpoints on the detector's limits", "headroom")
-    p.ignore("the gateway counts requests in flight, not tokens",
-             "maxTokenConcurrency", "inFlightLoadProducerName")
-    p.done()
-    state.detectors[name] = detector
-
-
-def _agent_identity(state: State, name: str, p: Params) -> None:
-    headers = p.get("additionalSessionHeaders", list, [])
-    if not all(isinstance(h, str) for h in headers):
-        raise ConfigError(f"{p.at('additionalSessionHeaders')}: a list of header names")
-    p.done()
-    state.section("sessionAffinity")["headers"] = headers
-
-
-def _metrics_source(state: State, name: str, p: Params) -> None:
-    if p.has("interval"):
-        interval = p.get("interval", str, "")
-        scrape = state.section("pool", "metricsScrape")
-        scrape["intervalSeconds"] = duration_seconds(interval, p.at("interval"))
-    path = p.get("path", str, "/metrics")
-    if path != "/metrics":
-        raise ConfigError(f"{p.at('path')}: metrics are read from /metrics only")
-    p.ignore("metrics are read over the endpoint's own URL (pool.endpoints[].url)",
-             "scheme", "port", "insecureSkipVerify", "caCertPath", "clientCertPath",
-             "clientKeyPath")
-    p.done()
-
-
 PD_TYPES = ("prefix-based-pd-decider", "always-disagg-pd-decider")
 # Rules by llm-d type. Scorers that name a producer run after every other plugin.
 RULES: dict[str, Rule] = {
@@ -398,14 +282,6 @@ RULES: dict[str, Rule] = {
     "disagg-profile-handler": _disagg_handler,
     "prefix-based-pd-decider": _prefix_decider,
     "always-disagg-pd-decider": _always_decider,
-    "program-aware-fairness": _program_aware,
-    "round-robin-fairness-policy": _fairness("round-robin"),
-    "global-strict-fairness-policy": _fairness("fcfs"),
-    "fcfs-ordering-policy": _fcfs_ordering,
-    "utilization-detector": _utilization_detector,
-    "concurrency-detector": _concurrency_detector,
-    "agent-identity": _agent_identity,
-    "metrics-data-source": _metrics_source,
     "core-metrics-extractor": _noop("vLLM's metric names are built in"),
     "endpoint-notification-source": _noop("endpoints come from pool.endpoints, --backend or "
                                           "discovery, and precise routing follows them"),
@@ -417,6 +293,7 @@ RULES: dict[str, Rule] = {
     "anthropic-parser": _noop("Anthropic Messages is always served"),
     "vllmhttp-parser": _noop("vLLM's OpenAI-compatible API is always served"),
     "passthrough-parser": _noop("a body that is not parsed is refused with a 400"),
+    **FLOW_RULES,
 }
 LATE = frozenset({"prefix-cache-scorer", "no-hit-lru-scorer"})
 
