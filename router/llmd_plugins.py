@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from router.errors import ConfigError
-from router.hashing import BYTES_PER_TOKEN
+from router.hashing import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
 from router.llmd_flow import FLOW_RULES
 from router.llmd_params import Params, Rule, State, duration_seconds
 from router.llmd_refused import REFUSED
@@ -107,7 +107,7 @@ def _approx_producer(state: State, name: str, p: Params) -> None:
     index = state.section("prefixIndex")
     if tokens > 0:
         index["blockBytes"] = max(16, round(tokens * BYTES_PER_TOKEN))
-    block_tokens = index.get("blockBytes", 256) / BYTES_PER_TOKEN
+    block_tokens = index.get("blockBytes", DEFAULT_BLOCK_BYTES) / BYTES_PER_TOKEN
     max_tokens = p.get("maxPrefixTokensToMatch", int, 0)
     max_blocks = p.get("maxPrefixBlocksToMatch", int, 0)
     if max_tokens > 0:

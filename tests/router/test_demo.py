@@ -11,6 +11,7 @@ from router.cli import main
 from router.logs import ACCESS_LOGGER, AccessLog
 
 
+@pytest.mark.slow
 def test_smoke_prints_the_table_and_commands_without_log_lines(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
