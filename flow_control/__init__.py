@@ -9,11 +9,18 @@ from flow_control.config import (
     FlowControlConfig,
     ObjectiveConfig,
     PriorityBandConfig,
+    ProgramAwareConfig,
     SaturationDetectorConfig,
     SessionBoostConfig,
 )
 from flow_control.controller import FlowController
-from flow_control.policies import FairnessPolicy, FCFSPolicy, RoundRobinPolicy, make_policy
+from flow_control.policies import (
+    FairnessPolicy,
+    FCFSPolicy,
+    ProgramAwarePolicy,
+    RoundRobinPolicy,
+    make_policy,
+)
 from flow_control.request import DEFAULT_FLOW, FlowRequest, Ticket
 from flow_control.resolve import (
     FAIRNESS_HEADERS,
@@ -44,6 +51,8 @@ __all__ = [
     "ObjectiveConfig",
     "ObjectiveResolver",
     "PriorityBandConfig",
+    "ProgramAwareConfig",
+    "ProgramAwarePolicy",
     "RoundRobinPolicy",
     "SaturationDetector",
     "SaturationDetectorConfig",

@@ -25,7 +25,7 @@ class Strict(BaseModel):
         extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
     )
 
-FairnessPolicyName = Literal["round-robin", "fcfs"]
+FairnessPolicyName = Literal["round-robin", "fcfs", "program-aware"]
 
 MiB = 1024 * 1024
 _UTILIZATION_KEYS = {"queue_depth_threshold", "kv_cache_util_threshold", "in_flight_threshold"}
@@ -35,6 +35,22 @@ def _snake(key: str) -> str:
     return "".join(f"_{c.lower()}" if c.isupper() else c for c in key)
 
 
+class ProgramAwareConfig(Strict):
+    """``program-aware``: least attained service first (flow_control/policies.py).
+
+    A flow's score is ``serviceWeight * (1 - its decayed service, range-normalised over the
+    flows waiting)`` plus ``headWaitWeight * (its head request's wait, range-normalised)``;
+    the highest goes next. Defaults are llm-d's ``program-aware-fairness``.
+    """
+
+    service_weight: float = Field(0.8, ge=0)
+    head_wait_weight: float = Field(0.2, ge=0)
+    # Attained service halves every this many seconds; 0 never forgets.
+    half_life_seconds: float = Field(60.0, ge=0)
+    # Programs (fairness ids) remembered; the least recently served are forgotten first.
+    max_programs: int = Field(10_000, ge=1)
+
+
 class BandConfig(Strict):
     """Limits and fairness policy of one priority band."""
 
@@ -42,6 +58,7 @@ class BandConfig(Strict):
     # Queued requests hold their bodies; agent prompts are ~1 MB each.
     max_bytes: int = Field(256 * MiB, ge=1)
     fairness_policy: FairnessPolicyName = "round-robin"
+    program_aware: ProgramAwareConfig = ProgramAwareConfig()
 
 
 class PriorityBandConfig(BandConfig):

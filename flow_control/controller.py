@@ -113,7 +113,7 @@ class FlowController:
             name=name,
             priority=priority,
             limits=limits,
-            policy=make_policy(limits.fairness_policy),
+            policy=make_policy(limits.fairness_policy, limits.program_aware, self._clock),
             gauge_requests=m.queue_requests.labels(name),
             gauge_bytes=m.queue_bytes.labels(name),
             wait=m.queue_wait.labels(name),

@@ -28,8 +28,10 @@ def header_value(headers: Mapping[str, str], names: Sequence[str]) -> str | None
     return None
 
 
-def fairness_id(headers: Mapping[str, str], default: str = DEFAULT_FLOW) -> str:
-    return header_value(headers, FAIRNESS_HEADERS) or default
+def fairness_id(headers: Mapping[str, str], default: str | None = None) -> str:
+    """The request's fairness header, else ``default`` (an agent's session id), else the
+    shared default flow."""
+    return header_value(headers, FAIRNESS_HEADERS) or default or DEFAULT_FLOW
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,13 +154,15 @@ class RequestResolver:
         size: int = 0,
         session_id: str | None = None,
         arrival: float | None = None,
+        default_fairness: str | None = None,
     ) -> FlowRequest:
+        """``default_fairness``: the fairness id when the headers name none."""
         objective = self.objectives.resolve(headers)
         if session_id is None:
             session_id = header_value(headers, (SESSION_HEADER,))
         return FlowRequest(
             model=model,
-            fairness_id=fairness_id(headers),
+            fairness_id=fairness_id(headers, default_fairness),
             priority=self.boost.apply(objective.priority, session_id),
             objective=objective.name,
             session_id=session_id,

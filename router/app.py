@@ -5,6 +5,7 @@ ASGI lifespan (HTTP clients, background tasks, index connections). No module-lev
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import AsyncIterator
@@ -46,6 +47,7 @@ from router.strategies import Strategy, strategy
 from router.upstream import UpstreamClient
 
 JSON = "application/json"
+log = logging.getLogger("prefixgate.app")
 
 
 @dataclass(slots=True)
@@ -123,10 +125,22 @@ def _build_scheduler(
     if precise is not None:
         producers.append(precise.tracker)
         observers.append(precise.tracker)
+    # Scorers that learn from the pick (no-hit-lru-scorer), after the stores have recorded it.
+    observers += [ws.scorer for ws in profile.scorers if isinstance(ws.scorer, PickObserver)]
     return Scheduler(profile, producers=producers, observers=observers), prefill_profile
 
 
+def _log_compatibility(config: GatewayConfig) -> None:
+    """Once per gateway: what an llm-d config said that changes nothing here."""
+    compat = config.compatibility
+    if compat is None:
+        return
+    for line in compat.ignored:
+        log.warning("%s config: accepted but ignored: %s", compat.source, line)
+
+
 def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None) -> Gateway:
+    _log_compatibility(config)
     registry = registry or default_registry()
     pool = _build_pool(config)
     metrics = GatewayMetrics(pool)

@@ -6,21 +6,24 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from router.config import GatewayConfig, load_config, parse_config
+from router.endpoints import endpoint_id_from_url
 from router.errors import ConfigError
+from router.logs import make_formatter
 
 
 def _serve_config(args: argparse.Namespace) -> GatewayConfig:
-    if args.config and args.backend:
-        raise ConfigError("give --config or --backend, not both")
     if args.config:
         config = load_config(args.config)
     elif args.backend:
-        config = parse_config({"pool": {"endpoints": [{"url": u} for u in args.backend]}})
+        config = parse_config({})
     else:
         raise ConfigError("serve needs --config FILE or at least one --backend URL")
     data = config.model_dump(by_alias=True, exclude_unset=True)
+    if args.backend:
+        _add_backends(data, args.backend)
     server = data.setdefault("server", {})
     if args.host is not None:
         server["host"] = args.host
@@ -31,6 +34,21 @@ def _serve_config(args: argparse.Namespace) -> GatewayConfig:
         data.pop("schedulingProfiles", None)
         data["strategy"] = args.strategy
     return parse_config(data)
+
+
+def _add_backends(data: dict[str, Any], backends: Sequence[str]) -> None:
+    """``--backend`` URLs join the config's pool (a config from llm-d names none: its
+    endpoints come from an InferencePool); one the pool already lists is not added twice."""
+    endpoints = data.setdefault("pool", {}).setdefault("endpoints", [])
+    known = {endpoint_id_from_url(e["url"]) for e in endpoints}
+    for url in backends:
+        try:
+            endpoint_id = endpoint_id_from_url(url)
+        except ValueError as exc:
+            raise ConfigError(f"--backend: {exc}") from exc
+        if endpoint_id not in known:
+            known.add(endpoint_id)
+            endpoints.append({"url": url})
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -129,10 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=str(getattr(args, "log_level", "info")).upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    # The gateway's text formatter, so that an access line carries its fields wherever the
+    # gateway runs in-process (``demo``); ``serve`` installs its own handlers over this.
+    handler = logging.StreamHandler()
+    handler.setFormatter(make_formatter("text"))
+    logging.basicConfig(level=str(getattr(args, "log_level", "info")).upper(), handlers=[handler])
     # httpx logs every request at INFO: far too much for a proxy's log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:

@@ -5,6 +5,7 @@ names the offending key (``pool.endpoints[0].url: ...``).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,8 +25,12 @@ from flow_control.config import FlowControlConfig
 from router.endpoints import endpoint_id_from_url
 from router.errors import ConfigError
 from router.hashing import DEFAULT_BLOCK_BYTES
+from router.llmd_config import is_llmd
+from router.llmd_config import translate as translate_llmd
 from router.precise_config import PrecisePrefixConfig
 from router.redis_link import check_url
+
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")
 
 
 class Strict(BaseModel):
@@ -113,6 +118,18 @@ class PrefixIndexConfig(Strict):
 class SessionAffinityConfig(Strict):
     ttl_seconds: float = Field(600.0, gt=0)
     max_sessions: int = Field(100_000, ge=1)
+    # Session headers read after x-session-id and before the coding agents' own
+    # (router/agent_identity.py); agentHeaders: false reads only x-session-id and these.
+    headers: list[str] = Field(default_factory=list, max_length=16)
+    agent_headers: bool = True
+
+    @field_validator("headers")
+    @classmethod
+    def _header_names(cls, value: list[str]) -> list[str]:
+        bad = [h for h in value if not _HEADER_NAME.fullmatch(h)]
+        if bad:
+            raise ValueError(f"not an HTTP header name: {', '.join(map(repr, bad))}")
+        return [h.lower() for h in value]
 
 
 class ResponsesConfig(Strict):
@@ -260,6 +277,14 @@ class DisaggregationConfig(Strict):
     prefill_timeout_seconds: float | None = Field(None, gt=0)
 
 
+class CompatibilityConfig(Strict):
+    """Written by the llm-d translation (router/llmd_config.py), not by hand: where the config
+    came from, and what it said that prefixgate accepted but ignored (logged at start-up)."""
+
+    source: str
+    ignored: list[str] = Field(default_factory=list)
+
+
 class GatewayConfig(Strict):
     api_version: str = "prefixgate.dev/v1alpha1"
     kind: Literal["EndpointPickerConfig", "GatewayConfig"] = "EndpointPickerConfig"
@@ -280,6 +305,7 @@ class GatewayConfig(Strict):
     plugins: list[PluginConfig] | None = None
     scheduling_profiles: list[ProfileConfig] | None = None
     seed: int | None = None
+    compatibility: CompatibilityConfig | None = None
 
     @model_validator(mode="after")
     def _profiles(self) -> GatewayConfig:
@@ -321,6 +347,8 @@ def parse_config(data: Any) -> GatewayConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError("config: the top level must be a mapping")
+    if is_llmd(data):
+        data = translate_llmd(data)
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as exc:

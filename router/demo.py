@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import signal
 import sys
 
@@ -19,9 +20,7 @@ from benchmarks.workloads import multi_session_chat
 from router.config import parse_config
 from router.server import running_gateway
 
-_EXAMPLE = """\
-prefixgate is routing on {url} over {n} simulated vLLM replicas ({model!r}).
-
+_COMMANDS = """\
   curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\
     -H 'x-session-id: demo-1' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hello"}}]}}'
@@ -29,10 +28,18 @@ prefixgate is routing on {url} over {n} simulated vLLM replicas ({model!r}).
   python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='none'); \\
 print(c.chat.completions.create(model='{model}', \\
 messages=[{{'role': 'user', 'content': 'hello'}}]).choices[0].message.content)"
+"""
+_EXAMPLE = """\
+prefixgate is routing on {url} over {n} simulated vLLM replicas ({model!r}).
 
+{commands}
 Metrics: {url}/metrics   Replicas: {replicas}
 Press Ctrl-C to stop.
 """
+_AFTER_SMOKE = """
+Run `prefixgate demo{port}` to keep the gateway up, then try:
+
+{commands}"""
 
 
 def _sim_config(smoke: bool) -> SimConfig:
@@ -42,20 +49,31 @@ def _sim_config(smoke: bool) -> SimConfig:
 
 async def _demo(args: argparse.Namespace) -> int:
     sim = _sim_config(args.smoke)
+    if args.smoke:
+        # Its output is the table and the commands; health transitions are not news here.
+        logging.getLogger().setLevel(logging.WARNING)
     async with start_replicas(args.replicas, sim) as replicas:
         urls = [r.url for r in replicas]
         config = parse_config(
             {
-                "server": {"port": 0 if args.smoke else args.port},
+                # The smoke run prints a table: one access line per request would bury it.
+                "server": {"port": 0 if args.smoke else args.port, "accessLog": not args.smoke},
                 "pool": {"endpoints": [{"url": u} for u in urls]},
                 "strategy": args.strategy,
             }
         )
         async with running_gateway(config) as gw:
             if args.smoke:
-                return await _smoke(gw.url, urls, sim.model)
+                code = await _smoke(gw.url, urls, sim.model)
+                port = "" if args.port == 8000 else f" --port {args.port}"
+                url = f"http://127.0.0.1:{args.port}"
+                commands = _COMMANDS.format(url=url, model=sim.model)
+                print(_AFTER_SMOKE.format(port=port, commands=commands), flush=True)
+                return code
+            commands = _COMMANDS.format(url=gw.url, model=sim.model)
             example = _EXAMPLE.format(
-                url=gw.url, n=len(urls), model=sim.model, replicas=" ".join(urls)
+                url=gw.url, n=len(urls), model=sim.model, replicas=" ".join(urls),
+                commands=commands,
             )
             print(example, flush=True)
             await _wait_for_signal()

@@ -22,6 +22,8 @@ from router.pickers import MaxScorePicker, RandomPicker, RoundRobinPicker
 from router.scheduling import Filter, Picker, SchedulingProfile, Scorer, WeightedScorer
 from scorers.inflight import InFlightScorer
 from scorers.kv_cache_utilization import KVCacheUtilizationScorer
+from scorers.load_aware import LoadAwareParameters, LoadAwareScorer
+from scorers.no_hit_lru import NoHitLRUParameters, NoHitLRUScorer
 from scorers.precise_prefix_cache import PrecisePrefixCacheScorer, PreciseScores
 from scorers.prefix_cache import PrefixCacheScorer
 from scorers.queue import QueueScorer
@@ -107,6 +109,14 @@ def _precise(raw: Mapping[str, Any], context: PluginContext) -> object:
     return PrecisePrefixCacheScorer(context.precise)
 
 
+def _load_aware(raw: Mapping[str, Any], context: PluginContext) -> object:
+    return LoadAwareScorer(parameters(LoadAwareParameters, raw))
+
+
+def _no_hit_lru(raw: Mapping[str, Any], context: PluginContext) -> object:
+    return NoHitLRUScorer(parameters(NoHitLRUParameters, raw))
+
+
 def default_registry() -> PluginRegistry:
     registry = PluginRegistry()
     registry.register("prefix-cache-scorer", _simple(PrefixCacheScorer))
@@ -117,6 +127,8 @@ def default_registry() -> PluginRegistry:
     registry.register("session-hash-scorer", _simple(SessionHashScorer))
     registry.register("ttft-cost-scorer", _ttft_cost)
     registry.register("precise-prefix-cache-scorer", _precise)
+    registry.register("load-aware-scorer", _load_aware)
+    registry.register("no-hit-lru-scorer", _no_hit_lru)
     registry.register("max-score-picker", _seeded(MaxScorePicker))
     registry.register("random-picker", _seeded(RandomPicker))
     registry.register("round-robin-picker", _simple(RoundRobinPicker))

@@ -16,6 +16,7 @@ import orjson
 
 from flow_control.controller import FlowController
 from flow_control.request import Ticket
+from router.agent_identity import AgentIdentity
 from router.answer_cache import AnswerCache
 from router.calibration import Calibrator
 from router.config import GatewayConfig
@@ -28,7 +29,6 @@ from router.parsing import ParsedRequest
 from router.response_store import ResponseRoutes
 from router.scheduling import RoutingRequest, Scheduler, SchedulingProfile
 
-SESSION_HEADER = "x-session-id"
 SLO_HEADER = "x-llm-d-slo-ttft-ms"
 # At DEBUG, one line per routing decision: every endpoint's scores and cost terms, the pick.
 decision_log = logging.getLogger("prefixgate.decision")
@@ -58,6 +58,8 @@ class Router:
         self.responses = responses
         self._calibrator = calibrator or Calibrator()
         self._answers = answers or AnswerCache()
+        affinity = config.session_affinity
+        self._identity = AgentIdentity(affinity.headers, affinity.agent_headers)
 
     def routing_request(
         self, parsed: ParsedRequest, headers: Mapping[str, str], request_id: str
@@ -68,12 +70,14 @@ class Router:
         index = self._config.prefix_index
         data = parsed.rendered.encode("utf-8", "surrogatepass")
         to_client = self._config.server.explain_header and headers.get(EXPLAIN_HEADER) == "1"
+        identity = self._identity.identify(headers, parsed.session_hint)
         return RoutingRequest(
             request_id=request_id,
             model=parsed.model,
             api=parsed.api,
             stream=parsed.stream,
-            session_id=headers.get(SESSION_HEADER) or parsed.session_hint or None,
+            session_id=identity.session,
+            agent_id=identity.agent,
             previous_response_id=parsed.previous_response_id,
             explain=to_client or decision_log.isEnabledFor(logging.DEBUG),
             explain_to_client=to_client,
@@ -92,7 +96,8 @@ class Router:
     ) -> Ticket:
         """Wait for flow control to let the request through (or raise why it was shed)."""
         flow_request = self._flow.build_request(
-            headers, routing.model, size=size, session_id=routing.session_id
+            headers, routing.model, size=size, session_id=routing.session_id,
+            default_fairness=routing.agent_id,
         )
         slo_ms = _slo_ms(headers) or self._flow.ttft_slo_ms(flow_request.objective)
         ticket = await self._flow.admit(flow_request)

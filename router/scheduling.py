@@ -28,6 +28,8 @@ class RoutingRequest:
     api: str = "chat"
     stream: bool = False
     session_id: str | None = None
+    # The session id a coding agent sent in its own header (router/agent_identity.py).
+    agent_id: str | None = None
     fairness_id: str = "default"
     priority: int = 0
     prompt_bytes: int = 0
@@ -136,6 +138,7 @@ class Producer(Protocol):
         ...
 
 
+@runtime_checkable
 class PickObserver(Protocol):
     """Learns from a pick right after it is made (index and affinity updates).
 

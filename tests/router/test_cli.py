@@ -1,0 +1,50 @@
+"""The ``prefixgate`` command line: how ``serve`` turns its flags into a config."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from router.cli import _serve_config, build_parser
+from router.errors import ConfigError
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_backend_supplies_the_pool_of_a_config_without_one(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text("strategy: weighted\nserver: {port: 9100}\n")
+    config = _serve_config(_args("--config", str(path), "--backend", "http://127.0.0.1:8001"))
+    assert [e.url for e in config.pool.endpoints] == ["http://127.0.0.1:8001"]
+    assert config.strategy == "weighted" and config.server.port == 9100
+
+
+def test_backend_adds_to_the_configured_pool_once(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(
+        "pool:\n  endpoints:\n  - {url: 'http://127.0.0.1:8001', role: prefill}\n"
+    )
+    config = _serve_config(
+        _args(
+            "--config", str(path),
+            "--backend", "http://127.0.0.1:8001/",
+            "--backend", "http://127.0.0.1:8002",
+        )
+    )
+    assert [(e.url, e.role) for e in config.pool.endpoints] == [
+        ("http://127.0.0.1:8001", "prefill"),
+        ("http://127.0.0.1:8002", "both"),
+    ]
+
+
+def test_backend_alone_and_a_bad_backend() -> None:
+    config = _serve_config(_args("--backend", "http://127.0.0.1:8001"))
+    assert [e.url for e in config.pool.endpoints] == ["http://127.0.0.1:8001"]
+    with pytest.raises(ConfigError, match="--backend"):
+        _serve_config(_args("--backend", "ftp://nowhere"))
+    with pytest.raises(ConfigError, match="--config FILE or at least one --backend"):
+        _serve_config(_args())
