@@ -28,6 +28,7 @@ from router.metrics import GatewayMetrics
 from router.parsing import ParsedRequest
 from router.response_store import ResponseRoutes
 from router.scheduling import RoutingRequest, Scheduler, SchedulingProfile
+from router.ttft_errors import PredictionErrors
 
 SLO_HEADER = "x-llm-d-slo-ttft-ms"
 # At DEBUG, one line per routing decision: every endpoint's scores and cost terms, the pick.
@@ -58,6 +59,7 @@ class Router:
         self.responses = responses
         self._calibrator = calibrator or Calibrator()
         self._answers = answers or AnswerCache()
+        self._errors = PredictionErrors()
         affinity = config.session_affinity
         self._identity = AgentIdentity(affinity.headers, affinity.agent_headers)
 
@@ -147,8 +149,13 @@ class Router:
     ) -> None:
         """A sheddable request that no endpoint is predicted to answer in time is rejected
         now, while a retry elsewhere (or later) can still help its caller, instead of being
-        answered late and taking capacity from requests that can still make their targets."""
-        best = min(self.predicted_ttft(routing, c) for c in candidates)
+        answered late and taking capacity from requests that can still make their targets.
+        The prediction is discounted by how optimistic recent ones proved (PredictionErrors),
+        so only a request that will most likely miss is rejected; none before that is known."""
+        optimistic = self._errors.optimistic_ratio()
+        if optimistic is None:
+            return
+        best = optimistic * min(self.predicted_ttft(routing, c) for c in candidates)
         if best > slo_s:
             raise self._flow.reject_slo(
                 f"predicted time to first token {best * 1000:.0f} ms exceeds the request's "
@@ -206,8 +213,12 @@ class Router:
             requests = float(state.pending_prefill_requests)
         calibrator, flow = self._calibrator, self._flow
 
+        errors = self._errors
+
         def first_byte(seconds: float) -> None:
             if routing.stream:  # a non-streaming first byte is the answer's last
+                predicted = calibrator.predict(endpoint_id, uncached, queued, running, requests)
+                errors.record(predicted, seconds)
                 idle = calibrator.predict(endpoint_id, uncached)
                 calibrator.observe(endpoint_id, uncached, seconds, queued, running, requests)
                 flow.observe(endpoint_id, seconds / idle if idle > 0 else math.inf, int(requests))

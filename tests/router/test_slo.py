@@ -11,6 +11,7 @@ from benchmarks.sim.config import SimConfig
 from router.config import parse_config
 from router.errors import DROPPED_REASON_HEADER
 from router.server import running_gateway
+from router.ttft_errors import MIN_SAMPLES, PredictionErrors
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,13 @@ async def test_sheddable_requests_that_would_miss_their_ttft_target_are_rejected
             async def post(headers: dict[str, str]) -> httpx.Response:
                 return await http.post(url, json=body, headers=headers)
 
-            # The predicted TTFT (the calibrator's prior for 200 words) is far above 1 us.
+            # Until the gateway has seen how its predictions fare, nothing is rejected on one.
+            early = await post({OBJECTIVE: "batch", SLO: "0.001"})
+            assert early.status_code == 200
+            for _ in range(MIN_SAMPLES):
+                streamed = await http.post(url, json={**body, "stream": True})
+                assert streamed.status_code == 200
+            # The predicted TTFT for 200 words, even discounted, is far above 1 us.
             shed = await post({OBJECTIVE: "batch", SLO: "0.001"})
             assert shed.status_code == 429
             assert shed.headers[DROPPED_REASON_HEADER] == "rejected-slo"
@@ -58,3 +65,18 @@ async def test_sheddable_requests_that_would_miss_their_ttft_target_are_rejected
             rejected = {"reason": "slo"}
             assert registry.get_sample_value("prefixgate_flow_rejections_total", rejected) == 2
             assert gw.gateway.flow.outstanding("sim-model") == 0, "rejected tickets released"
+
+
+def test_prediction_errors_give_the_low_quantile_once_enough_are_known() -> None:
+    errors = PredictionErrors(window=100, quantile=0.1)
+    for _ in range(MIN_SAMPLES - 1):
+        errors.record(2.0, 1.0)
+    assert errors.optimistic_ratio() is None
+    errors.record(2.0, 1.0)
+    assert errors.optimistic_ratio() == 0.5
+    for i in range(100):
+        errors.record(1.0, 1.0 + i / 100)  # the window forgets the old ratios
+    assert errors.optimistic_ratio() == pytest.approx(1.09)
+    errors.record(0.0, 1.0)  # a zero prediction is no evidence
+    errors.record(1.0, float("nan"))
+    assert errors.optimistic_ratio() == pytest.approx(1.09)
