@@ -25,6 +25,10 @@ all reported times (TTFT, ITL, queue time, e2e) are simulated seconds, i.e. what
 would show. An idle engine waits on an event and restarts its clock at the arrival that woke
 it, so wake-up latency (multiplied by ``speed``) stays out of the simulated latencies.
 
+With ``prefill_mode="serial"`` the steps run as above, but a waiting request is admitted only
+when no running request is still prefilling: one prompt prefills at a time (next to the
+decodes), as an engine that does not batch prefills.
+
 With ``prefill_mode="independent"`` (llm-d-inference-sim's model, for checking a router against
 that simulator's world) a prefill does not run in the steps: on admission the request holds its
 slot for ``(prefill_overhead_ms + prefill_ms_per_token * uncached) * load_factor``, however many
@@ -240,6 +244,8 @@ class Engine:
                 self._plan_prefill(plan, req, budget)
                 budget -= plan.prefills[-1][1]
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if self._serial_busy():
+                break
             req = self.waiting[0]
             if not self._admit(req):
                 break
@@ -252,6 +258,10 @@ class Engine:
                 plan.next_ready = min(plan.next_ready or req.ready_at, req.ready_at)
         plan.duration_s = self._duration_ms(plan) / 1000.0
         return plan
+
+    def _serial_busy(self) -> bool:
+        """In serial mode, whether a running request is still prefilling (the next waits)."""
+        return self.config.prefill_mode == "serial" and any(r.prefilling for r in self.running)
 
     def _plan_prefill(self, plan: _Plan, req: SimRequest, budget: int) -> None:
         chunk = min(len(req.all_tokens) - req.num_computed, budget)
