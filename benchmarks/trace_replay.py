@@ -7,6 +7,11 @@ words (drawn from the id alone), so two prompts share exactly the leading blocks
 share; the last block is cut in proportion to the row's partial last block. Lengths shrink by
 ``block_tokens / 512`` and arrival times are multiplied by ``time_scale``, so a window of a
 production hour fits a short simulated run with the same sharing structure.
+
+A conversation's turns lie minutes apart in such a trace, so a short run of consecutive rows
+shares little. ``keep`` thins a longer stretch instead: a row is kept when its conversation (its
+second block id, the first being a prompt every row shares) hashes into one of ``keep``
+buckets, so kept conversations keep all their turns.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class TraceParams:
     requests: int = 40  # rows in the window
     block_tokens: int = 32  # tokens standing for one 512-token block
     time_scale: float = 1.0  # simulated seconds per trace second
+    keep: int = 1  # keep one conversation in ``keep`` (all of their rows)
     max_output: int = 128
     seed: int = 0
 
@@ -76,22 +82,43 @@ def _prompt(row: TraceRow, block_tokens: int) -> str:
     return "".join(" " + w for w in parts)
 
 
+def _kept(row: TraceRow, position: int, keep: int) -> bool:
+    key = row.hash_ids[1] if len(row.hash_ids) > 1 else position
+    return (key * 2654435761) % 2**32 % keep == 0
+
+
+def window(rows: Sequence[TraceRow], start: int, requests: int, keep: int = 1) -> list[int]:
+    """Positions of the first ``requests`` kept rows from ``start`` on (the start moved back
+    when the trace ends first, as far as it goes)."""
+    if keep == 1:
+        first = max(0, min(start, len(rows) - requests))
+        return list(range(first, min(first + requests, len(rows))))
+    out: list[int] = []
+    for first in [*range(min(start, len(rows) - 1), 0, -requests * keep), 0]:
+        out = [i for i in range(first, len(rows)) if _kept(rows[i], i, keep)][:requests]
+        if len(out) >= requests:
+            break
+    return out
+
+
 def trace_workload(rows: Sequence[TraceRow], params: TraceParams | None = None) -> Workload:
-    """The window ``[start, start + requests)`` of ``rows`` (moved back to fit) as an open-loop
-    workload: one single-turn conversation per row, started at its scaled timestamp."""
+    """Rows from ``start`` on (see ``window``) as an open-loop workload: one single-turn
+    conversation per row, started at its scaled timestamp."""
     p = params or TraceParams()
-    if p.requests < 1 or p.block_tokens < 1 or p.time_scale <= 0:
-        raise ValueError("trace replay: requests and block_tokens >= 1, time_scale > 0")
-    n = min(p.requests, len(rows))
-    start = max(0, min(p.start, len(rows) - n))
-    window = rows[start : start + n]
-    t0 = window[0].timestamp_ms
+    if p.requests < 1 or p.block_tokens < 1 or p.time_scale <= 0 or p.keep < 1:
+        raise ValueError("trace replay: requests, block_tokens, keep >= 1, time_scale > 0")
+    picked = window(rows, p.start, p.requests, p.keep)
+    if not picked:
+        raise ValueError("trace replay: no rows in the window")
+    start = picked[0]
+    window_rows = [rows[i] for i in picked]
+    t0 = window_rows[0].timestamp_ms
     scale = p.block_tokens / TRACE_BLOCK_TOKENS
     convs, arrivals = [], []
-    for i, row in enumerate(window):
+    for i, row in zip(picked, window_rows, strict=True):
         out = max(1, min(p.max_output, round(row.output_length * scale)))
         step = Step(_prompt(row, p.block_tokens), out)
-        convs.append(Conversation(f"trace-{start + i}", "", (step,)))
+        convs.append(Conversation(f"trace-{i}", "", (step,)))
         arrivals.append(max(row.timestamp_ms - t0, 0.0) / 1000.0 * p.time_scale)
     return Workload("trace", tuple(convs), len(convs), None, False, p.seed,
                     {**asdict(p), "start": start}, tuple(arrivals))

@@ -10,7 +10,8 @@ A router tuned on one simulator and one workload can lose on the next, so ``pref
   block size 16/32/64, tokenizer density 2.5-10 bytes a token, some replicas slower than others;
 - the workload: agentic sessions with sub-agent fan-out 1-50, multi-turn chat, shared-prefix
   questions, or a window of a Mooncake-style trace; load from light to overload (closed-loop
-  concurrency, or an open-loop rate / trace time scale set for a target utilisation); think
+  concurrency, or an open-loop rate / trace time scale set for a target utilisation; a trace
+  window thinned to one conversation in 1-100, so it spans seconds to tens of minutes); think
   times; answer lengths.
 
 Drawing is pure (``draw_worlds``); ``build_world`` turns a world into the workload and the
@@ -35,6 +36,7 @@ SEQS_RANGE = (8, 256)
 BPT_RANGE = (2.5, 10.0)  # bytes a token
 SLOW_RANGE = (1.5, 4.0)  # a slow replica's latencies, x the others'
 FANOUT_RANGE = (1, 50)
+TRACE_KEEP_RANGE = (1, 100)  # a trace window keeps one conversation in this many
 LOAD_RANGE = (0.2, 1.6)  # open loop: offered prefill work / fleet capacity
 WORKLOAD_WEIGHTS = {"agentic": 4, "chat": 2, "shared-prefix": 2, "trace": 3}
 # Bytes a token of the workloads' text under the client's tokenizer (one-token words of three
@@ -121,7 +123,8 @@ def _shared_prefix(rng: random.Random) -> dict[str, Any]:
 
 def _trace(rng: random.Random, trace_rows: int) -> dict[str, Any]:
     return dict(start=rng.randrange(max(1, trace_rows)), block_tokens=rng.choice((16, 32, 64)),
-                max_output=round(_log_uniform(rng, 16, 256)))
+                max_output=round(_log_uniform(rng, 16, 256)),
+                keep=round(_log_uniform(rng, *TRACE_KEEP_RANGE)))
 
 
 def draw_world(rng: random.Random, index: int, max_replicas: int, trace_rows: int) -> World:

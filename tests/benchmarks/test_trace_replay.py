@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.sim.tokenizer import Tokenizer
-from benchmarks.trace_replay import TraceParams, load_trace, trace_workload
+from benchmarks.trace_replay import TraceParams, TraceRow, load_trace, trace_workload, window
 
 ROWS = [
     {"timestamp": 1000, "input_length": 1300, "output_length": 512, "hash_ids": [0, 1, 2]},
@@ -61,3 +61,14 @@ def test_bad_rows_name_their_line(tmp_path: Path) -> None:
     path.write_text(json.dumps(ROWS[0]) + "\n" + '{"timestamp": 1}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         load_trace(path)
+
+
+def test_keep_thins_whole_conversations(tmp_path: Path) -> None:
+    rows = [TraceRow(i * 100.0, 1024, 8, (0, 1000 + i % 7, 5000 + i)) for i in range(700)]
+    picked = window(rows, 0, 50, keep=3)
+    assert len(picked) == 50
+    kept = {rows[i].hash_ids[1] for i in picked}
+    assert 1 <= len(kept) < 7  # some conversations, each with every one of its rows
+    assert [i for i in range(picked[-1] + 1) if rows[i].hash_ids[1] in kept] == picked
+    # Near the end, the start moves back until enough rows are found.
+    assert len(window(rows, 690, 50, keep=3)) == 50
