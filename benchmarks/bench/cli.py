@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "target in each; --workload, --preset and the replica flags are then drawn")
     add("--sweep-seed", type=int, default=0, help="seed of the sweep's worlds")
     add("--sweep-scale", type=float, default=1.0,
-        help="size of each world's run (1: about 8 s wall per target; 0.3: a quick check)")
+        help="size of each world's run (1: about 5 s wall per target run, plus its "
+             "start-up; 0.3: a quick check)")
     add("--trace", type=Path,
         help="Mooncake-style JSONL trace; with --sweep, some worlds replay windows of it")
     add("--list", action="store_true", help="list strategies, peers and workload parameters")

@@ -41,7 +41,7 @@ from benchmarks.trace_replay import TraceRow, load_trace
 SWEEP_STRATEGIES = ["round-robin", "session-hash", "prefix-only", "weighted", "default",
                     "default-nofc"]
 SWEEP_PEERS = ["smg-cache_aware", "vllm-router-cache_aware"]
-DEADLINE_FLOOR_S = 60.0
+DEADLINE_FLOOR_S = 20.0
 
 
 @dataclass
@@ -70,7 +70,7 @@ def world_settings(template: BenchSettings, built: BuiltWorld) -> BenchSettings:
         speed=built.speed, num_gpu_blocks=built.num_gpu_blocks, block_size=w.block_size,
         max_num_seqs=w.max_num_seqs, sim_args=[*template.sim_args, *built.sim_args],
         replica_sim_args=replica_latency_args(w), plots=False,
-        deadline_s=max(DEADLINE_FLOOR_S, 6 * built.est_sim_s / built.speed),
+        deadline_s=max(DEADLINE_FLOOR_S, 4 * built.est_sim_s / built.speed),
         kv_events_offset=None, kv_replay_offset=None,
     )  # fmt: skip
 

@@ -22,7 +22,7 @@ from benchmarks.sim.config import SimConfig
 from benchmarks.trace_replay import TraceParams, TraceRow, trace_workload
 from benchmarks.workloads import Conversation, Step, Workload, build_workload
 
-WALL_TARGET_S = 8.0  # one target's run, at --sweep-scale 1
+WALL_TARGET_S = 5.0  # one target's run, at --sweep-scale 1
 MAX_SPEED = 10.0
 MIN_SPEED = 1.0
 REQUESTS_PER_WALL_S = 15.0

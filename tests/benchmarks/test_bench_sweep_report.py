@@ -13,6 +13,7 @@ from benchmarks.bench.sweep_report import (
     reuse_gaps,
     summary_table,
     target_stats,
+    ttft,
     world_table,
 )
 
@@ -64,3 +65,14 @@ def test_tables_name_targets_ratios_and_failures() -> None:
     stats = target_stats([(4, results)], ["x", "y"])
     table = summary_table(stats, reuse_gaps([(4, results)], ["x", "y"]))
     assert any(r.startswith("| y | p90 | 1 | 0 | 0 |") and "1.50 (4)" in r for r in table)
+
+
+def test_unanswered_requests_count_as_waiting_the_whole_run() -> None:
+    cut = result("cut", 1.0)
+    cut.ttft_samples, cut.incomplete, cut.wall_s, cut.speed = [0.1] * 8, 2, 20.0, 3.0
+    # 8 answered at 0.1 s, 2 never answered: counted at 60 simulated seconds.
+    assert ttft(cut).n == 10 and ttft(cut).mean == pytest.approx((0.8 + 120) / 10)
+    whole = result("whole", 1.0)
+    assert ttft(whole) is whole.ttft
+    stats = {s.target: s for s in target_stats([(0, [cut, whole])], ["cut", "whole"])["p90"]}
+    assert stats["whole"].ratios == [(0, 1.0)] and stats["cut"].ratios[0][1] > 50
