@@ -226,8 +226,6 @@ def build_world(world: World, scale: float = 1.0, rows: Sequence[TraceRow] = ())
         1.0, ledger.distinct_tokens * sim_ratio)
     args = ["--prefill-mode", world.prefill_mode,
             "--max-num-batched-tokens", str(world.max_num_batched_tokens)]
-    if applied:
-        args += ["--bytes-per-token", f"{world.bytes_per_token:g}"]
     speed = min(MAX_SPEED, max(MIN_SPEED, est / wall_s))
     return BuiltWorld(world, wl, blocks, speed, est, ledger.distinct_tokens, kv_ratio, applied,
                       args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -73,3 +74,23 @@ def test_world_settings_carry_the_drawn_replicas(tmp_path: Path) -> None:
     assert len(s.replica_sim_args) == world.replicas
     assert s.out == tmp_path / f"world-{world.index:02d}"
     assert SweepSpec(1, 0).strategies[-1] == "default-nofc"
+
+
+@dataclasses.dataclass
+class _DensitySettings(BenchSettings):
+    """A bench that has its own tokenizer density setting (the client counts as replicas)."""
+
+    bytes_per_token: float | None = None
+
+
+def test_tokenizer_density_goes_where_the_bench_and_simulator_take_it(tmp_path: Path) -> None:
+    built = build_world(draw_worlds(1, seed=0)[0], 0.2)
+    bpt = built.world.bytes_per_token
+    off = dataclasses.replace(built, bytes_per_token_applied=False)
+    on = dataclasses.replace(built, bytes_per_token_applied=True)
+    assert "--bytes-per-token" not in world_settings(BenchSettings(out=tmp_path), off).sim_args
+    args = world_settings(BenchSettings(out=tmp_path), on).sim_args
+    assert args[args.index("--bytes-per-token") + 1] == f"{bpt:g}"
+    s = world_settings(_DensitySettings(out=tmp_path), on)
+    assert isinstance(s, _DensitySettings) and s.bytes_per_token == bpt
+    assert "--bytes-per-token" not in s.sim_args
