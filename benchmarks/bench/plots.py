@@ -111,9 +111,9 @@ def write_sweep_plot(
     if plt is None or not ratios:
         return None
     n_targets = max(len(series) for _, series in ratios)
-    fig, axes = plt.subplots(1, len(ratios), figsize=(max(6.0, 0.8 * n_targets + 2) * len(ratios),
-                                                       5.0), squeeze=False)
-    for ax, (title, series) in zip(axes[0], ratios, strict=True):
+    width = max(7.0, 0.9 * n_targets + 2)
+    fig, axes = plt.subplots(len(ratios), 1, figsize=(width, 4.2 * len(ratios)), squeeze=False)
+    for ax, (title, series) in zip(axes[:, 0], ratios, strict=True):
         data = [list(values) or [float("nan")] for _, values in series]
         ax.boxplot(data, showfliers=False, whis=(0, 100))
         for i, values in enumerate(data, 1):

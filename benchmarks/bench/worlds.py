@@ -38,6 +38,7 @@ SLOW_RANGE = (1.5, 4.0)  # a slow replica's latencies, x the others'
 FANOUT_RANGE = (1, 50)
 TRACE_KEEP_RANGE = (1, 100)  # a trace window keeps one conversation in this many
 LOAD_RANGE = (0.2, 1.6)  # open loop: offered prefill work / fleet capacity
+CLOSED_LOOP = ("agentic", "chat")
 WORKLOAD_WEIGHTS = {"agentic": 4, "chat": 2, "shared-prefix": 2, "trace": 3}
 # Bytes a token of the workloads' text under the client's tokenizer (one-token words of three
 # letters and a space): sim tokens = client tokens x WORDS_BPT / bytes_per_token.
@@ -63,12 +64,18 @@ class World:
     load: float  # closed loop: live sessions per replica; open loop: target utilisation
     params: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def closed_loop(self) -> bool:
+        return self.workload in CLOSED_LOOP
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     def describe(self) -> str:
         slow = sum(1 for f in self.slow if f > 1.0)
-        return (f"{self.workload} load {self.load:.2f}, {self.replicas} replicas"
+        load = (f"{self.load:.2f} live sessions a replica" if self.closed_loop
+                else f"offered {self.load:.2f}x the prefill capacity")
+        return (f"{self.workload}, {load}, {self.replicas} replicas"
                 f"{f' ({slow} slow)' if slow else ''}, {self.prefill_mode} prefill, "
                 f"cost x{self.cost_per_token:.2f}/x{self.cost_per_request:.2f}, "
                 f"itl {self.itl_ms:.0f} ms, KV x{self.kv_factor:.2f}, seqs {self.max_num_seqs}, "
@@ -134,7 +141,7 @@ def draw_world(rng: random.Random, index: int, max_replicas: int, trace_rows: in
     replicas = rng.randint(max(2, max_replicas // 2), max(2, max_replicas))
     params = {"agentic": _agentic, "chat": _chat, "shared-prefix": _shared_prefix}.get(kind)
     drawn = params(rng) if params is not None else _trace(rng, trace_rows)
-    closed = kind in ("agentic", "chat")
+    closed = kind in CLOSED_LOOP
     return World(
         index=index, seed=rng.randrange(2**31), replicas=replicas,
         prefill_mode=rng.choice(PREFILL_MODES),
