@@ -123,9 +123,9 @@ def _size(wl: Workload, c: _Costs, replicas: int) -> _Size:
     return _Size(1.2 * max(latency, capacity), wl.num_requests, sum(o for _, o in works))
 
 
-def _shrink(size: _Size, wall_s: float) -> float:
-    """Below 1: the share of the workload that fits the budget."""
-    return min(1.0, wall_s * MAX_SPEED / size.est_sim_s,
+def _shrink(size: _Size, wall_s: float, time: bool = True) -> float:
+    """Below 1: the share of the workload that fits the budget (its length too if ``time``)."""
+    return min(1.0, wall_s * MAX_SPEED / size.est_sim_s if time else 1.0,
                wall_s * REQUESTS_PER_WALL_S / max(1, size.requests),
                wall_s * TOKENS_PER_WALL_S / max(1, size.out_tokens))
 
@@ -135,12 +135,14 @@ def _closed(world: World, c: _Costs, wall_s: float) -> Workload:
     concurrency = max(1, round(world.load * world.replicas))
     sessions = max(2, math.ceil(1.5 * concurrency))
     wl = build_workload(world.workload, "small", **p, sessions=sessions, concurrency=concurrency)
-    for _ in range(12):
-        factor = _shrink(_size(wl, c, world.replicas), wall_s)
+    for _ in range(16):
+        size = _size(wl, c, world.replicas)
+        factor = _shrink(size, wall_s)
         if factor >= 1.0:
             break
         # The load (live sessions) matters most: drop later waves, then turns, then fan-out,
-        # and only then live sessions.
+        # and only then live sessions (not for length: one long session sets that).
+        count = _shrink(size, wall_s, time=False)
         if sessions > concurrency:
             sessions = max(concurrency, math.floor(sessions * factor))
         elif p["turns"] > MIN_TURNS:
@@ -148,8 +150,10 @@ def _closed(world: World, c: _Costs, wall_s: float) -> Workload:
         elif p.get("burst_max", 0) > 2:
             p["burst_max"] = max(2, math.floor(p["burst_max"] * factor))
             p["burst_size"] = max(1, min(p["burst_size"], p["burst_max"] // 2))
-        elif sessions > 2:
-            sessions = max(2, math.floor(sessions * factor))
+        elif p.get("subagent_turns", 0) > 1:
+            p["subagent_turns"] -= 1
+        elif sessions > 2 and count < 1.0:
+            sessions = max(2, math.floor(sessions * count))
             concurrency = min(concurrency, sessions)
         else:
             break
