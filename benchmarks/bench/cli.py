@@ -70,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--sweep-scale", type=float, default=1.0,
         help="size of each world's run (1: about 5 s wall per target run, plus its "
              "start-up; 0.3: a quick check)")
+    add("--sweep-only", metavar="I,J",
+        help="run only these worlds of the sweep (indices from 0), e.g. to look at one again")
     add("--trace", type=Path,
         help="Mooncake-style JSONL trace; with --sweep, some worlds replay windows of it")
     add("--list", action="store_true", help="list strategies, peers and workload parameters")
@@ -186,9 +188,11 @@ def _sweep(args: argparse.Namespace, settings: Any) -> int:
     if args.trace is not None and not args.trace.is_file():
         print(f"prefixgate bench: --trace {args.trace}: no such file", file=sys.stderr)
         return 2
-    spec = SweepSpec(args.sweep, args.sweep_seed, args.sweep_scale, args.trace,
-                     _names(args.strategies, SWEEP_STRATEGIES), _names(args.peers, SWEEP_PEERS))
     try:
+        only = None if args.sweep_only is None else [int(i) for i in args.sweep_only.split(",")]
+        spec = SweepSpec(args.sweep, args.sweep_seed, args.sweep_scale, args.trace,
+                         _names(args.strategies, SWEEP_STRATEGIES),
+                         _names(args.peers, SWEEP_PEERS), only)
         make_targets(spec.strategies, spec.peers, settings)  # unknown names fail here
     except ValueError as exc:
         print(f"prefixgate bench: {exc}", file=sys.stderr)

@@ -52,6 +52,7 @@ class SweepSpec:
     trace: Path | None = None
     strategies: list[str] = field(default_factory=lambda: list(SWEEP_STRATEGIES))
     peers: list[str] = field(default_factory=lambda: list(SWEEP_PEERS))
+    only: list[int] | None = None  # run just these worlds (indices), e.g. to look again
 
 
 @dataclass
@@ -106,12 +107,14 @@ async def run_world(
 async def run_sweep(template: BenchSettings, spec: SweepSpec) -> list[WorldRun]:
     rows = load_trace(spec.trace) if spec.trace is not None else []
     worlds = draw_worlds(spec.worlds, spec.seed, template.replicas, len(rows))
+    if spec.only is not None:
+        worlds = [w for w in worlds if w.index in spec.only]
     runs: list[WorldRun] = []
     for world in worlds:
-        _say(f"world {world.index + 1}/{len(worlds)}: {world.describe()}")
+        _say(f"world {world.index} ({len(runs) + 1} of {len(worlds)}): {world.describe()}")
         run = await run_world(template, spec, world, rows)
         runs.append(run)
-        _say(f"world {world.index + 1}/{len(worlds)}: {run.wall_s:.0f} s wall"
+        _say(f"world {world.index}: {run.wall_s:.0f} s wall"
              + (f", failed: {run.error}" if run.error else ""))
         write(template, spec, runs)
     return runs

@@ -94,3 +94,14 @@ def test_tokenizer_density_goes_where_the_bench_and_simulator_take_it(tmp_path: 
     s = world_settings(_DensitySettings(out=tmp_path), on)
     assert isinstance(s, _DensitySettings) and s.bytes_per_token == bpt
     assert "--bytes-per-token" not in s.sim_args
+
+
+def test_sweep_flags_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    base = ["bench", "--out", str(out), "--peers", "none"]
+    assert main([*base, "--sweep", "0"]) == 2
+    assert main([*base, "--sweep", "2", "--sweep-scale", "0"]) == 2
+    assert main([*base, "--sweep", "2", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+    assert main([*base, "--sweep", "2", "--sweep-only", "one"]) == 2
+    assert main([*base, "--sweep", "2", "--strategies", "bogus"]) == 2
+    assert not out.exists()
