@@ -118,6 +118,8 @@ class Workload:
     send_session_id: bool = True
     seed: int = 0
     params: dict[str, Any] = field(default_factory=dict)
+    # Start of each conversation in simulated seconds (a replayed trace); overrides ``rate``.
+    arrivals: tuple[float, ...] | None = None
 
     @property
     def num_requests(self) -> int:

@@ -3,6 +3,7 @@
     prefixgate bench --workload agentic --preset medium --replicas 8 --out bench-out
     prefixgate bench --strategies default,round-robin --peers none --set think_s=1.0
     prefixgate bench --list
+    prefixgate bench --sweep 24 --sweep-seed 7 --trace mooncake.jsonl --no-progress --out sweep
 
 Writes results.json, results.md and PNG plots into --out and prints the table. Heavy imports
 happen in ``run`` so that building the ``prefixgate`` parser stays cheap.
@@ -37,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--replicas", type=int, default=8)
     add("--strategies", default=ALL,
         help="comma list of built-in strategies, <strategy>-2gw (two gateways sharing "
-             "nothing), default-redis-2gw, label=config.yaml; 'all' (default) or 'none'")
+             "nothing), default-nofc (flow control off), default-redis-2gw, "
+             "label=config.yaml; 'all' (default) or 'none'")
     add("--peers", default=ALL,
         help="comma list of peers; 'all' (default: those installed) or 'none'")
     add("--peers-dir", action="append", default=[], type=Path,
@@ -61,6 +63,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="prefixgate gateways' log level; debug logs each routing decision's cost terms")
     add("--no-progress", action="store_true")
+    add("--sweep", type=int, metavar="N",
+        help="scenario sweep: N worlds drawn from wide ranges (replicas and workload), every "
+             "target in each; --workload, --preset and the replica flags are then drawn")
+    add("--sweep-seed", type=int, default=0, help="seed of the sweep's worlds")
+    add("--sweep-scale", type=float, default=1.0,
+        help="size of each world's run (1: about 5 s wall per target run, plus its "
+             "start-up; 0.3: a quick check)")
+    add("--sweep-only", metavar="I,J",
+        help="run only these worlds of the sweep (indices from 0), e.g. to look at one again")
+    add("--trace", type=Path,
+        help="Mooncake-style JSONL trace; with --sweep, some worlds replay windows of it")
     add("--list", action="store_true", help="list strategies, peers and workload parameters")
     add("--log-level", default="warning")
 
@@ -114,13 +127,14 @@ def _list(settings: Any) -> int:
         PEERS,
         REDIS_VARIANT,
         SPLIT_SUFFIX,
+        VARIANTS,
         find_peer_binary,
         peer_dirs,
     )
     from benchmarks.workloads import WORKLOADS
     from router.strategies import STRATEGIES
 
-    print("strategies:", ", ".join([*STRATEGIES, REDIS_VARIANT]),
+    print("strategies:", ", ".join([*STRATEGIES, *VARIANTS, REDIS_VARIANT]),
           f"(each also as <strategy>{SPLIT_SUFFIX}: two gateways sharing nothing)")
     for name, spec in PEERS.items():
         binary = find_peer_binary(spec, peer_dirs(settings.peer_dirs))
@@ -148,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if args.list:
         return _list(settings)
+    if args.sweep is not None:
+        return _sweep(args, settings)
     try:
         workload = build_workload(args.workload, args.preset, **workload_overrides(args))
         strategies = _names(args.strategies, [*STRATEGIES, REDIS_VARIANT])
@@ -160,6 +176,32 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     return _execute(settings, workload, targets)
+
+
+def _sweep(args: argparse.Namespace, settings: Any) -> int:
+    from benchmarks.bench.sweep import SWEEP_PEERS, SWEEP_STRATEGIES, SweepSpec, run_sweep, write
+    from benchmarks.bench.targets import make_targets
+
+    if args.sweep < 1 or args.sweep_scale <= 0:
+        print("prefixgate bench: --sweep needs N >= 1 and --sweep-scale > 0", file=sys.stderr)
+        return 2
+    if args.trace is not None and not args.trace.is_file():
+        print(f"prefixgate bench: --trace {args.trace}: no such file", file=sys.stderr)
+        return 2
+    try:
+        only = None if args.sweep_only is None else [int(i) for i in args.sweep_only.split(",")]
+        spec = SweepSpec(args.sweep, args.sweep_seed, args.sweep_scale, args.trace,
+                         _names(args.strategies, SWEEP_STRATEGIES),
+                         _names(args.peers, SWEEP_PEERS), only)
+        make_targets(spec.strategies, spec.peers, settings)  # unknown names fail here
+    except ValueError as exc:
+        print(f"prefixgate bench: {exc}", file=sys.stderr)
+        return 2
+    runs = _loop_runner()(run_sweep(settings, spec))
+    paths = write(settings, spec, runs)
+    print(paths[1].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0 if any(r.results for r in runs) else 1
 
 
 def _execute(settings: Any, workload: Any, targets: Any) -> int:

@@ -161,6 +161,8 @@ class WorkloadClient:
 
     def _arrivals(self) -> list[float]:
         wl = self.workload
+        if wl.arrivals is not None:
+            return [t / self.speed for t in wl.arrivals]
         if not wl.rate:
             return [0.0] * len(wl.conversations)
         rng = random.Random(wl.seed + 7919)

@@ -74,6 +74,12 @@ class ReuseLedger:
         self._seen.update(chain)
 
     @property
+    def distinct_tokens(self) -> int:
+        """Tokens in the distinct full blocks seen (what an infinite cache would hold; chains
+        are always of ``BLOCK_SIZE`` blocks)."""
+        return len(self._seen) * BLOCK_SIZE
+
+    @property
     def fraction(self) -> float:
         return self.reusable_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 

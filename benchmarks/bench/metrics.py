@@ -152,6 +152,7 @@ class TargetResult:
     incomplete: int = 0
     timed_out: bool = False
     wall_s: float = 0.0
+    speed: float = 1.0  # the simulator's: simulated seconds per wall second
     ttft: Summary | None = None
     # The replicas' own TTFT histogram (arrival at the engine to first token, no router or
     # client overhead), as Prometheus would estimate its quantiles from the buckets.
@@ -211,6 +212,7 @@ def summarize(
         incomplete=run.incomplete,
         timed_out=run.timed_out,
         wall_s=run.wall_s,
+        speed=speed,
         ttft=Summary.of(ttfts, speed),
         server_ttft_p50=histogram_quantile(buckets, 50),
         server_ttft_p90=histogram_quantile(buckets, 90),

@@ -100,3 +100,34 @@ def write_plots(results: Sequence[TargetResult], out: Path) -> list[Path]:
         paths[2],
     )
     return paths
+
+
+def write_sweep_plot(
+    ratios: Sequence[tuple[str, Sequence[tuple[str, Sequence[float]]]]], path: Path
+) -> Path | None:
+    """One panel per metric (title, [(target, ratios to the best)]): each world a dot, the
+    box their spread; log scale, lines at 1.10x and 1.3x."""
+    plt = _pyplot()
+    if plt is None or not ratios:
+        return None
+    n_targets = max(len(series) for _, series in ratios)
+    width = max(7.0, 0.9 * n_targets + 2)
+    fig, axes = plt.subplots(len(ratios), 1, figsize=(width, 4.2 * len(ratios)), squeeze=False)
+    for ax, (title, series) in zip(axes[:, 0], ratios, strict=True):
+        data = [list(values) or [float("nan")] for _, values in series]
+        ax.boxplot(data, showfliers=False, whis=(0, 100))
+        for i, values in enumerate(data, 1):
+            xs = [i + 0.15 * ((k % 5) - 2) / 2 for k in range(len(values))]
+            ax.scatter(xs, values, s=12, alpha=0.6, zorder=3)
+        for bound, style in ((1.10, "--"), (1.3, ":")):
+            ax.axhline(bound, color="grey", linestyle=style, linewidth=1)
+        ax.set_yscale("log")
+        ax.set_xticks(range(1, len(series) + 1))
+        ax.set_xticklabels([name for name, _ in series], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("TTFT / best target's in the world (log)")
+        ax.set_title(title)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

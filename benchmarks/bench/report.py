@@ -117,7 +117,7 @@ def write(report: BenchReport, out: Path) -> list[Path]:
     """Write results.json, results.md and, if possible, the plots; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json", out / "results.md"]
-    paths[0].write_text(json.dumps(_clean(to_json(report)), indent=2, allow_nan=False))
+    paths[0].write_text(json.dumps(clean_json(to_json(report)), indent=2, allow_nan=False))
     paths[1].write_text(markdown(report))
     if report.settings.plots:
         from benchmarks.bench.plots import write_plots
@@ -126,12 +126,12 @@ def write(report: BenchReport, out: Path) -> list[Path]:
     return paths
 
 
-def _clean(value: Any) -> Any:
+def clean_json(value: Any) -> Any:
     """NaN (a percentile of nothing) as null: JSON has no NaN."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: clean_json(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
+        return [clean_json(v) for v in value]
     return value

@@ -76,7 +76,11 @@ async def reset_caches(http: aiohttp.ClientSession, urls: Sequence[str]) -> None
                     raise RuntimeError(f"{url} kept {state['cached_blocks']} cached blocks")
 
 
-def sim_command(settings: BenchSettings, base_port: int) -> list[str]:
+def sim_command(
+    settings: BenchSettings, base_port: int, replicas: int | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """One simulator process serving ``replicas`` (all by default) from ``base_port``."""
     events = []
     if settings.kv_events_offset is not None and settings.kv_replay_offset is not None:
         events = [
@@ -88,7 +92,7 @@ def sim_command(settings: BenchSettings, base_port: int) -> list[str]:
     return [
         sys.executable, "-m", "router.cli", "sim",
         "--host", HOST,
-        "--replicas", str(settings.replicas),
+        "--replicas", str(settings.replicas if replicas is None else replicas),
         "--base-port", str(base_port),
         "--model", settings.model,
         "--block-size", str(settings.block_size),
@@ -98,7 +102,26 @@ def sim_command(settings: BenchSettings, base_port: int) -> list[str]:
         "--log-level", "warning",
         *events,
         *settings.sim_args,
+        *extra,
     ]  # fmt: skip
+
+
+def sim_processes(settings: BenchSettings, base_port: int) -> list[tuple[str, list[str]]]:
+    """(name, command) per simulator process: one for all replicas, or one per run of
+    consecutive replicas with the same ``replica_sim_args`` (ports stay consecutive)."""
+    per = settings.replica_sim_args
+    if not per:
+        return [("sim", sim_command(settings, base_port))]
+    if len(per) != settings.replicas:
+        raise ValueError(f"replica_sim_args: {len(per)} lists for {settings.replicas} replicas")
+    out: list[tuple[str, list[str]]] = []
+    start = 0
+    for i in range(1, len(per) + 1):
+        if i == len(per) or per[i] != per[start]:
+            name = f"sim-{start}" if start else "sim"
+            out.append((name, sim_command(settings, base_port + start, i - start, per[start])))
+            start = i
+    return out
 
 
 def check_fits(settings: BenchSettings, estimate: ReuseLedger, workload: Workload) -> None:
@@ -130,15 +153,16 @@ class Runner:
         if any(getattr(t, "needs_kv_events", False) for t in targets):
             events = free_port_range(2 * s.replicas, first=base + s.replicas)
             s.kv_events_offset, s.kv_replay_offset = events - base, events + s.replicas - base
-        sim = Process("sim", sim_command(s, base), s.out / "logs" / "sim.log")
+        sims = [Process(n, cmd, s.out / "logs" / f"{n}.log") for n, cmd in sim_processes(s, base)]
         try:
             probes = [http_ok(f"{u}/health") for u in self.replicas]
-            await wait_ready([sim], probes, SIM_READY_TIMEOUT_S)
+            await wait_ready(sims, probes, SIM_READY_TIMEOUT_S)
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
                 for target in targets:
                     report.results.append(await self._target(http, target))
         finally:
-            await sim.stop()
+            for sim in sims:
+                await sim.stop()
         return report
 
     async def _target(self, http: aiohttp.ClientSession, target: Target) -> TargetResult:

@@ -16,6 +16,9 @@ class BenchSettings:
     max_num_seqs: int = 256
     # Further `prefixgate sim` flags, e.g. ["--prefill-ms-per-token", "0.3"].
     sim_args: list[str] = field(default_factory=list)
+    # Per-replica flags after ``sim_args`` (a slow replica's latencies, say): empty, or one
+    # list per replica. Consecutive replicas with equal flags share one simulator process.
+    replica_sim_args: list[list[str]] = field(default_factory=list)
     # Wall-clock bound of each target's run; requests still open then are cut and counted.
     deadline_s: float = 600.0
     peer_dirs: list[Path] = field(default_factory=list)

@@ -25,6 +25,11 @@ from benchmarks.bench.settings import BenchSettings
 
 READY_TIMEOUT_S = 60.0
 REDIS_VARIANT = "default-redis-2gw"
+# Named variants: a built-in strategy plus config sections laid over it.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "default-nofc": ("default", {"flowControl": {"enabled": False}}),
+    "weighted-nofc": ("weighted", {"flowControl": {"enabled": False}}),
+}
 # "<built-in strategy>-2gw": that strategy on two gateways that share nothing.
 SPLIT_SUFFIX = "-2gw"
 
@@ -92,6 +97,7 @@ class Strategy:
     strategy: str = ""  # the built-in strategy; the name when empty
     gateways: int = 1
     prefix_index: dict[str, Any] | None = None  # the config's prefixIndex section
+    overlay: dict[str, Any] | None = None  # further top-level sections (a variant's)
 
     def unavailable(self) -> str | None:
         return None
@@ -119,7 +125,8 @@ class Strategy:
         events.setdefault("replayPortOffset", s.kv_replay_offset)
 
     def _config_file(self, replicas: Sequence[str], port: int, process: str) -> Path | None:
-        if self.config is None and not self.needs_kv_events and self.prefix_index is None:
+        plain = self.prefix_index is None and self.overlay is None
+        if self.config is None and not self.needs_kv_events and plain:
             return None
         data: dict[str, Any] = {"strategy": self.builtin}
         if self.config is not None:
@@ -128,6 +135,7 @@ class Strategy:
             self._precise(data)
         if self.prefix_index is not None:
             data["prefixIndex"] = self.prefix_index
+        data.update(self.overlay or {})
         data.setdefault("pool", {})["endpoints"] = [{"url": u} for u in replicas]
         data.setdefault("server", {}).update(host=HOST, port=port)
         path = self.settings.out / "logs" / f"{process}.yaml"
@@ -295,7 +303,8 @@ def make_targets(
     strategies: Sequence[str], peers: Sequence[str], settings: BenchSettings
 ) -> list[Target]:
     """Targets for names: built-in strategies, each also as ``<strategy>-2gw`` (two gateways
-    sharing nothing), ``default-redis-2gw``, ``label=config.yaml``, and peer names
+    sharing nothing), ``VARIANTS`` (``default-nofc``: flow control off),
+    ``default-redis-2gw``, ``label=config.yaml``, and peer names
     (``PEERS``). Unknown names fail before anything starts."""
     from router.strategies import STRATEGIES
 
@@ -308,13 +317,18 @@ def make_targets(
             out.append(Strategy(label, settings, Path(path)))
         elif name == REDIS_VARIANT:
             out.append(RedisGateways(name, settings, strategy="default", gateways=2))
+        elif name in VARIANTS:
+            base, overlay = VARIANTS[name]
+            out.append(Strategy(name, settings, strategy=base, overlay=overlay))
         elif name in STRATEGIES:
             out.append(Strategy(name, settings))
         elif name.endswith(SPLIT_SUFFIX) and name.removesuffix(SPLIT_SUFFIX) in STRATEGIES:
             base = name.removesuffix(SPLIT_SUFFIX)
             out.append(Strategy(name, settings, strategy=base, gateways=2))
         else:
-            known = ", ".join([*STRATEGIES, REDIS_VARIANT, f"<strategy>{SPLIT_SUFFIX}"])
+            known = ", ".join(
+                [*STRATEGIES, *VARIANTS, REDIS_VARIANT, f"<strategy>{SPLIT_SUFFIX}"]
+            )
             raise ValueError(f"unknown strategy {name!r} (known: {known}, or label=config.yaml)")
     for name in peers:
         if name not in PEERS:

@@ -25,7 +25,7 @@ from typing import Any
 
 import uvicorn
 
-from .config import DEFAULT_MODEL, SimConfig
+from .config import DEFAULT_MODEL, PREFILL_MODES, SimConfig
 from .engine import Engine
 from .server import SimServer, create_app
 
@@ -52,9 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--prefill-overhead-ms", type=float, default=d.prefill_overhead_ms)
     add("--prefill-ms-per-token", type=float, default=d.prefill_ms_per_token)
     add("--time-factor-under-load", type=float, default=d.time_factor_under_load)
-    add("--prefill-mode", choices=["batched", "independent"], default=d.prefill_mode,
+    add("--prefill-mode", choices=list(PREFILL_MODES), default=d.prefill_mode,
         help="batched: prefills queue in shared steps (vLLM); independent: each prefill "
-        "runs on its own, only scaled by the load factor (llm-d-inference-sim)")
+        "runs on its own, only scaled by the load factor (llm-d-inference-sim); serial: "
+        "batched, but one prefill at a time")
     add("--kv-transfer-ms-per-token", type=float, default=d.kv_transfer_ms_per_token)
     add("--speed", type=float, default=d.speed, help="run this many times faster than real")
     add("--zero-latency", action="store_true", help="answer at once (gateway overhead runs)")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 # Defaults follow vLLM's own (block size, seqs, batched tokens) and llm-d-inference-sim's
 # 8B-on-H100 latency profile.
 DEFAULT_MODEL = "sim-model"
+PREFILL_MODES = ("batched", "independent", "serial")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class SimConfig:
     # "batched": prefills share the engine's steps and queue behind one another (vLLM).
     # "independent": llm-d-inference-sim's model, each prefill takes overhead + per-token time
     # on its own, scaled by the load factor, however many run at once.
+    # "serial": as batched, but one request prefills at a time (an engine without chunked
+    # prefill batching: the next prompt waits for the current one to finish prefilling).
     prefill_mode: str = "batched"
     kv_transfer_ms_per_token: float = 0.02
     speed: float = 1.0
@@ -48,8 +51,8 @@ class SimConfig:
             raise ValueError("speed must be > 0")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        if self.prefill_mode not in ("batched", "independent"):
-            raise ValueError("prefill_mode must be 'batched' or 'independent'")
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}")
         if self.kv_events_encoding not in ("array", "map"):
             raise ValueError("kv_events_encoding must be 'array' or 'map'")
 

@@ -4,8 +4,8 @@ Steps as in vLLM's scheduler with chunked prefill (decode tokens first, then pre
 then FIFO admission), because routing quality depends on how prefills queue behind one another
 and slow every co-batched stream. A step's full blocks are findable from the moment it is
 scheduled, as in vLLM v1; its tokens and KV events land at its end. All reported times are
-simulated seconds. The step, the clock, the independent-prefill mode and remote prefill:
-docs/simulator.md.
+simulated seconds. The step, the clock, the serial and independent prefill modes and remote
+prefill: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -212,6 +212,8 @@ class Engine:
                 self._plan_prefill(plan, req, budget)
                 budget -= plan.prefills[-1][1]
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if self._serial_busy():
+                break
             req = self.waiting[0]
             if not self._admit(req):
                 break
@@ -224,6 +226,10 @@ class Engine:
                 plan.next_ready = min(plan.next_ready or req.ready_at, req.ready_at)
         plan.duration_s = self._duration_ms(plan) / 1000.0
         return plan
+
+    def _serial_busy(self) -> bool:
+        """In serial mode, whether a running request is still prefilling (the next waits)."""
+        return self.config.prefill_mode == "serial" and any(r.prefilling for r in self.running)
 
     def _plan_prefill(self, plan: _Plan, req: SimRequest, budget: int) -> None:
         chunk = min(len(req.all_tokens) - req.num_computed, budget)

@@ -172,3 +172,22 @@ def test_cli_runs_and_writes_its_outputs(tmp_path: Path) -> None:
     assert result["name"] == "session-hash" and result["status"] == "ok"
     assert result["errors"] == 0 and result["requests"] == data["workload"]["requests"]
     assert "| session-hash |" in (out / "results.md").read_text()
+
+
+def test_replicas_with_their_own_flags_get_their_own_simulator(tmp_path: Path) -> None:
+    from benchmarks.bench.runner import sim_processes
+
+    fast, slow = ["--itl-ms", "10"], ["--itl-ms", "30"]
+    settings = BenchSettings(out=tmp_path, replicas=4, sim_args=["--prefill-mode", "serial"],
+                             replica_sim_args=[slow, fast, fast, slow])
+    procs = sim_processes(settings, 30000)
+    assert [name for name, _ in procs] == ["sim", "sim-1", "sim-3"]
+    for (_, cmd), (base, n, flags) in zip(
+        procs, [(30000, 1, slow), (30001, 2, fast), (30003, 1, slow)], strict=True
+    ):
+        assert cmd[cmd.index("--base-port") + 1] == str(base)
+        assert cmd[cmd.index("--replicas") + 1] == str(n)
+        assert cmd[-2:] == flags and "serial" in cmd  # per-replica flags come last: they win
+    assert [n for n, _ in sim_processes(BenchSettings(out=tmp_path, replicas=3), 1)] == ["sim"]
+    with pytest.raises(ValueError, match="replica_sim_args"):
+        sim_processes(BenchSettings(out=tmp_path, replicas=3, replica_sim_args=[fast]), 1)

@@ -118,6 +118,24 @@ async def test_independent_prefills_run_side_by_side(engine_factory: type[Engine
     assert ttft(again) == pytest.approx(0.030 + 16 * 0.0002 + 0.012, abs=0.01)
 
 
+async def test_serial_prefills_run_one_at_a_time(engine_factory: type[Engine]) -> None:
+    # Batched, three 500-token prompts share one step and all wait for all of it (3 x 30 ms
+    # overhead + 1500 tokens); serial, the first is done alone and the others follow in turn.
+    ttfts: dict[str, list[float]] = {}
+    for mode in ("batched", "serial"):
+        engine = engine_factory(SimConfig(speed=50, prefill_mode=mode))
+        reqs = [make(engine, unique(500, 10_000 * (i + 1)), 2) for i in range(3)]
+        for req in reqs:
+            engine.add_request(req)
+        await done(*reqs)
+        ttfts[mode] = [ttft(r) for r in reqs]
+    alone = 0.030 + 500 * 0.0002
+    assert ttfts["batched"] == pytest.approx([3 * alone] * 3, abs=0.01)
+    assert ttfts["serial"][0] == pytest.approx(alone, abs=0.01)
+    assert ttfts["serial"][0] < ttfts["serial"][1] < ttfts["serial"][2]
+    assert ttfts["serial"][2] >= 3 * alone
+
+
 def test_prefill_mode_is_checked() -> None:
     with pytest.raises(ValueError, match="prefill_mode"):
         SimConfig(prefill_mode="parallel")

@@ -1,0 +1,215 @@
+"""``prefixgate bench --sweep N``: every target side by side in N drawn worlds.
+
+Each world gets its own simulated replicas (started for the world, stopped after it) and its
+own workload; inside a world the targets run one after the other against the same replicas,
+caches reset in between, exactly as a single ``prefixgate bench`` run. Each world's full
+report goes to ``<out>/world-NN/``; the sweep's to ``<out>/results.{json,md}`` and
+``<out>/sweep_ratios.png``, rewritten after every world so an interrupted sweep keeps what ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench.metrics import TargetResult
+from benchmarks.bench.report import clean_json
+from benchmarks.bench.report import write as write_world
+from benchmarks.bench.runner import Runner
+from benchmarks.bench.settings import BenchSettings
+from benchmarks.bench.sweep_report import (
+    METRICS,
+    reuse_gaps,
+    summary_table,
+    target_stats,
+    world_table,
+)
+from benchmarks.bench.targets import make_targets
+from benchmarks.bench.world_build import BuiltWorld, build_world
+from benchmarks.bench.worlds import World, draw_worlds, replica_latency_args
+from benchmarks.trace_replay import TraceRow, load_trace
+
+SWEEP_STRATEGIES = ["round-robin", "session-hash", "prefix-only", "weighted", "default",
+                    "default-nofc"]
+SWEEP_PEERS = ["smg-cache_aware", "vllm-router-cache_aware"]
+DEADLINE_FLOOR_S = 20.0
+
+
+@dataclass
+class SweepSpec:
+    worlds: int
+    seed: int
+    scale: float = 1.0
+    trace: Path | None = None
+    strategies: list[str] = field(default_factory=lambda: list(SWEEP_STRATEGIES))
+    peers: list[str] = field(default_factory=lambda: list(SWEEP_PEERS))
+    only: list[int] | None = None  # run just these worlds (indices), e.g. to look again
+
+
+@dataclass
+class WorldRun:
+    world: World
+    built: BuiltWorld | None
+    results: list[TargetResult]
+    wall_s: float
+    error: str = ""
+
+
+def _density(template: BenchSettings, built: BuiltWorld) -> tuple[dict[str, Any], list[str]]:
+    """The world's tokenizer density: as a bench setting when the bench has one (the client
+    then counts tokens as the replicas do), else as a simulator flag, else not at all."""
+    if not built.bytes_per_token_applied:
+        return {}, []
+    bpt = built.world.bytes_per_token
+    if any(f.name == "bytes_per_token" for f in dataclasses.fields(template)):
+        return {"bytes_per_token": bpt}, []
+    return {}, ["--bytes-per-token", f"{bpt:g}"]
+
+
+def world_settings(template: BenchSettings, built: BuiltWorld) -> BenchSettings:
+    w = built.world
+    density, density_args = _density(template, built)
+    return dataclasses.replace(
+        template, out=template.out / f"world-{w.index:02d}", replicas=w.replicas,
+        speed=built.speed, num_gpu_blocks=built.num_gpu_blocks, block_size=w.block_size,
+        max_num_seqs=w.max_num_seqs,
+        sim_args=[*template.sim_args, *built.sim_args, *density_args],
+        replica_sim_args=replica_latency_args(w), plots=False,
+        deadline_s=max(DEADLINE_FLOOR_S, 4 * built.est_sim_s / built.speed),
+        kv_events_offset=None, kv_replay_offset=None, **density,
+    )  # fmt: skip
+
+
+async def run_world(
+    template: BenchSettings, spec: SweepSpec, world: World, rows: Sequence[TraceRow]
+) -> WorldRun:
+    started = time.monotonic()
+    try:
+        built = build_world(world, spec.scale, rows)
+        settings = world_settings(template, built)
+        targets = make_targets(spec.strategies, spec.peers, settings)
+        report = await Runner(settings, built.workload).run(targets)
+    except (ValueError, RuntimeError, OSError) as exc:
+        return WorldRun(world, None, [], time.monotonic() - started, str(exc).splitlines()[0])
+    write_world(report, settings.out)
+    return WorldRun(world, built, report.results, time.monotonic() - started)
+
+
+async def run_sweep(template: BenchSettings, spec: SweepSpec) -> list[WorldRun]:
+    rows = load_trace(spec.trace) if spec.trace is not None else []
+    worlds = draw_worlds(spec.worlds, spec.seed, template.replicas, len(rows))
+    if spec.only is not None:
+        worlds = [w for w in worlds if w.index in spec.only]
+    runs: list[WorldRun] = []
+    for world in worlds:
+        _say(f"world {world.index} ({len(runs) + 1} of {len(worlds)}): {world.describe()}")
+        run = await run_world(template, spec, world, rows)
+        runs.append(run)
+        _say(f"world {world.index}: {run.wall_s:.0f} s wall"
+             + (f", failed: {run.error}" if run.error else ""))
+        write(template, spec, runs)
+    return runs
+
+
+def _commit() -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=False)
+        if out.returncode == 0:
+            return out.stdout.strip()
+    return ""
+
+
+def _target_names(runs: Sequence[WorldRun]) -> list[str]:
+    names: list[str] = []
+    for run in runs:
+        names += [r.name for r in run.results if r.name not in names]
+    return names
+
+
+def _slim(r: TargetResult) -> dict[str, Any]:
+    d = r.to_json()
+    d.pop("ttft_samples", None)
+    return d
+
+
+def to_json(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun]) -> dict[str, Any]:
+    ranked = [(run.world.index, run.results) for run in runs]
+    names = _target_names(runs)
+    stats = target_stats(ranked, names)
+    return {
+        "command": template.command, "commit": _commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "sweep": {"worlds": spec.worlds, "seed": spec.seed, "scale": spec.scale,
+                  "trace": str(spec.trace) if spec.trace else None},
+        "worlds": [{
+            "world": run.world.to_json(), "built": run.built.summary() if run.built else None,
+            "wall_s": run.wall_s, "error": run.error,
+            "results": [_slim(r) for r in run.results],
+        } for run in runs],
+        "summary": {m: [s.to_json() for s in stats[m]] for m in METRICS},
+        "reuse_gaps": {t: [[w, g] for w, g in gs] for t, gs in reuse_gaps(ranked, names).items()},
+    }  # fmt: skip
+
+
+def markdown(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun]) -> str:
+    ranked = [(run.world.index, run.results) for run in runs]
+    names = _target_names(runs)
+    lines = [
+        f"# prefixgate bench sweep: {len(runs)} of {spec.worlds} worlds, seed {spec.seed}",
+        "",
+        f"- command: `{template.command}`" if template.command else "- command: (programmatic)",
+        f"- commit {_commit() or '?'}, {time.strftime('%Y-%m-%d %H:%M %Z')}, "
+        f"scale {spec.scale:g}, wall {sum(r.wall_s for r in runs):.0f} s",
+        "",
+        "Per target, its TTFT over the best target's in each world (1.00: the best). "
+        "TTFT in simulated seconds; reuse captured: the replicas' prefix-cache hit ratio over "
+        "an infinite cache's.",
+        "",
+        *summary_table(target_stats(ranked, names), reuse_gaps(ranked, names)),
+    ]
+    for run in runs:
+        lines += ["", f"## world {run.world.index}: {run.world.describe()}", ""]
+        if run.built is not None:
+            b = run.built.summary()
+            lines += [f"{b['requests']} requests in {b['conversations']} conversations, "
+                      f"concurrency {b['concurrency']}, KV x{b['kv_ratio']:.2f} of "
+                      f"{b['distinct_tokens']:,} distinct tokens ({b['num_gpu_blocks']} blocks "
+                      f"a replica), speed x{b['speed']:g}, {run.wall_s:.0f} s wall", ""]
+        if run.error:
+            lines += [f"failed: {run.error}"]
+            continue
+        lines += world_table(run.results)
+    return "\n".join(lines) + "\n"
+
+
+def write(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun]) -> list[Path]:
+    out = template.out
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "results.md"]
+    data = clean_json(to_json(template, spec, runs))
+    paths[0].write_text(json.dumps(data, indent=2, allow_nan=False))
+    paths[1].write_text(markdown(template, spec, runs))
+    if template.plots:
+        from benchmarks.bench.plots import write_sweep_plot
+
+        panels = [(f"TTFT {m}", [(s["target"], [r for _, r in s["ratios"]])
+                                 for s in data["summary"][m]]) for m in METRICS]
+        plot = write_sweep_plot(panels, out / "sweep_ratios.png")
+        if plot is not None:
+            paths.append(plot)
+    return paths
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

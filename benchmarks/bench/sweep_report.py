@@ -1,0 +1,167 @@
+"""The report of a scenario sweep: per world, every target's figures; per target, how far it
+stays from the best target of each world (results.json, results.md, sweep_ratios.png).
+
+A target's *ratio* in a world is its figure over the lowest figure any target reached there
+(1.0: it was the best). Only targets that ran (status ok, at least one answered request) are
+ranked; a failed or skipped target is listed in the world's table. Requests a run did not
+answer before its deadline count as waiting the whole run.
+
+*Reuse captured* is the replicas' prefix-cache hit ratio over the hit ratio an infinitely large
+cache would have reached (the client's estimate): unit-free, so it holds whatever the
+simulator's tokenizer density.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.bench.metrics import Summary, TargetResult
+
+METRICS = ("p90", "mean", "p99")
+BANDS = (1.10, 1.3)
+
+
+def ratios(values: Mapping[str, float]) -> dict[str, float]:
+    """Each target's value over the lowest (finite, positive) value; none if there is none."""
+    finite = {k: v for k, v in values.items() if math.isfinite(v)}
+    best = min((v for v in finite.values() if v > 0), default=None)
+    if best is None:
+        return {k: 1.0 for k, v in finite.items() if v == 0}
+    return {k: max(v, 0.0) / best for k, v in finite.items()}
+
+
+@dataclass
+class TargetStats:
+    """One target's ratios to the best over the worlds, for one metric."""
+
+    target: str
+    metric: str
+    ratios: list[tuple[int, float]] = field(default_factory=list)  # (world, ratio)
+
+    def within(self, bound: float) -> int:
+        return sum(1 for _, r in self.ratios if r <= bound + 1e-9)
+
+    @property
+    def worst(self) -> tuple[int, float] | None:
+        return max(self.ratios, key=lambda wr: wr[1], default=None)
+
+    @property
+    def not_best(self) -> list[int]:
+        return [w for w, r in self.ratios if r > 1.0 + 1e-9]
+
+    @property
+    def median(self) -> float:
+        values = sorted(r for _, r in self.ratios)
+        if not values:
+            return math.nan
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    def to_json(self) -> dict[str, Any]:
+        worst = self.worst
+        return {
+            "target": self.target, "metric": self.metric, "worlds": len(self.ratios),
+            **{f"within_{b:g}x": self.within(b) for b in BANDS},
+            "median_ratio": self.median, "worst_ratio": worst[1] if worst else None,
+            "worst_world": worst[0] if worst else None, "not_best": self.not_best,
+            "ratios": [[w, r] for w, r in self.ratios],
+        }  # fmt: skip
+
+
+def ranked(results: Sequence[TargetResult]) -> list[TargetResult]:
+    return [r for r in results if r.status == "ok" and r.ttft is not None and r.ttft.n > 0]
+
+
+def ttft(r: TargetResult) -> Summary:
+    """The TTFT figures ranked: a run cut by its deadline counts each request it did not
+    answer as waiting the whole run (simulated), so a target cannot gain by stalling."""
+    assert r.ttft is not None
+    if not r.incomplete:
+        return r.ttft
+    return Summary.of([*r.ttft_samples, *[r.wall_s * r.speed] * r.incomplete])
+
+
+def reuse_captured(r: TargetResult) -> float:
+    return r.cached_ratio / r.reusable_fraction if r.reusable_fraction > 0 else math.nan
+
+
+def target_stats(worlds: Sequence[tuple[int, Sequence[TargetResult]]],
+                 targets: Sequence[str]) -> dict[str, list[TargetStats]]:
+    """Per metric, each target's ratios to the best over ``worlds`` (index, results)."""
+    out: dict[str, list[TargetStats]] = {}
+    for metric in METRICS:
+        stats = {t: TargetStats(t, metric) for t in targets}
+        for index, results in worlds:
+            values = {r.name: float(getattr(ttft(r), metric)) for r in ranked(results)}
+            for name, ratio in ratios(values).items():
+                if name in stats:
+                    stats[name].ratios.append((index, ratio))
+        out[metric] = list(stats.values())
+    return out
+
+
+def reuse_gaps(worlds: Sequence[tuple[int, Sequence[TargetResult]]],
+               targets: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
+    """Per target, (world, points of reuse captured below the world's best)."""
+    gaps: dict[str, list[tuple[int, float]]] = {t: [] for t in targets}
+    for index, results in worlds:
+        values = {r.name: reuse_captured(r) for r in ranked(results)}
+        finite = [v for v in values.values() if math.isfinite(v)]
+        if not finite:
+            continue
+        best = max(finite)
+        for name, v in values.items():
+            if name in gaps and math.isfinite(v):
+                gaps[name].append((index, (best - v) * 100))
+    return gaps
+
+
+def _f(value: float | None, digits: int = 2) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def summary_table(stats: dict[str, list[TargetStats]],
+                  gaps: Mapping[str, Sequence[tuple[int, float]]]) -> list[str]:
+    lines = [
+        "| target | TTFT | worlds | within 1.10x | within 1.3x | median ratio | worst ratio "
+        "(world) | not best in worlds | reuse: worst gap to best, points (world) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for metric in METRICS:
+        for s in stats[metric]:
+            worst = s.worst
+            gap = max(gaps.get(s.target, ()), key=lambda wg: wg[1], default=None)
+            lines.append(
+                f"| {s.target} | {metric} | {len(s.ratios)} | {s.within(BANDS[0])} "
+                f"| {s.within(BANDS[1])} | {_f(s.median)} "
+                f"| {_f(worst[1]) + f' ({worst[0]})' if worst else '-'} "
+                f"| {', '.join(map(str, s.not_best)) or '-'} "
+                f"| {_f(gap[1], 1) + f' ({gap[0]})' if gap else '-'} |"
+            )
+    return lines
+
+
+def world_table(results: Sequence[TargetResult]) -> list[str]:
+    values = {m: {r.name: float(getattr(ttft(r), m)) for r in ranked(results)} for m in METRICS}
+    rs = {m: ratios(v) for m, v in values.items()}
+    lines = [
+        "| target | TTFT mean s | p50 s | p90 s | p99 s | p90 / best | reuse captured | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    ok = {r.name for r in ranked(results)}
+    for r in results:
+        if r.name not in ok:
+            lines.append(f"| {r.name} | {r.status}: {r.note[:80]} | | | | | | {r.errors} |")
+            continue
+        t = ttft(r)
+        errors = str(r.errors) + (f" (+{r.incomplete} not run)" if r.incomplete else "")
+        lines.append(
+            f"| {r.name} | {_f(t.mean)} | {_f(t.p50)} | {_f(t.p90)} | {_f(t.p99)} "
+            f"| {_f(rs['p90'].get(r.name))} | {_f(reuse_captured(r) * 100, 1)}% | {errors} |"
+        )
+    return lines

@@ -1,0 +1,78 @@
+"""The sweep report's ratio math: each target over the best target of each world."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.bench.metrics import Summary, TargetResult
+from benchmarks.bench.sweep_report import (
+    ratios,
+    reuse_captured,
+    reuse_gaps,
+    summary_table,
+    target_stats,
+    ttft,
+    world_table,
+)
+
+
+def result(name: str, p90: float, mean: float = 1.0, p99: float = 2.0,
+           cached: float = 0.5, status: str = "ok") -> TargetResult:
+    ttft = Summary(p50=0.5, p90=p90, p99=p99, mean=mean, n=10) if status == "ok" else None
+    return TargetResult(name, "prefixgate", status=status, ttft=ttft, cached_ratio=cached,
+                        reusable_fraction=0.8)
+
+
+def test_ratios_are_over_the_lowest_value() -> None:
+    assert ratios({"a": 2.0, "b": 1.0, "c": 3.0}) == {"a": 2.0, "b": 1.0, "c": 3.0}
+    assert ratios({"a": 0.5, "b": 0.55}) == pytest.approx({"a": 1.0, "b": 1.1})
+    assert ratios({"a": math.nan, "b": 4.0}) == {"b": 1.0}  # no requests: not ranked
+    assert ratios({}) == {}
+
+
+def test_target_stats_count_bands_worst_and_not_best() -> None:
+    worlds = [
+        (0, [result("x", 1.0), result("y", 1.05), result("z", 2.0)]),
+        (1, [result("x", 1.2), result("y", 1.0), result("z", 1.25)]),
+        (2, [result("x", 3.0), result("y", 1.0), result("z", 9.0, status="failed")]),
+    ]
+    stats = {s.target: s for s in target_stats(worlds, ["x", "y", "z"])["p90"]}
+    x, y, z = stats["x"], stats["y"], stats["z"]
+    assert x.ratios == [(0, 1.0), (1, 1.2), (2, 3.0)]
+    assert (x.within(1.10), x.within(1.3), x.worst, x.not_best) == (1, 2, (2, 3.0), [1, 2])
+    assert (y.within(1.10), y.within(1.3), y.worst, y.not_best) == (3, 3, (0, 1.05), [0])
+    assert z.ratios == [(0, 2.0), (1, 1.25)]  # a failed run is not ranked
+    assert x.median == 1.2 and y.median == 1.0 and z.median == pytest.approx(1.625)
+    # Mean and p99 are ranked on their own figures.
+    means = {s.target: s.ratios for s in target_stats(worlds, ["x"])["mean"]}
+    assert means["x"] == [(0, 1.0), (1, 1.0), (2, 1.0)]
+
+
+def test_reuse_is_unit_free_and_gaps_are_points_below_the_best() -> None:
+    assert reuse_captured(result("a", 1.0, cached=0.4)) == pytest.approx(0.5)
+    worlds = [(0, [result("a", 1.0, cached=0.72), result("b", 1.0, cached=0.8)])]
+    gaps = reuse_gaps(worlds, ["a", "b"])
+    assert gaps["a"][0][1] == pytest.approx(10.0) and gaps["b"] == [(0, 0.0)]
+
+
+def test_tables_name_targets_ratios_and_failures() -> None:
+    results = [result("x", 1.0), result("y", 1.5), result("z", 1.0, status="failed")]
+    rows = world_table(results)
+    assert any(r.startswith("| y |") and "| 1.50 |" in r for r in rows)
+    assert any(r.startswith("| z | failed") for r in rows)
+    stats = target_stats([(4, results)], ["x", "y"])
+    table = summary_table(stats, reuse_gaps([(4, results)], ["x", "y"]))
+    assert any(r.startswith("| y | p90 | 1 | 0 | 0 |") and "1.50 (4)" in r for r in table)
+
+
+def test_unanswered_requests_count_as_waiting_the_whole_run() -> None:
+    cut = result("cut", 1.0)
+    cut.ttft_samples, cut.incomplete, cut.wall_s, cut.speed = [0.1] * 8, 2, 20.0, 3.0
+    # 8 answered at 0.1 s, 2 never answered: counted at 60 simulated seconds.
+    assert ttft(cut).n == 10 and ttft(cut).mean == pytest.approx((0.8 + 120) / 10)
+    whole = result("whole", 1.0)
+    assert ttft(whole) is whole.ttft
+    stats = {s.target: s for s in target_stats([(0, [cut, whole])], ["cut", "whole"])["p90"]}
+    assert stats["whole"].ratios == [(0, 1.0)] and stats["cut"].ratios[0][1] > 50
