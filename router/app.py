@@ -27,7 +27,7 @@ from router.disagg import Disaggregator, build_disagg_profiles
 from router.discovery import KubernetesDiscovery, LivePool, api_client
 from router.endpoints import Endpoint, EndpointPool, OutlierSettings
 from router.errors import BadRequestError, GatewayError
-from router.hashing import BYTES_PER_TOKEN
+from router.index_sizing import IndexSizer
 from router.live_sessions import LiveSessions
 from router.loop_lag import LoopLagMonitor
 from router.metrics import GatewayMetrics
@@ -43,6 +43,7 @@ from router.scraper import EndpointMonitor, MonitorSettings
 from router.stored_responses import StoredResponses, make_probe
 from router.stores import Stores, build_stores
 from router.strategies import Strategy, strategy
+from router.token_density import TokenDensity
 from router.upstream import UpstreamClient
 
 JSON = "application/json"
@@ -61,6 +62,7 @@ class Gateway:
     router: Router
     proxy: Proxy
     calibrator: Calibrator
+    sizer: IndexSizer
     monitor: EndpointMonitor | None = None
     discovery: KubernetesDiscovery | None = None
     precise: PreciseRuntime | None = None
@@ -70,11 +72,7 @@ class Gateway:
         """Bound the index for an endpoint by what its KV cache can really hold."""
         if self.precise is not None:
             self.precise.set_capacity(endpoint_id, num_gpu_blocks)
-        if self.config.prefix_index.capacity_blocks is not None:
-            return
-        capacity_bytes = block_size * num_gpu_blocks * BYTES_PER_TOKEN
-        blocks = int(capacity_bytes // self.config.prefix_index.block_bytes)
-        self.stores.index.set_capacity(endpoint_id, blocks)
+        self.sizer.kv_capacity(endpoint_id, block_size * num_gpu_blocks)
 
 
 def _build_pool(config: GatewayConfig) -> EndpointPool:
@@ -126,6 +124,22 @@ def _build_scheduler(
     return Scheduler(profile, producers=producers, observers=observers), prefill_profile
 
 
+def _build_sizer(
+    config: GatewayConfig, pool: EndpointPool, stores: Stores, metrics: GatewayMetrics
+) -> IndexSizer:
+    """Sizes the approximate index per endpoint at the learned bytes per token."""
+    index = config.prefix_index
+    models = {
+        s.endpoint.id: next(iter(s.endpoint.models))
+        for s in pool
+        if len(s.endpoint.models) == 1
+    }
+    return IndexSizer(
+        stores.index, TokenDensity(metrics.registry), index.block_bytes,
+        fixed_blocks=index.capacity_blocks, models=models, registry=metrics.registry,
+    )
+
+
 def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None) -> Gateway:
     registry = registry or default_registry()
     pool = _build_pool(config)
@@ -167,7 +181,11 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
         pd = config.disaggregation
         timeout = pd.prefill_timeout_seconds or config.proxy.first_byte_timeout_seconds
         proxy.disagg = Disaggregator(pd, router, prefill_profile, metrics, timeout)
-    gateway = Gateway(config, pool, stores, scheduler, metrics, flow, router, proxy, calibrator)
+    sizer = _build_sizer(config, pool, stores, metrics)
+    proxy.sizer = sizer
+    gateway = Gateway(
+        config, pool, stores, scheduler, metrics, flow, router, proxy, calibrator, sizer
+    )
     gateway.precise = precise
     gateway.prediction = PredictionTracker(
         metrics.registry,
@@ -189,6 +207,7 @@ async def _start_discovery(gateway: Gateway, stack: AsyncExitStack) -> Kubernete
         gateway.stores.index.forget_endpoint,
         gateway.stores.affinity.forget_endpoint,
         gateway.calibrator.forget_endpoint,
+        gateway.sizer.forget_endpoint,
     ]
     joined = []
     if gateway.precise is not None:
