@@ -77,6 +77,8 @@ async def reset_caches(http: aiohttp.ClientSession, urls: Sequence[str]) -> None
 
 
 def sim_command(settings: BenchSettings, base_port: int) -> list[str]:
+    b = settings.bytes_per_token
+    density = [] if b is None else ["--bytes-per-token", str(b)]
     events = []
     if settings.kv_events_offset is not None and settings.kv_replay_offset is not None:
         events = [
@@ -97,6 +99,7 @@ def sim_command(settings: BenchSettings, base_port: int) -> list[str]:
         "--speed", str(settings.speed),
         "--log-level", "warning",
         *events,
+        *density,
         *settings.sim_args,
     ]  # fmt: skip
 
@@ -122,7 +125,7 @@ class Runner:
 
     async def run(self, targets: Sequence[Target]) -> BenchReport:
         s = self.settings
-        estimate = estimate_reuse(self.workload, s.block_size)
+        estimate = estimate_reuse(self.workload, s.block_size, s.bytes_per_token)
         check_fits(s, estimate, self.workload)
         report = BenchReport(s, self.workload, estimate)
         base = s.base_port or free_port_range(s.replicas)
@@ -174,6 +177,7 @@ class Runner:
                 model=s.model,
                 speed=s.speed,
                 deadline_s=s.deadline_s,
+                bytes_per_token=s.bytes_per_token,
                 on_record=progress.update if progress else None,
             )
             run = await client.run()
