@@ -15,6 +15,7 @@ import aiohttp
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
@@ -125,7 +126,11 @@ def _build_scheduler(
 
 
 def _build_sizer(
-    config: GatewayConfig, pool: EndpointPool, stores: Stores, metrics: GatewayMetrics
+    config: GatewayConfig,
+    pool: EndpointPool,
+    stores: Stores,
+    density: TokenDensity,
+    registry: CollectorRegistry,
 ) -> IndexSizer:
     """Sizes the approximate index per endpoint at the learned bytes per token."""
     index = config.prefix_index
@@ -135,8 +140,8 @@ def _build_sizer(
         if len(s.endpoint.models) == 1
     }
     return IndexSizer(
-        stores.index, TokenDensity(metrics.registry), index.block_bytes,
-        fixed_blocks=index.capacity_blocks, models=models, registry=metrics.registry,
+        stores.index, density, index.block_bytes,
+        fixed_blocks=index.capacity_blocks, models=models, registry=registry,
     )
 
 
@@ -146,6 +151,7 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     metrics = GatewayMetrics(pool)
     stores = build_stores(config, pool, metrics.registry)
     calibrator = Calibrator(registry=metrics.registry)
+    density = TokenDensity(metrics.registry)
     answers = AnswerCache(metrics.registry)
     plugins, profile_cfg = _plugins(config)
     precise = None
@@ -169,19 +175,19 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     if precise is not None:
         router: Router = PreciseRouter(
             config, pool, candidates, scheduler, flow, metrics, tracker=precise.tracker,
-            responses=stores.responses, calibrator=calibrator, answers=answers,
+            responses=stores.responses, calibrator=calibrator, answers=answers, density=density,
         )
     else:
         router = Router(
             config, pool, candidates, scheduler, flow, metrics, responses=stores.responses,
-            calibrator=calibrator, answers=answers,
+            calibrator=calibrator, answers=answers, density=density,
         )
     proxy = Proxy(config, router, metrics)
     if prefill_profile is not None:
         pd = config.disaggregation
         timeout = pd.prefill_timeout_seconds or config.proxy.first_byte_timeout_seconds
         proxy.disagg = Disaggregator(pd, router, prefill_profile, metrics, timeout)
-    sizer = _build_sizer(config, pool, stores, metrics)
+    sizer = _build_sizer(config, pool, stores, density, metrics.registry)
     proxy.sizer = sizer
     gateway = Gateway(
         config, pool, stores, scheduler, metrics, flow, router, proxy, calibrator, sizer

@@ -60,6 +60,12 @@ async def test_the_gateway_learns_the_replicas_bytes_per_token(density: float) -
                 await _ask(http, gw, _body(_text(rng, rng.randint(1000, 6000)), i % 2 == 1))
             learned = gw.gateway.sizer.density.ratio(MODEL)
             assert learned == pytest.approx(density, rel=0.05)
+            # The cost model's token estimate of a prompt follows the learned ratio.
+            body = _body(_text(rng, 5000))
+            parsed = parse_request("chat", orjson.dumps(body))
+            estimate = gw.gateway.router.routing_request(parsed, {}, "r").prompt_tokens
+            actual = (await _ask(http, gw, body))["prompt_tokens"]
+            assert estimate == pytest.approx(actual, rel=0.05)
             for r in reps:  # each index sized at the learned ratio from the replica's KV
                 kv_tokens = sim.num_gpu_blocks * sim.block_size
                 want = int(kv_tokens * learned // config.prefix_index.block_bytes)
