@@ -85,16 +85,6 @@ class IndexSizer:
         elif self._moved(self._ratio(endpoint_id), self._applied.get(endpoint_id)):
             self._resize(endpoint_id, self._ratio(endpoint_id))  # it just changed model
 
-    def _moved(self, ratio: float, applied: float | None) -> bool:
-        return applied is not None and abs(ratio / applied - 1.0) > self._threshold
-
-    def _resize_moved(self) -> None:
-        """Every endpoint whose ratio moved materially (rare: the loop is over the pool)."""
-        for endpoint_id in list(self._kv_tokens):
-            ratio = self._ratio(endpoint_id)
-            if self._moved(ratio, self._applied.get(endpoint_id)):
-                self._resize(endpoint_id, ratio)
-
     def capacity_blocks(self, endpoint_id: str) -> int | None:
         """The capacity last applied to ``endpoint_id`` (None: never sized)."""
         if self._fixed is not None:
@@ -109,6 +99,16 @@ class IndexSizer:
             table.pop(endpoint_id, None)
         with contextlib.suppress(KeyError):  # never sized
             self._capacity.remove(endpoint_id)
+
+    def _moved(self, ratio: float, applied: float | None) -> bool:
+        return applied is not None and abs(ratio / applied - 1.0) > self._threshold
+
+    def _resize_moved(self) -> None:
+        """Every endpoint whose ratio moved materially (rare: the loop is over the pool)."""
+        for endpoint_id in list(self._kv_tokens):
+            ratio = self._ratio(endpoint_id)
+            if self._moved(ratio, self._applied.get(endpoint_id)):
+                self._resize(endpoint_id, ratio)
 
     def _ratio(self, endpoint_id: str) -> float:
         model = self._models.get(endpoint_id, self._last_model)
