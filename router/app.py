@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
@@ -28,7 +29,7 @@ from router.disagg import Disaggregator, build_disagg_profiles
 from router.discovery import KubernetesDiscovery, LivePool, api_client
 from router.endpoints import Endpoint, EndpointPool, OutlierSettings
 from router.errors import BadRequestError, GatewayError
-from router.hashing import BYTES_PER_TOKEN
+from router.index_sizing import IndexSizer
 from router.live_sessions import LiveSessions
 from router.loop_lag import LoopLagMonitor
 from router.metrics import GatewayMetrics
@@ -44,6 +45,7 @@ from router.scraper import EndpointMonitor, MonitorSettings
 from router.stored_responses import StoredResponses, make_probe
 from router.stores import Stores, build_stores
 from router.strategies import Strategy, strategy
+from router.token_density import TokenDensity
 from router.upstream import UpstreamClient
 
 JSON = "application/json"
@@ -63,6 +65,7 @@ class Gateway:
     router: Router
     proxy: Proxy
     calibrator: Calibrator
+    sizer: IndexSizer
     monitor: EndpointMonitor | None = None
     discovery: KubernetesDiscovery | None = None
     precise: PreciseRuntime | None = None
@@ -72,11 +75,7 @@ class Gateway:
         """Bound the index for an endpoint by what its KV cache can really hold."""
         if self.precise is not None:
             self.precise.set_capacity(endpoint_id, num_gpu_blocks)
-        if self.config.prefix_index.capacity_blocks is not None:
-            return
-        capacity_bytes = block_size * num_gpu_blocks * BYTES_PER_TOKEN
-        blocks = int(capacity_bytes // self.config.prefix_index.block_bytes)
-        self.stores.index.set_capacity(endpoint_id, blocks)
+        self.sizer.kv_capacity(endpoint_id, block_size * num_gpu_blocks)
 
 
 def _build_pool(config: GatewayConfig) -> EndpointPool:
@@ -139,6 +138,26 @@ def _log_compatibility(config: GatewayConfig) -> None:
         log.warning("%s config: accepted but ignored: %s", compat.source, line)
 
 
+def _build_sizer(
+    config: GatewayConfig,
+    pool: EndpointPool,
+    stores: Stores,
+    density: TokenDensity,
+    registry: CollectorRegistry,
+) -> IndexSizer:
+    """Sizes the approximate index per endpoint at the learned bytes per token."""
+    index = config.prefix_index
+    models = {
+        s.endpoint.id: next(iter(s.endpoint.models))
+        for s in pool
+        if len(s.endpoint.models) == 1
+    }
+    return IndexSizer(
+        stores.index, density, index.block_bytes,
+        fixed_blocks=index.capacity_blocks, models=models, registry=registry,
+    )
+
+
 def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None) -> Gateway:
     _log_compatibility(config)
     registry = registry or default_registry()
@@ -146,6 +165,7 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     metrics = GatewayMetrics(pool)
     stores = build_stores(config, pool, metrics.registry)
     calibrator = Calibrator(registry=metrics.registry)
+    density = TokenDensity(metrics.registry)
     answers = AnswerCache(metrics.registry)
     plugins, profile_cfg = _plugins(config)
     precise = None
@@ -169,19 +189,23 @@ def build_gateway(config: GatewayConfig, registry: PluginRegistry | None = None)
     if precise is not None:
         router: Router = PreciseRouter(
             config, pool, candidates, scheduler, flow, metrics, tracker=precise.tracker,
-            responses=stores.responses, calibrator=calibrator, answers=answers,
+            responses=stores.responses, calibrator=calibrator, answers=answers, density=density,
         )
     else:
         router = Router(
             config, pool, candidates, scheduler, flow, metrics, responses=stores.responses,
-            calibrator=calibrator, answers=answers,
+            calibrator=calibrator, answers=answers, density=density,
         )
     proxy = Proxy(config, router, metrics)
     if prefill_profile is not None:
         pd = config.disaggregation
         timeout = pd.prefill_timeout_seconds or config.proxy.first_byte_timeout_seconds
         proxy.disagg = Disaggregator(pd, router, prefill_profile, metrics, timeout)
-    gateway = Gateway(config, pool, stores, scheduler, metrics, flow, router, proxy, calibrator)
+    sizer = _build_sizer(config, pool, stores, density, metrics.registry)
+    proxy.sizer = sizer
+    gateway = Gateway(
+        config, pool, stores, scheduler, metrics, flow, router, proxy, calibrator, sizer
+    )
     gateway.precise = precise
     gateway.prediction = PredictionTracker(
         metrics.registry,
@@ -204,6 +228,7 @@ async def _start_discovery(gateway: Gateway, stack: AsyncExitStack) -> Kubernete
         gateway.stores.affinity.forget_endpoint,
         gateway.calibrator.forget_endpoint,
         gateway.flow.forget_endpoint,
+        gateway.sizer.forget_endpoint,
     ]
     joined = []
     if gateway.precise is not None:

@@ -41,5 +41,5 @@ def block_hashes(
     return hashes
 
 
-def estimate_tokens(num_bytes: int) -> int:
-    return max(1, round(num_bytes / BYTES_PER_TOKEN))
+def estimate_tokens(num_bytes: int, bytes_per_token: float = BYTES_PER_TOKEN) -> int:
+    return max(1, round(num_bytes / bytes_per_token))

@@ -36,6 +36,9 @@ from router.answer_cache import AnswerCache
 from router.precise_routing import PreciseTracker
 from router.scheduling import RoutingRequest
 
+# Another reader of each answer's usage (the index sizer): endpoint, request, usage.
+UsageObserver = Callable[[str, RoutingRequest, Mapping[str, Any] | None], None]
+
 MODES = ("approximate", "precise", "precise_confirmed")
 _TOKEN_BUCKETS = tuple(
     [-float(4**i) for i in range(8, 0, -1)] + [-1.0, 0.0, 1.0] + [float(4**i) for i in range(1, 9)]
@@ -222,13 +225,18 @@ class UsageTap:
     """Keeps the tail of a relayed answer, where its ``usage`` is (the non-streaming body, or
     the last SSE events), and hands it to the tracker when the answer ends."""
 
-    __slots__ = ("_endpoint_id", "_parts", "_routing", "_size", "_tracker")
+    __slots__ = ("_also", "_endpoint_id", "_parts", "_routing", "_size", "_tracker")
     TAIL_BYTES = 16384
 
     def __init__(
-        self, tracker: PredictionTracker, endpoint_id: str, routing: RoutingRequest
+        self,
+        tracker: PredictionTracker,
+        endpoint_id: str,
+        routing: RoutingRequest,
+        also: UsageObserver | None = None,
     ) -> None:
         self._tracker = tracker
+        self._also = also
         self._endpoint_id = endpoint_id
         self._routing = routing
         self._parts: list[bytes] = []
@@ -248,4 +256,7 @@ class UsageTap:
         return b"".join(self._parts)[-self.TAIL_BYTES :]
 
     def finish(self) -> None:
-        self._tracker.observe(self._endpoint_id, self._routing, find_usage(self.tail()))
+        usage = find_usage(self.tail())
+        self._tracker.observe(self._endpoint_id, self._routing, usage)
+        if self._also is not None:
+            self._also(self._endpoint_id, self._routing, usage)

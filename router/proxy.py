@@ -39,6 +39,7 @@ from router.errors import (
 )
 from router.exchange import Exchange
 from router.headers import ForwardedHeaders, request_id_of, response_headers
+from router.index_sizing import IndexSizer
 from router.logs import AccessLog
 from router.metrics import GatewayMetrics
 from router.parsing import UPSTREAM_PATHS, Api, ParsedRequest, parse_request
@@ -79,6 +80,8 @@ class Proxy:
         # Prefill/decode disaggregation, set by build_gateway when it is enabled.
         self.disagg: Disaggregator | None = None
         self.prediction: PredictionTracker | None = None
+        # Learns bytes per token from each answer's usage and sizes the index from it.
+        self.sizer: IndexSizer | None = None
         self.auth = build_authenticator(config.auth, environ)
         self.upstream_keys = build_upstream_keys(config.pool, environ)
         self._headers = ForwardedHeaders(
@@ -361,7 +364,8 @@ class Proxy:
             return None, None
         usage = None
         if self.prediction is not None:
-            usage = UsageTap(self.prediction, endpoint_id, routing)
+            also = self.sizer.observe if self.sizer is not None else None
+            usage = UsageTap(self.prediction, endpoint_id, routing, also)
         responses = self._router.responses
         stored = None
         if api == "responses" and responses is not None:

@@ -28,6 +28,7 @@ from router.metrics import GatewayMetrics
 from router.parsing import ParsedRequest
 from router.response_store import ResponseRoutes
 from router.scheduling import RoutingRequest, Scheduler, SchedulingProfile
+from router.token_density import TokenDensity
 from router.ttft_errors import PredictionErrors
 
 SLO_HEADER = "x-llm-d-slo-ttft-ms"
@@ -48,6 +49,7 @@ class Router:
         responses: ResponseRoutes | None = None,
         calibrator: Calibrator | None = None,
         answers: AnswerCache | None = None,
+        density: TokenDensity | None = None,
     ) -> None:
         self._config = config
         self._pool = pool
@@ -62,6 +64,8 @@ class Router:
         self._errors = PredictionErrors()
         affinity = config.session_affinity
         self._identity = AgentIdentity(affinity.headers, affinity.agent_headers)
+        # Bytes per token learned from the answers: the prompt's token estimate follows it.
+        self._density = density
 
     def routing_request(
         self, parsed: ParsedRequest, headers: Mapping[str, str], request_id: str
@@ -84,7 +88,7 @@ class Router:
             explain=to_client or decision_log.isEnabledFor(logging.DEBUG),
             explain_to_client=to_client,
             prompt_bytes=len(data),
-            prompt_tokens=estimate_tokens(len(data)),
+            prompt_tokens=self._estimate_tokens(parsed.model, len(data)),
             block_bytes=index.block_bytes,
             block_hashes=block_hashes(
                 parsed.rendered, index.block_bytes, parsed.model, index.max_blocks_per_request
@@ -92,6 +96,11 @@ class Router:
             answer_bytes=parsed.answer_span,
             answer_share=self._answers.share(parsed.model),
         )
+
+    def _estimate_tokens(self, model: str, num_bytes: int) -> int:
+        if self._density is None:
+            return estimate_tokens(num_bytes)
+        return estimate_tokens(num_bytes, self._density.ratio(model))
 
     async def admit(
         self, routing: RoutingRequest, headers: Mapping[str, str], size: int

@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--out", type=Path, default=Path("bench-out"), help="output folder")
     add("--num-gpu-blocks", type=int, default=2048, help="KV cache blocks per replica")
     add("--block-size", type=int, default=16)
+    add("--bytes-per-token", type=float, default=None,
+        help="replicas' (and the client's) tokenizer density, characters a token (default ~4)")
     add("--max-num-seqs", type=int, default=256)
     add("--speed", type=float, default=5.0,
         help="simulate this many times faster than real (higher: faster runs, but the "
@@ -158,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         deadline_s=args.deadline, peer_dirs=peer_dirs(args.peers_dir),
         redis_url=args.redis_url, base_port=args.base_port, plots=not args.no_plots,
         progress=not args.no_progress, command=_command_line(),
-        gateway_log_level=args.gateway_log_level,
+        gateway_log_level=args.gateway_log_level, bytes_per_token=args.bytes_per_token,
     )  # fmt: skip
     if args.list:
         return _list(settings)

@@ -111,6 +111,7 @@ class WorkloadClient:
         model: str = "sim-model",
         speed: float = 1.0,
         deadline_s: float = 300.0,
+        bytes_per_token: float | None = None,
         on_record: Callable[[RequestRecord], None] | None = None,
     ) -> None:
         if not targets:
@@ -121,7 +122,7 @@ class WorkloadClient:
         self.speed = speed
         self.deadline_s = deadline_s
         self.on_record = on_record
-        self._tok = Tokenizer()
+        self._tok = Tokenizer(bytes_per_token)  # as the replicas count, for the reuse ledger
         self._sent = 0
         self._t0 = 0.0
         self._run = ClientRun(workload.num_requests)

@@ -168,14 +168,16 @@ def _walk(
             _walk(state.fork(), agent.steps, ledger, tok, rng)
 
 
-def estimate_reuse(workload: Workload, block_size: int = BLOCK_SIZE) -> ReuseLedger:
+def estimate_reuse(
+    workload: Workload, block_size: int = BLOCK_SIZE, bytes_per_token: float | None = None
+) -> ReuseLedger:
     """The workload's reusable tokens, walking conversations one after the other.
 
     A live run interleaves conversations, which changes little: what one conversation reuses
     comes from its own earlier turns and from prefixes (system prompt, tools) that are seen
     once and then stay. The runner measures the live figure too.
     """
-    tok = Tokenizer()
+    tok = Tokenizer(bytes_per_token)
     ledger = ReuseLedger(block_size)
     rng = random.Random(workload.seed)
     for conv in workload.conversations:

@@ -81,6 +81,8 @@ def sim_command(
     extra: Sequence[str] = (),
 ) -> list[str]:
     """One simulator process serving ``replicas`` (all by default) from ``base_port``."""
+    b = settings.bytes_per_token
+    density = [] if b is None else ["--bytes-per-token", str(b)]
     events = []
     if settings.kv_events_offset is not None and settings.kv_replay_offset is not None:
         events = [
@@ -101,6 +103,7 @@ def sim_command(
         "--speed", str(settings.speed),
         "--log-level", "warning",
         *events,
+        *density,
         *settings.sim_args,
         *extra,
     ]  # fmt: skip
@@ -145,7 +148,7 @@ class Runner:
 
     async def run(self, targets: Sequence[Target]) -> BenchReport:
         s = self.settings
-        estimate = estimate_reuse(self.workload, s.block_size)
+        estimate = estimate_reuse(self.workload, s.block_size, s.bytes_per_token)
         check_fits(s, estimate, self.workload)
         report = BenchReport(s, self.workload, estimate)
         base = s.base_port or free_port_range(s.replicas)
@@ -198,6 +201,7 @@ class Runner:
                 model=s.model,
                 speed=s.speed,
                 deadline_s=s.deadline_s,
+                bytes_per_token=s.bytes_per_token,
                 on_record=progress.update if progress else None,
             )
             run = await client.run()

@@ -13,6 +13,8 @@ class BenchSettings:
     speed: float = 5.0
     num_gpu_blocks: int = 2048
     block_size: int = 16
+    # The simulator's tokenizer density (characters a token); None: its word-based default.
+    bytes_per_token: float | None = None
     max_num_seqs: int = 256
     # Further `prefixgate sim` flags, e.g. ["--prefill-ms-per-token", "0.3"].
     sim_args: list[str] = field(default_factory=list)

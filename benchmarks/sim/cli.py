@@ -67,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="answer KV event replay requests here (+ i per replica)")
     add("--kv-events-encoding", choices=["array", "map"], default=d.kv_events_encoding,
         help="vLLM's tagged arrays (older) or maps with a 'type' key (newer)")
+    add("--bytes-per-token", type=float, default=None,
+        help="characters of text per token (1-32; default: the word-based tokenizer, ~4)")
     add("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
 
 
@@ -95,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_events_port=getattr(args, "kv_events_port", None),
         kv_events_replay_port=getattr(args, "kv_events_replay_port", None),
         kv_events_encoding=getattr(args, "kv_events_encoding", "array"),
+        bytes_per_token=getattr(args, "bytes_per_token", None),
     )
 
 

@@ -41,6 +41,8 @@ class SimConfig:
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
     kv_events_encoding: str = "array"
+    # Tokenizer density, characters of text per token (None: the word-based default, ~4).
+    bytes_per_token: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_gpu_blocks < 1:
@@ -53,6 +55,8 @@ class SimConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}")
+        if self.bytes_per_token is not None and not 1.0 <= self.bytes_per_token <= 32.0:
+            raise ValueError("bytes_per_token must be in [1, 32]")
         if self.kv_events_encoding not in ("array", "map"):
             raise ValueError("kv_events_encoding must be 'array' or 'map'")
 

@@ -60,7 +60,7 @@ class Engine:
         self.config = config
         self.engine_id = engine_id
         self.observer = observer
-        self.tokenizer = tokenizer or Tokenizer()
+        self.tokenizer = tokenizer or Tokenizer(config.bytes_per_token)
         self.kv = KVCache(config.num_gpu_blocks, config.block_size)
         self.kv_events = kv_events
         if kv_events is not None:

@@ -5,10 +5,14 @@ simulator and a gateway test, say) always agree on token ids. Special tokens are
 first, as real tokenizers do, and generated text is drawn from one-pre-token words, so a reply
 embedded in the next turn's template tokenizes to exactly the generated ids and its full blocks
 hit the prefix cache, as in vLLM. The encoding rules: docs/simulator.md.
+
+With ``bytes_per_token`` set, text is cut on a fixed grid at that density instead (real
+tokenizers range from 2 to 10 bytes a token); the rules: docs/simulator.md.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,6 +37,9 @@ _PRETOKEN_RE = re.compile(r"[ ]?[^\W\d_]+|[ ]?\d+|[ ]?(?:[^\w\s]|_)+|\s+(?!\S)|\
 _MAX_PIECE = 4
 _HASH_SEED = 0x5EED
 _MEMO_LIMIT = 1 << 20
+# Density mode's range: 32 characters a token keeps the pinned ids below the special tokens'.
+MIN_DENSITY = 1.0
+MAX_DENSITY = 32.0
 
 _CONSONANTS = "bcdfghjklmnprstvwz"
 _VOWELS = "aeiou"
@@ -89,6 +96,23 @@ _COMMON = (
     "may",
 )
 _PUNCT = (",", ".")
+
+
+def _density_pieces(length: int, count: int = 96) -> list[str]:
+    """Up to ``count`` distinct generated pieces of ``length`` characters: lowercase letters
+    and single inner spaces, never a space at either end (strip-safe, one run)."""
+    rng = random.Random(0x5EED + length)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    found: dict[str, None] = {}
+    for _ in range(count * 8):
+        chars = [rng.choice(letters)]
+        for i in range(1, length):
+            space = i < length - 1 and chars[-1] != " " and rng.random() < 0.2
+            chars.append(" " if space else rng.choice(letters))
+        found["".join(chars)] = None
+        if len(found) >= count:
+            break
+    return list(found)
 
 
 def _piece_id(piece: str) -> int:
@@ -148,7 +172,10 @@ def render_chat(
 class Tokenizer:
     """Deterministic tokenizer; one instance per replica (it keeps a bounded decode memo)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bytes_per_token: float | None = None) -> None:
+        if bytes_per_token is not None and not MIN_DENSITY <= bytes_per_token <= MAX_DENSITY:
+            raise ValueError(f"bytes_per_token must be in [{MIN_DENSITY}, {MAX_DENSITY}]")
+        self.bytes_per_token = bytes_per_token
         words = list(_COMMON)
         words += [c1 + v + c2 for c1 in _CONSONANTS for v in _VOWELS for c2 in _CONSONANTS]
         # " " + word must stay one piece of at most four characters.
@@ -162,6 +189,14 @@ class Tokenizer:
         self._word_ids = [pinned[" " + w] for w in words if w in pinned]
         self._punct_ids = [pinned[p] for p in _PUNCT]
         self._punct_set = frozenset(self._punct_ids)
+        # Density mode: generated pieces by length, in their own id range after the words'.
+        self._by_length: dict[int, list[int]] = {}
+        if bytes_per_token is not None:
+            for length in range(1, math.ceil(bytes_per_token) + 1):
+                ids = self._by_length[length] = []
+                for piece in _density_pieces(length):
+                    pinned.setdefault(piece, PINNED_BASE + len(pinned))
+                    ids.append(pinned[piece])
         self._piece_to_id: dict[str, int] = {}
         self._id_to_piece: dict[int, str] = {}
         self._reset_memo()
@@ -192,13 +227,39 @@ class Tokenizer:
                 token_id = memo.get(piece)
                 out.append(token_id if token_id is not None else self._remember(piece))
 
+    def _encode_runs(self, segment: str, after_special: bool, out: list[int]) -> None:
+        """Density mode: the role line after a special token, then the rest, each cut on the
+        grid (see the module doc)."""
+        if after_special:
+            cut = segment.find("\n") + 1
+            if cut:
+                self._encode_run(segment[:cut], out)
+                segment = segment[cut:]
+        if segment:
+            self._encode_run(segment, out)
+
+    def _encode_run(self, run: str, out: list[int]) -> None:
+        memo = self._piece_to_id
+        b = self.bytes_per_token
+        assert b is not None
+        start, k, n = 0, 1, len(run)
+        while start < n:
+            end = min(n, int(k * b + 0.5))
+            piece = run[start:end]
+            token_id = memo.get(piece)
+            out.append(token_id if token_id is not None else self._remember(piece))
+            start, k = end, k + 1
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens in the text are recognised."""
         out: list[int] = []
+        dense = self.bytes_per_token is not None
         for i, segment in enumerate(SPECIAL_RE.split(text)):
             if i % 2 == 1:
                 fixed = _FIXED_SPECIALS.get(segment)
                 out.append(fixed if fixed is not None else self._remember(segment))
+            elif segment and dense:
+                self._encode_runs(segment, i > 0, out)
             elif segment:
                 self._encode_text(segment, out)
         return out
@@ -229,6 +290,14 @@ class Tokenizer:
         if n <= 0:
             return []
         rng = random.Random(seed)
+        b = self.bytes_per_token
+        if b is not None:
+            # Lengths follow the grid from 0, so the text re-encodes to the same ids.
+            by_length = self._by_length
+            return [
+                rng.choice(by_length[int((k + 1) * b + 0.5) - int(k * b + 0.5)])
+                for k in range(n)
+            ]
         ids = [rng.choice(self._word_ids) for _ in range(n)]
         if chat:
             ids[0] = rng.choice(self._first_ids)

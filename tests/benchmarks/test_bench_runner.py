@@ -191,3 +191,23 @@ def test_replicas_with_their_own_flags_get_their_own_simulator(tmp_path: Path) -
     assert [n for n, _ in sim_processes(BenchSettings(out=tmp_path, replicas=3), 1)] == ["sim"]
     with pytest.raises(ValueError, match="replica_sim_args"):
         sim_processes(BenchSettings(out=tmp_path, replicas=3, replica_sim_args=[fast]), 1)
+
+
+@pytest.mark.timeout(90)
+def test_cli_runs_replicas_and_reuse_ledger_at_one_density(tmp_path: Path) -> None:
+    """Replicas and the client's ledger count the same tokens: what a replica served from its
+    cache is a sane share of what the ledger says could be (at 4 bytes a token against 9 it
+    would be ~2.25x too small)."""
+    out = tmp_path / "out"
+    code = main([
+        "bench", "--workload", "agentic", "--preset", "tiny", "--replicas", "2",
+        "--strategies", "session-hash", "--peers", "none", "--speed", "20",
+        "--bytes-per-token", "9", "--num-gpu-blocks", "512", "--no-plots", "--no-progress",
+        "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    data = json.loads((out / "results.json").read_text())
+    (result,) = data["results"]
+    assert result["status"] == "ok" and result["errors"] == 0
+    assert data["settings"]["bytes_per_token"] == 9.0
+    assert 0.8 <= result["captured"] <= 1.0

@@ -76,24 +76,15 @@ def test_world_settings_carry_the_drawn_replicas(tmp_path: Path) -> None:
     assert SweepSpec(1, 0).strategies[-1] == "default-nofc"
 
 
-@dataclasses.dataclass
-class _DensitySettings(BenchSettings):
-    """A bench that has its own tokenizer density setting (the client counts as replicas)."""
-
-    bytes_per_token: float | None = None
-
-
-def test_tokenizer_density_goes_where_the_bench_and_simulator_take_it(tmp_path: Path) -> None:
+def test_tokenizer_density_goes_to_the_bench_setting(tmp_path: Path) -> None:
+    """The bench's own density setting runs the replicas and the client's reuse ledger alike."""
     built = build_world(draw_worlds(1, seed=0)[0], 0.2)
     bpt = built.world.bytes_per_token
     off = dataclasses.replace(built, bytes_per_token_applied=False)
     on = dataclasses.replace(built, bytes_per_token_applied=True)
-    assert "--bytes-per-token" not in world_settings(BenchSettings(out=tmp_path), off).sim_args
-    args = world_settings(BenchSettings(out=tmp_path), on).sim_args
-    assert args[args.index("--bytes-per-token") + 1] == f"{bpt:g}"
-    s = world_settings(_DensitySettings(out=tmp_path), on)
-    assert isinstance(s, _DensitySettings) and s.bytes_per_token == bpt
-    assert "--bytes-per-token" not in s.sim_args
+    assert world_settings(BenchSettings(out=tmp_path), off).bytes_per_token is None
+    s = world_settings(BenchSettings(out=tmp_path), on)
+    assert s.bytes_per_token == bpt and "--bytes-per-token" not in s.sim_args
 
 
 def test_sweep_flags_are_checked_before_anything_starts(tmp_path: Path) -> None:

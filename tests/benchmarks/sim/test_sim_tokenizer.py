@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -108,3 +109,64 @@ def test_completion_continuation_holds_generated_ids() -> None:
     prompt = "Once upon a time"
     out = tok.generate(40, 7, chat=False)
     assert tok.encode(prompt + tok.decode(out)) == tok.encode(prompt) + out
+
+
+DENSITIES = st.sampled_from([1.0, 2.5, 3.0, 4.0, 6.3, 9.0, 10.0, 32.0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=st.text(min_size=200, max_size=2000), b=DENSITIES)
+def test_density_sets_characters_per_token(text: str, b: float) -> None:
+    ids = Tokenizer(bytes_per_token=b).encode(text)
+    assert ids == Tokenizer(bytes_per_token=b).encode(text)
+    if "<|" not in text:  # no special token: one run, cut on the grid
+        assert abs(len(ids) - len(text) / b) <= 1
+
+
+def test_density_changes_only_the_token_count_of_the_same_text() -> None:
+    english = "the cat sat on the mat and looked at the other animals in the garden " * 50
+    for b in (3.0, 9.0):
+        assert len(english) / len(Tokenizer(bytes_per_token=b).encode(english)) == pytest.approx(
+            b, rel=0.01
+        )
+    # Few distinct pieces, so no two share an id (see the module doc): an exact round trip.
+    tok = Tokenizer(bytes_per_token=2.5)
+    assert tok.decode(tok.encode(TEXT)) == TEXT
+    with pytest.raises(ValueError, match="bytes_per_token"):
+        Tokenizer(bytes_per_token=0.5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 300), seed=st.integers(0, 2**63), chat=st.booleans(), b=DENSITIES)
+def test_generated_ids_round_trip_at_any_density(n: int, seed: int, chat: bool, b: float) -> None:
+    ids = Tokenizer(bytes_per_token=b).generate(n, seed, chat)
+    assert len(ids) == n
+    text = Tokenizer(bytes_per_token=b).decode(ids)
+    assert text == text.strip() and "\n" not in text
+    assert Tokenizer(bytes_per_token=b).encode(text) == ids
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    user=st.text(max_size=200),
+    follow=st.text(max_size=50),
+    n=st.integers(1, 80),
+    seed=st.integers(0, 2**32),
+    b=DENSITIES,
+)
+def test_next_turn_holds_generated_ids_at_any_density(
+    user: str, follow: str, n: int, seed: int, b: float
+) -> None:
+    tok = Tokenizer(bytes_per_token=b)
+    turn1 = [{"role": "user", "content": user}]
+    prompt1 = tok.encode_chat(turn1)
+    reply_ids = tok.generate(n, seed, chat=True)
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": tok.decode(reply_ids)},
+        {"role": "user", "content": follow},
+    ]
+    prompt2 = tok.encode_chat(turn2)
+    assert prompt2[: len(prompt1)] == prompt1
+    assert prompt2[len(prompt1) : len(prompt1) + n] == reply_ids
+    assert prompt2[len(prompt1) + n] == IM_END_ID
