@@ -25,9 +25,7 @@ all reported times (TTFT, ITL, queue time, e2e) are simulated seconds, i.e. what
 would show. An idle engine waits on an event and restarts its clock at the arrival that woke
 it, so wake-up latency (multiplied by ``speed``) stays out of the simulated latencies.
 
-With ``prefill_mode="serial"`` the steps run as above, but a waiting request is admitted only
-when no running request is still prefilling: one prompt prefills at a time (next to the
-decodes), as an engine that does not batch prefills.
+``prefill_mode="serial"``: as above, but one prompt prefills at a time (next to the decodes).
 
 With ``prefill_mode="independent"`` (llm-d-inference-sim's model, for checking a router against
 that simulator's world) a prefill does not run in the steps: on admission the request holds its
@@ -260,7 +258,7 @@ class Engine:
         return plan
 
     def _serial_busy(self) -> bool:
-        """In serial mode, whether a running request is still prefilling (the next waits)."""
+        """Serial mode: the next admission waits while a running request still prefills."""
         return self.config.prefill_mode == "serial" and any(r.prefilling for r in self.running)
 
     def _plan_prefill(self, plan: _Plan, req: SimRequest, budget: int) -> None:
