@@ -228,7 +228,7 @@ class Engine:
         return plan
 
     def _serial_busy(self) -> bool:
-        """In serial mode, whether a running request is still prefilling (the next waits)."""
+        """Serial mode: the next admission waits while a running request still prefills."""
         return self.config.prefill_mode == "serial" and any(r.prefilling for r in self.running)
 
     def _plan_prefill(self, plan: _Plan, req: SimRequest, budget: int) -> None:
