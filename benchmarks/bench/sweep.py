@@ -64,28 +64,16 @@ class WorldRun:
     error: str = ""
 
 
-def _density(template: BenchSettings, built: BuiltWorld) -> tuple[dict[str, Any], list[str]]:
-    """The world's tokenizer density: as a bench setting when the bench has one (the client
-    then counts tokens as the replicas do), else as a simulator flag, else not at all."""
-    if not built.bytes_per_token_applied:
-        return {}, []
-    bpt = built.world.bytes_per_token
-    if any(f.name == "bytes_per_token" for f in dataclasses.fields(template)):
-        return {"bytes_per_token": bpt}, []
-    return {}, ["--bytes-per-token", f"{bpt:g}"]
-
-
 def world_settings(template: BenchSettings, built: BuiltWorld) -> BenchSettings:
     w = built.world
-    density, density_args = _density(template, built)
     return dataclasses.replace(
         template, out=template.out / f"world-{w.index:02d}", replicas=w.replicas,
         speed=built.speed, num_gpu_blocks=built.num_gpu_blocks, block_size=w.block_size,
         max_num_seqs=w.max_num_seqs,
-        sim_args=[*template.sim_args, *built.sim_args, *density_args],
+        sim_args=[*template.sim_args, *built.sim_args],
         replica_sim_args=replica_latency_args(w), plots=False,
         deadline_s=max(DEADLINE_FLOOR_S, 4 * built.est_sim_s / built.speed),
-        kv_events_offset=None, kv_replay_offset=None, **density,
+        kv_events_offset=None, kv_replay_offset=None, bytes_per_token=w.bytes_per_token,
     )  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from benchmarks.bench.conversation import estimate_reuse
@@ -40,7 +40,6 @@ class BuiltWorld:
     est_sim_s: float
     distinct_tokens: int  # client tokens an infinite cache would hold
     kv_ratio: float  # fleet KV / distinct tokens, after the fit minimum
-    bytes_per_token_applied: bool
     sim_args: list[str]
 
     def summary(self) -> dict[str, Any]:
@@ -50,7 +49,6 @@ class BuiltWorld:
             "kv_ratio": round(self.kv_ratio, 3), "requests": self.workload.num_requests,
             "conversations": len(self.workload.conversations),
             "concurrency": self.workload.concurrency, "rate": self.workload.rate,
-            "bytes_per_token_applied": self.bytes_per_token_applied,
             "workload_params": self.workload.params,
         }  # fmt: skip
 
@@ -200,15 +198,9 @@ def _trace(world: World, c: _Costs, wall_s: float, rows: Sequence[TraceRow]) -> 
     return replace(wl, params={**wl.params, "time_scale": p.time_scale})
 
 
-def supports_bytes_per_token() -> bool:
-    """Whether this simulator has a tokenizer density setting (added separately)."""
-    return any(f.name == "bytes_per_token" for f in fields(SimConfig))
-
-
 def build_world(world: World, scale: float = 1.0, rows: Sequence[TraceRow] = ()) -> BuiltWorld:
     wall_s = WALL_TARGET_S * scale
-    applied = supports_bytes_per_token()
-    sim_ratio = WORDS_BPT / world.bytes_per_token if applied else 1.0
+    sim_ratio = WORDS_BPT / world.bytes_per_token
     c = _Costs.of(world, sim_ratio)
     if world.workload == "trace":
         if not rows:
@@ -231,5 +223,5 @@ def build_world(world: World, scale: float = 1.0, rows: Sequence[TraceRow] = ())
     args = ["--prefill-mode", world.prefill_mode,
             "--max-num-batched-tokens", str(world.max_num_batched_tokens)]
     speed = min(MAX_SPEED, max(MIN_SPEED, est / wall_s))
-    return BuiltWorld(world, wl, blocks, speed, est, ledger.distinct_tokens, kv_ratio, applied,
+    return BuiltWorld(world, wl, blocks, speed, est, ledger.distinct_tokens, kv_ratio,
                       args)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -79,12 +78,9 @@ def test_world_settings_carry_the_drawn_replicas(tmp_path: Path) -> None:
 def test_tokenizer_density_goes_to_the_bench_setting(tmp_path: Path) -> None:
     """The bench's own density setting runs the replicas and the client's reuse ledger alike."""
     built = build_world(draw_worlds(1, seed=0)[0], 0.2)
-    bpt = built.world.bytes_per_token
-    off = dataclasses.replace(built, bytes_per_token_applied=False)
-    on = dataclasses.replace(built, bytes_per_token_applied=True)
-    assert world_settings(BenchSettings(out=tmp_path), off).bytes_per_token is None
-    s = world_settings(BenchSettings(out=tmp_path), on)
-    assert s.bytes_per_token == bpt and "--bytes-per-token" not in s.sim_args
+    s = world_settings(BenchSettings(out=tmp_path), built)
+    assert s.bytes_per_token == built.world.bytes_per_token
+    assert "--bytes-per-token" not in s.sim_args
 
 
 def test_sweep_flags_are_checked_before_anything_starts(tmp_path: Path) -> None:
