@@ -295,7 +295,10 @@ class GatewayConfig(Strict):
     session_affinity: SessionAffinityConfig = SessionAffinityConfig()
     responses: ResponsesConfig = ResponsesConfig()
     proxy: ProxyConfig = ProxyConfig()
-    flow_control: FlowControlConfig = FlowControlConfig()
+    # Off unless the config has a flowControl section (enabled: true by default inside it):
+    # holding requests in the gateway only pays where there is an order to keep (priorities,
+    # tenants), and costs latency elsewhere (docs/benchmarks/sweep.md).
+    flow_control: FlowControlConfig = FlowControlConfig(enabled=False)
     auth: AuthConfig = AuthConfig()
     ext_proc: ExtProcConfig = ExtProcConfig()
     discovery: DiscoveryConfig | None = None

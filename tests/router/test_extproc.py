@@ -192,7 +192,7 @@ async def two_replicas() -> AsyncIterator[list[Replica]]:
 
 @pytest.fixture
 async def epp(two_replicas: list[Replica]) -> AsyncIterator[RunningEpp]:
-    async with running_epp(epp_config(two_replicas)) as running:
+    async with running_epp(epp_config(two_replicas, flowControl={})) as running:
         yield running
 
 
