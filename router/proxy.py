@@ -38,7 +38,7 @@ from router.errors import (
     UpstreamTimeoutError,
 )
 from router.exchange import Exchange
-from router.headers import ForwardedHeaders, request_id_of, response_headers
+from router.headers import ForwardedHeaders, RequestIds, request_id_of, response_headers
 from router.logs import AccessLog
 from router.metrics import GatewayMetrics
 from router.parsing import UPSTREAM_PATHS, Api, ParsedRequest, parse_request
@@ -85,6 +85,7 @@ class Proxy:
             self.upstream_keys, self.auth is not None, config.auth.forward_client_key
         )
         self._access = AccessLog(config.server.access_log)
+        self._ids = RequestIds()
         # Set on SIGTERM: /ready answers 503, and requests cut by the drain deadline end cleanly.
         self.draining = False
         self.active = 0
@@ -126,7 +127,7 @@ class Proxy:
         return b"".join(chunks)
 
     async def handle(self, request: Request, api: Api) -> Response:
-        ex = Exchange(api, request_id_of(request.headers), time.perf_counter())
+        ex = Exchange(api, request_id_of(request.headers, self._ids), time.perf_counter())
         self.active += 1
         self._idle.clear()
         try:
