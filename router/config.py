@@ -140,6 +140,8 @@ class ServerConfig(Strict):
     shutdown_delay_seconds: float = Field(0.0, ge=0)
     drain_timeout_seconds: float = Field(30.0, ge=0)
     access_log: bool = True
+    # Share of successful requests that get an access line (failures always do).
+    access_log_sample_rate: float = Field(1.0, gt=0, le=1)
     log_format: Literal["text", "json"] = "text"
     # Answer "x-prefixgate-explain: 1" with the routing decision in "x-prefixgate-decision"
     # (scores and cost terms of the best endpoints). Off by default: it shows fleet internals.

@@ -37,7 +37,7 @@ from router.errors import (
     UpstreamError,
     UpstreamTimeoutError,
 )
-from router.exchange import Exchange
+from router.exchange import Exchange, ExchangeFields
 from router.headers import ForwardedHeaders, RequestIds, request_id_of, response_headers
 from router.logs import AccessLog
 from router.metrics import GatewayMetrics
@@ -84,7 +84,8 @@ class Proxy:
         self._headers = ForwardedHeaders(
             self.upstream_keys, self.auth is not None, config.auth.forward_client_key
         )
-        self._access = AccessLog(config.server.access_log)
+        server = config.server
+        self._access = AccessLog(server.access_log, server.access_log_sample_rate)
         self._ids = RequestIds()
         # Set on SIGTERM: /ready answers 503, and requests cut by the drain deadline end cleanly.
         self.draining = False
@@ -381,8 +382,9 @@ class Proxy:
         if not self.active:
             self._idle.set()
         self._metrics.requests.labels(ex.endpoint or "none", str(ex.status), ex.api).inc()
-        if self._access.active:
-            self._access.emit(ex.fields(time.perf_counter()))
+        access = self._access
+        if access.active and access.sampled(ex.status >= 400 or ex.outcome != "ok"):
+            access.emit(ExchangeFields(ex, time.perf_counter()))
 
     async def wait_idle(self, seconds: float) -> bool:
         """Wait (bounded) until no request is inside the gateway; True if none is."""
