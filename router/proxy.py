@@ -41,9 +41,9 @@ from router.exchange import Exchange, ExchangeFields
 from router.headers import ForwardedHeaders, RequestIds, request_id_of, response_headers
 from router.logs import AccessLog
 from router.metrics import GatewayMetrics
-from router.parsing import UPSTREAM_PATHS, Api, ParsedRequest, parse_request
+from router.parsing import UPSTREAM_PATHS, Api, ParsedRequest
 from router.prediction import PredictionTracker, UsageTap
-from router.routing import Router
+from router.routing import Prepared, Router
 from router.scheduling import RoutingRequest
 from router.streaming import DisconnectWatch, ErrorEvent, UpstreamResponse, sse_error_event
 from router.upstream import UPSTREAM_ERRORS, UpstreamClient, UpstreamReply
@@ -152,9 +152,10 @@ class Proxy:
             ex.tenant = self.auth.authenticate(headers)
             headers = TenantHeaders(headers, ex.tenant)
         body = await self.read_body(request)
-        parsed = parse_request(ex.api, body)
+        prepared = await self._prepare(ex.api, body)
+        parsed = prepared.parsed
         ex.model, ex.stream = parsed.model, parsed.stream
-        routing = self._router.routing_request(parsed, headers, ex.request_id)
+        routing = self._router.routing_request(parsed, headers, ex.request_id, prepared)
         # Watch from here on: a client leaving while queued or waiting for the first byte
         # must leave its queue or cancel the upstream request at once.
         watch = DisconnectWatch(request.receive)
@@ -188,6 +189,13 @@ class Proxy:
                 watch.stop()
                 if ticket is not None:
                     ticket.release()
+
+    async def _prepare(self, api: Api, body: bytes) -> Prepared:
+        """Parse and hash, in a worker thread when the body is large (orjson and the hashing
+        run there without the event loop; a small body is cheaper done here)."""
+        if len(body) < self._config.server.offload_body_bytes:
+            return self._router.prepare(api, body)
+        return await asyncio.to_thread(self._router.prepare, api, body)
 
     def upstream_headers(
         self, request: Request, request_id: str, tenant: str | None, endpoint_id: str
