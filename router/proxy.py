@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 
 from flow_control.request import Ticket
@@ -31,8 +31,6 @@ from router.disagg import Disaggregator
 from router.endpoints import EndpointSnapshot, Lease
 from router.errors import (
     GatewayError,
-    PayloadTooLargeError,
-    RequestTimeoutError,
     ShuttingDownError,
     UpstreamError,
     UpstreamTimeoutError,
@@ -43,6 +41,7 @@ from router.logs import AccessLog
 from router.metrics import GatewayMetrics
 from router.parsing import UPSTREAM_PATHS, Api, ParsedRequest
 from router.prediction import PredictionTracker, UsageTap
+from router.request_body import read_body
 from router.routing import Prepared, Router
 from router.scheduling import RoutingRequest
 from router.streaming import DisconnectWatch, ErrorEvent, UpstreamResponse, sse_error_event
@@ -106,26 +105,8 @@ class Proxy:
         )
 
     async def read_body(self, request: Request) -> bytes:
-        limit = self._config.server.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async with asyncio.timeout(self._config.server.body_timeout_seconds):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise PayloadTooLargeError(
-                            f"request body exceeds the limit of {limit} bytes"
-                        )
-                    chunks.append(chunk)
-        except ClientDisconnect:
-            raise asyncio.CancelledError from None
-        except TimeoutError:
-            raise RequestTimeoutError("the request body did not arrive in time") from None
-        return b"".join(chunks)
+        server = self._config.server
+        return await read_body(request, server.max_body_bytes, server.body_timeout_seconds)
 
     async def handle(self, request: Request, api: Api) -> Response:
         ex = Exchange(api, request_id_of(request.headers, self._ids), time.perf_counter())
