@@ -30,6 +30,8 @@ import httpx
 
 from benchmarks import wrk
 from benchmarks.bench.procs import HOST, free_port
+
+__all__ = ["HOST", "free_port", "process", "started"]
 from benchmarks.bench.targets import PEERS, find_peer_binary, peer_args, peer_dirs
 from benchmarks.proc_cpu import tree_cpu_seconds
 
@@ -78,6 +80,13 @@ def started(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def process(args: list[str], ready_url: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A child process, once ``ready_url`` answers 200; stopped on exit (other benchmarks)."""
+    with started(args[0], args, [ready_url], ready_url) as runner:
+        yield runner.proc
 
 
 def _gateway(
