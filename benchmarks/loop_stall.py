@@ -6,6 +6,11 @@ histogram (``prefixgate_event_loop_lag_seconds``, a timer every 50 ms recording 
 before and after: the new observations, by bucket, bound the longest stall.
 
     python -m benchmarks.loop_stall [--mb 30] [--messages 0] [--gateway-src DIR]
+                                    [--max-blocks N]
+
+``--max-blocks`` caps the blocks a request records in the prefix index
+(``prefixIndex.maxBlocksPerRequest``): with a small cap, what is left is the stall of the
+rest of the request's path.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import orjson
+import yaml
 
 from benchmarks.bench.procs import HOST, free_port
 from benchmarks.overhead import started
@@ -64,15 +71,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mb", type=float, default=30.0, help="request body size")
     parser.add_argument("--messages", type=int, default=0, help="0: one long message")
     parser.add_argument("--gateway-src", type=Path, default=Path.cwd())
+    parser.add_argument("--max-blocks", type=int, default=None,
+                        help="prefixIndex.maxBlocksPerRequest (default: the gateway's)")
     args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        return _run(args, Path(tmp))
+
+
+def _run(args: argparse.Namespace, tmp: Path) -> int:
     payload = body(args.mb, args.messages)
     sim_port, gw_port = free_port(), free_port()
     replica, url = f"http://{HOST}:{sim_port}", f"http://{HOST}:{gw_port}"
     exe = [sys.executable, "-m", "router.cli"]
     sim = [*exe, "sim", "--zero-latency", "--host", HOST, "--port", str(sim_port),
            "--log-level", "warning"]
-    gateway = [*exe, "serve", "--backend", replica, "--host", HOST, "--port", str(gw_port),
-               "--log-level", "warning"]
+    gateway = [*exe, "serve", "--host", HOST, "--port", str(gw_port), "--log-level", "warning"]
+    if args.max_blocks is None:
+        gateway += ["--backend", replica]
+    else:
+        config = tmp / "gateway.yaml"
+        config.write_text(yaml.safe_dump({
+            "pool": {"endpoints": [{"url": replica}]},
+            "prefixIndex": {"maxBlocksPerRequest": args.max_blocks},
+        }))
+        gateway += ["--config", str(config)]
     with started("replica", sim, [f"{replica}/health"], replica), started(
         "gateway", gateway, [f"{url}/ready"], url, cwd=args.gateway_src.resolve()
     ), httpx.Client(base_url=url, timeout=120) as http:
