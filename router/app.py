@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import aiohttp
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
@@ -23,6 +23,7 @@ from starlette.responses import Response
 from flow_control.controller import FlowController
 from router import __version__, anthropic
 from router.answer_cache import AnswerCache
+from router.asgi import JSON, GatewayApp, error_response, internal_error
 from router.calibration import Calibrator
 from router.config import GatewayConfig, PluginConfig, ProfileConfig
 from router.disagg import Disaggregator, build_disagg_profiles
@@ -48,7 +49,6 @@ from router.strategies import Strategy, strategy
 from router.token_density import TokenDensity
 from router.upstream import UpstreamClient
 
-JSON = "application/json"
 log = logging.getLogger("prefixgate.app")
 
 
@@ -287,15 +287,11 @@ async def gateway_running(gateway: Gateway) -> AsyncIterator[None]:
         yield
 
 
-def _error_response(error: GatewayError) -> Response:
-    return Response(error.body(), error.status_code, dict(error.headers()), media_type=JSON)
-
-
-def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) -> FastAPI:
+def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) -> GatewayApp:
     gateway = build_gateway(config, registry)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: GatewayApp) -> AsyncIterator[None]:
         proxy_cfg = config.proxy
         client = UpstreamClient(proxy_cfg.max_connections, proxy_cfg.connect_timeout_seconds)
         gateway.proxy.client = client
@@ -310,7 +306,7 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
                 await gateway.proxy.wait_idle(1.0)
                 await client.aclose()
 
-    app = FastAPI(title="prefixgate", version=__version__, lifespan=lifespan)
+    app = GatewayApp(title="prefixgate", version=__version__, lifespan=lifespan)
     app.state.gateway = gateway
     _add_error_handlers(app)
     _add_inference_routes(app, gateway)
@@ -319,53 +315,58 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: GatewayApp) -> None:
     """Every error leaves as an OpenAI-shaped body (the Messages route re-shapes its own)."""
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> Response:
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         error = GatewayError(str(exc.detail))
         error.status_code = exc.status_code
         error.error_type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-        return _error_response(error)
+        return error_response(error)
 
     @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        # A bug, not the client's fault: it still gets an OpenAI-shaped error, and the
-        # server's error middleware logs the traceback after this response.
-        return _error_response(GatewayError("internal error in the gateway"))
+    async def crashed(request: Request, exc: Exception) -> Response:
+        # The server's error middleware logs the traceback after this response.
+        return internal_error()
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return _error_response(BadRequestError(str(exc.errors())))
+        return error_response(BadRequestError(str(exc.errors())))
 
 
-def _add_inference_routes(app: FastAPI, gateway: Gateway) -> None:
-    @app.post("/v1/chat/completions", openapi_extra=openapi_extra("chat"))
+def _add_inference_routes(app: GatewayApp, gateway: Gateway) -> None:
+    """The hot routes: served outside FastAPI's stack (router/asgi.py)."""
+    proxy = gateway.proxy
+
     async def chat_completions(request: Request) -> Response:
-        return await gateway.proxy.handle(request, "chat")
+        return await proxy.handle(request, "chat")
 
-    @app.post("/v1/completions", openapi_extra=openapi_extra("completions"))
     async def completions(request: Request) -> Response:
-        return await gateway.proxy.handle(request, "completions")
+        return await proxy.handle(request, "completions")
 
-    @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         try:
-            return await gateway.proxy.handle(request, "messages")
+            return await proxy.handle(request, "messages")
         except GatewayError as exc:  # this endpoint's clients expect Anthropic's error shape
             return anthropic.error_response(exc)
 
-    @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await gateway.proxy.handle(request, "responses")
+        return await proxy.handle(request, "responses")
+
+    app.hot_route("/v1/chat/completions", chat_completions, openapi_extra=openapi_extra("chat"))
+    app.hot_route(
+        "/v1/completions", completions, openapi_extra=openapi_extra("completions")
+    )
+    app.hot_route("/v1/messages", messages)
+    app.hot_route("/v1/responses", responses)
 
 
-def _add_stored_response_routes(app: FastAPI, gateway: Gateway) -> None:
+def _add_stored_response_routes(app: GatewayApp, gateway: Gateway) -> None:
     stored = StoredResponses(
         gateway.config, gateway.pool, gateway.stores.candidates(gateway.pool),
         gateway.stores.responses, gateway.proxy,
@@ -384,7 +385,7 @@ def _add_stored_response_routes(app: FastAPI, gateway: Gateway) -> None:
         return await stored.handle(request, response_id, "/cancel")
 
 
-def _add_operations_routes(app: FastAPI, gateway: Gateway) -> None:
+def _add_operations_routes(app: GatewayApp, gateway: Gateway) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if gateway.proxy.auth is not None:

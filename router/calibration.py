@@ -187,16 +187,33 @@ class Calibrator:
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.priors = priors or CostPriors()
+        self._priors = priors or CostPriors()
         self._clock = clock
         self._fleet = _Fit()
+        # The fleet's price changes only with a sample or new priors; the scorers read it for
+        # every candidate of every request, so it is computed when those change.
+        self._fleet_price: Price | None = None
         self._speeds: dict[str, _Speed] = {}
         if registry is not None:
             registry.register(self)
 
+    @property
+    def priors(self) -> CostPriors:
+        return self._priors
+
+    @priors.setter
+    def priors(self, priors: CostPriors) -> None:
+        self._priors = priors
+        self._fleet_price = None
+
     def fleet_price(self) -> Price:
         """The figures learned over every endpoint (blended with the priors while few)."""
-        p = self.priors
+        if self._fleet_price is None:
+            self._fleet_price = self._compute_fleet_price()
+        return self._fleet_price
+
+    def _compute_fleet_price(self) -> Price:
+        p = self._priors
         fleet = self._fleet
         trust = min(1.0, fleet.samples / p.warmup_samples)
         slope, discount, extra, per_request = fleet.beta
@@ -274,6 +291,7 @@ class Calibrator:
         predicted = self.fleet_price().predict(*counts)
         self._fleet.add(x, self._clipped(predicted, seconds), p.decay)
         self._fleet.solve(p)
+        self._fleet_price = None
         y = self._clipped(self.predict(endpoint_id, *counts), seconds)
         speed = self._speeds.setdefault(endpoint_id, _Speed())
         d = p.endpoint_decay

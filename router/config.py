@@ -150,6 +150,9 @@ class ServerConfig(Strict):
     port: int = Field(8000, ge=0, le=65535)
     # 200K-token agent prompts are ~1 MB of text; JSON escaping and images need headroom.
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    # Bodies at least this big are parsed, rendered and hashed in a worker thread, so that one
+    # huge prompt does not stall every other request on the event loop.
+    offload_body_bytes: int = Field(1024 * 1024, ge=0)
     # A client that sends its body slower than this is answered 408, not waited for forever.
     body_timeout_seconds: float = Field(60.0, gt=0)
     # SIGTERM: /ready turns 503 at once, new connections are still taken for the delay (load
@@ -157,6 +160,8 @@ class ServerConfig(Strict):
     shutdown_delay_seconds: float = Field(0.0, ge=0)
     drain_timeout_seconds: float = Field(30.0, ge=0)
     access_log: bool = True
+    # Share of successful requests that get an access line (failures always do).
+    access_log_sample_rate: float = Field(1.0, gt=0, le=1)
     log_format: Literal["text", "json"] = "text"
     # Answer "x-prefixgate-explain: 1" with the routing decision in "x-prefixgate-decision"
     # (scores and cost terms of the best endpoints). Off by default: it shows fleet internals.

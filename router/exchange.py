@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from router.parsing import Api
@@ -39,3 +40,29 @@ class Exchange:
             "duration_ms": round((finished - self.started) * 1000, 2),
             "prefix_match": None if self.prefix_match is None else round(self.prefix_match, 3),
         }
+
+
+class ExchangeFields(Mapping[str, object]):
+    """An exchange's access-log fields, built when first read: by the log's writer thread,
+    off the event loop (the exchange is finished and no longer changes by then)."""
+
+    __slots__ = ("_exchange", "_fields", "_finished")
+
+    def __init__(self, exchange: Exchange, finished: float) -> None:
+        self._exchange = exchange
+        self._finished = finished
+        self._fields: dict[str, object] | None = None
+
+    def _built(self) -> dict[str, object]:
+        if self._fields is None:
+            self._fields = self._exchange.fields(self._finished)
+        return self._fields
+
+    def __getitem__(self, key: str) -> object:
+        return self._built()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())

@@ -27,7 +27,14 @@ def block_hashes(
     text: str, block_bytes: int, model: str, max_blocks: int | None = None
 ) -> list[int]:
     """Chained hashes of the full blocks of ``text`` (at most ``max_blocks`` of them)."""
-    data = memoryview(text.encode("utf-8", "surrogatepass"))
+    return hash_blocks(text.encode("utf-8", "surrogatepass"), block_bytes, model, max_blocks)
+
+
+def hash_blocks(
+    encoded: bytes, block_bytes: int, model: str, max_blocks: int | None = None
+) -> list[int]:
+    """:func:`block_hashes` of text already encoded as UTF-8."""
+    data = memoryview(encoded)
     full = len(data) // block_bytes
     if max_blocks is not None:
         full = min(full, max_blocks)

@@ -118,15 +118,37 @@ def configure_logging(
 
 
 class AccessLog:
-    """One line per request; costs one level check when off."""
+    """One line per request, or per sampled request; costs one level check when off.
 
-    def __init__(self, enabled: bool = True) -> None:
+    The line's record is made directly (no caller lookup, which walks the stack) and its
+    ``fields`` may be a lazy mapping, so building the line's text falls to the writer thread.
+    With ``sample_rate`` below 1, successful requests are logged one in 1/rate (a running
+    credit, so the share is exact and no random number is drawn); failures always are.
+    """
+
+    def __init__(self, enabled: bool = True, sample_rate: float = 1.0) -> None:
         self._log = logging.getLogger(ACCESS_LOGGER)
         self._enabled = enabled
+        self._rate = sample_rate
+        self._credit = 0.0
 
     @property
     def active(self) -> bool:
         return self._enabled and self._log.isEnabledFor(logging.INFO)
 
+    def sampled(self, failed: bool) -> bool:
+        """Whether this request's line is written (call once per request, when active)."""
+        if failed or self._rate >= 1.0:
+            return True
+        self._credit += self._rate
+        if self._credit < 1.0:
+            return False
+        self._credit -= 1.0
+        return True
+
     def emit(self, fields: Mapping[str, Any]) -> None:
-        self._log.info("request", extra={"fields": fields})
+        log = self._log
+        record = log.makeRecord(
+            log.name, logging.INFO, "", 0, "request", (), None, extra={"fields": fields}
+        )
+        log.handle(record)

@@ -36,7 +36,7 @@ from router.precise_config import TokenizerConfig
 from router.precise_index import PreciseIndex, block_keys
 from router.precise_redis import RemoteMatch, SharedPreciseIndex
 from router.redis_link import RedisMetrics
-from router.routing import Router
+from router.routing import Prepared, Router
 from router.scheduling import RoutingRequest
 from router.tokenizers import (
     CachingTokenizer,
@@ -249,9 +249,13 @@ class PreciseRouter(Router):
         self.tracker = tracker
 
     def routing_request(
-        self, parsed: ParsedRequest, headers: Mapping[str, str], request_id: str
+        self,
+        parsed: ParsedRequest,
+        headers: Mapping[str, str],
+        request_id: str,
+        prepared: Prepared | None = None,
     ) -> RoutingRequest:
-        routing = super().routing_request(parsed, headers, request_id)
+        routing = super().routing_request(parsed, headers, request_id, prepared)
         self.tracker.attach(routing.request_id, parsed)
         return routing
 

@@ -140,6 +140,7 @@ class PredictionTracker:
         )
         self.skips: dict[str, int] = {}  # the skipped counter's values, by reason
         self._recent = {m: deque[bool](maxlen=max(1, window)) for m in MODES}
+        self._within = dict.fromkeys(MODES, 0)
         self.summary = {m: ModeSummary() for m in MODES}
 
     def _cap(self, tokens: float, prompt_tokens: int) -> int:
@@ -211,8 +212,12 @@ class PredictionTracker:
         self.error_tokens.labels(mode).observe(error)
         self.error_blocks.labels(mode).observe(blocks)
         recent = self._recent[mode]
+        # A running count: summing the window on every request cost more than the rest here.
+        if len(recent) == recent.maxlen:
+            self._within[mode] -= recent[0]
         recent.append(within)
-        self.within_ratio.labels(mode).set(sum(recent) / len(recent))
+        self._within[mode] += within
+        self.within_ratio.labels(mode).set(self._within[mode] / len(recent))
         s = self.summary[mode]
         s.count += 1
         s.within_one_block += within

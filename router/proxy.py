@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 
 from flow_control.request import Ticket
@@ -31,20 +31,19 @@ from router.disagg import Disaggregator
 from router.endpoints import EndpointSnapshot, Lease
 from router.errors import (
     GatewayError,
-    PayloadTooLargeError,
-    RequestTimeoutError,
     ShuttingDownError,
     UpstreamError,
     UpstreamTimeoutError,
 )
-from router.exchange import Exchange
-from router.headers import ForwardedHeaders, request_id_of, response_headers
+from router.exchange import Exchange, ExchangeFields
+from router.headers import ForwardedHeaders, RequestIds, request_id_of, response_headers
 from router.index_sizing import IndexSizer
 from router.logs import AccessLog
 from router.metrics import GatewayMetrics
-from router.parsing import UPSTREAM_PATHS, Api, ParsedRequest, parse_request
+from router.parsing import UPSTREAM_PATHS, Api, ParsedRequest
 from router.prediction import PredictionTracker, UsageTap
-from router.routing import Router
+from router.request_body import read_body
+from router.routing import Prepared, Router
 from router.scheduling import RoutingRequest
 from router.streaming import DisconnectWatch, ErrorEvent, UpstreamResponse, sse_error_event
 from router.upstream import UPSTREAM_ERRORS, UpstreamClient, UpstreamReply
@@ -87,7 +86,9 @@ class Proxy:
         self._headers = ForwardedHeaders(
             self.upstream_keys, self.auth is not None, config.auth.forward_client_key
         )
-        self._access = AccessLog(config.server.access_log)
+        server = config.server
+        self._access = AccessLog(server.access_log, server.access_log_sample_rate)
+        self._ids = RequestIds()
         # Set on SIGTERM: /ready answers 503, and requests cut by the drain deadline end cleanly.
         self.draining = False
         self.active = 0
@@ -107,29 +108,11 @@ class Proxy:
         )
 
     async def read_body(self, request: Request) -> bytes:
-        limit = self._config.server.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async with asyncio.timeout(self._config.server.body_timeout_seconds):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise PayloadTooLargeError(
-                            f"request body exceeds the limit of {limit} bytes"
-                        )
-                    chunks.append(chunk)
-        except ClientDisconnect:
-            raise asyncio.CancelledError from None
-        except TimeoutError:
-            raise RequestTimeoutError("the request body did not arrive in time") from None
-        return b"".join(chunks)
+        server = self._config.server
+        return await read_body(request, server.max_body_bytes, server.body_timeout_seconds)
 
     async def handle(self, request: Request, api: Api) -> Response:
-        ex = Exchange(api, request_id_of(request.headers), time.perf_counter())
+        ex = Exchange(api, request_id_of(request.headers, self._ids), time.perf_counter())
         self.active += 1
         self._idle.clear()
         try:
@@ -153,9 +136,10 @@ class Proxy:
             ex.tenant = self.auth.authenticate(headers)
             headers = TenantHeaders(headers, ex.tenant)
         body = await self.read_body(request)
-        parsed = parse_request(ex.api, body)
+        prepared = await self._prepare(ex.api, body)
+        parsed = prepared.parsed
         ex.model, ex.stream = parsed.model, parsed.stream
-        routing = self._router.routing_request(parsed, headers, ex.request_id)
+        routing = self._router.routing_request(parsed, headers, ex.request_id, prepared)
         # Watch from here on: a client leaving while queued or waiting for the first byte
         # must leave its queue or cancel the upstream request at once.
         watch = DisconnectWatch(request.receive)
@@ -189,6 +173,13 @@ class Proxy:
                 watch.stop()
                 if ticket is not None:
                     ticket.release()
+
+    async def _prepare(self, api: Api, body: bytes) -> Prepared:
+        """Parse and hash, in a worker thread when the body is large (orjson and the hashing
+        run there without the event loop; a small body is cheaper done here)."""
+        if len(body) < self._config.server.offload_body_bytes:
+            return self._router.prepare(api, body)
+        return await asyncio.to_thread(self._router.prepare, api, body)
 
     def upstream_headers(
         self, request: Request, request_id: str, tenant: str | None, endpoint_id: str
@@ -384,8 +375,9 @@ class Proxy:
         if not self.active:
             self._idle.set()
         self._metrics.requests.labels(ex.endpoint or "none", str(ex.status), ex.api).inc()
-        if self._access.active:
-            self._access.emit(ex.fields(time.perf_counter()))
+        access = self._access
+        if access.active and access.sampled(ex.status >= 400 or ex.outcome != "ok"):
+            access.emit(ExchangeFields(ex, time.perf_counter()))
 
     async def wait_idle(self, seconds: float) -> bool:
         """Wait (bounded) until no request is inside the gateway; True if none is."""

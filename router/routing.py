@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import orjson
 
@@ -22,10 +23,10 @@ from router.calibration import Calibrator
 from router.config import GatewayConfig
 from router.endpoints import EndpointPool, EndpointSnapshot, Lease
 from router.errors import BadRequestError, ModelNotFoundError, NoEndpointsError
-from router.hashing import block_hashes, estimate_tokens
+from router.hashing import estimate_tokens, hash_blocks
 from router.headers import EXPLAIN_HEADER
 from router.metrics import GatewayMetrics
-from router.parsing import ParsedRequest
+from router.parsing import Api, ParsedRequest, parse_request
 from router.response_store import ResponseRoutes
 from router.scheduling import RoutingRequest, Scheduler, SchedulingProfile
 from router.token_density import TokenDensity
@@ -34,6 +35,16 @@ from router.ttft_errors import PredictionErrors
 SLO_HEADER = "x-llm-d-slo-ttft-ms"
 # At DEBUG, one line per routing decision: every endpoint's scores and cost terms, the pick.
 decision_log = logging.getLogger("prefixgate.decision")
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A body parsed and its prompt hashed: the part of routing whose cost grows with the
+    body and that reads no shared state, so a large body's can run in a worker thread."""
+
+    parsed: ParsedRequest
+    prompt_bytes: int
+    block_hashes: list[int]
 
 
 class Router:
@@ -67,14 +78,30 @@ class Router:
         # Bytes per token learned from the answers: the prompt's token estimate follows it.
         self._density = density
 
+    def prepare(self, api: Api, body: bytes) -> Prepared:
+        """Parse ``body`` and hash its rendered prompt into the block chain the index is keyed
+        by (safe to call from a worker thread)."""
+        return self._digest(parse_request(api, body))
+
+    def _digest(self, parsed: ParsedRequest) -> Prepared:
+        index = self._config.prefix_index
+        data = parsed.rendered.encode("utf-8", "surrogatepass")
+        hashes = hash_blocks(data, index.block_bytes, parsed.model, index.max_blocks_per_request)
+        return Prepared(parsed, len(data), hashes)
+
     def routing_request(
-        self, parsed: ParsedRequest, headers: Mapping[str, str], request_id: str
+        self,
+        parsed: ParsedRequest,
+        headers: Mapping[str, str],
+        request_id: str,
+        prepared: Prepared | None = None,
     ) -> RoutingRequest:
-        """Hash the rendered prompt into the block chain the index is keyed by."""
+        """The request's routing state; its prompt hashed here unless ``prepared`` was."""
         if not self._pool.knows_model(parsed.model):
             raise ModelNotFoundError(f"The model `{parsed.model}` does not exist.", param="model")
         index = self._config.prefix_index
-        data = parsed.rendered.encode("utf-8", "surrogatepass")
+        if prepared is None:
+            prepared = self._digest(parsed)
         to_client = self._config.server.explain_header and headers.get(EXPLAIN_HEADER) == "1"
         identity = self._identity.identify(headers, parsed.session_hint)
         return RoutingRequest(
@@ -87,12 +114,10 @@ class Router:
             previous_response_id=parsed.previous_response_id,
             explain=to_client or decision_log.isEnabledFor(logging.DEBUG),
             explain_to_client=to_client,
-            prompt_bytes=len(data),
-            prompt_tokens=self._estimate_tokens(parsed.model, len(data)),
+            prompt_bytes=prepared.prompt_bytes,
+            prompt_tokens=self._estimate_tokens(parsed.model, prepared.prompt_bytes),
             block_bytes=index.block_bytes,
-            block_hashes=block_hashes(
-                parsed.rendered, index.block_bytes, parsed.model, index.max_blocks_per_request
-            ),
+            block_hashes=prepared.block_hashes,
             answer_bytes=parsed.answer_span,
             answer_share=self._answers.share(parsed.model),
         )

@@ -213,9 +213,15 @@ class UpstreamResponse(Response):
         if self._first:
             if self._observe is not None:
                 self._observe(self._first)
+            if self._upstream.ended:
+                # The whole answer is in: the server writes it and the body's end at once.
+                self._watch.stop()
+                await self._send_chunk(send, self._first, more=False)
+                return outcome
             await self._send_chunk(send, self._first)
             try:
-                await self._pump(body_send)
+                if await self._pump(body_send):
+                    return outcome
             except UPSTREAM_ERRORS as exc:
                 outcome = "stream_error"
                 if self._sse:
@@ -225,7 +231,8 @@ class UpstreamResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return outcome
 
-    async def _pump(self, send: Send) -> None:
+    async def _pump(self, send: Send) -> bool:
+        """Relay the rest; True when the last chunk went out as the body's end."""
         # One timer for the whole stream rather than one per chunk (a timer per chunk was a
         # measurable share of the gateway's CPU): the deadline moves with each chunk relayed,
         # and covers both sides, the replica producing the next chunk and the client taking it
@@ -236,12 +243,17 @@ class UpstreamResponse(Response):
             while True:
                 chunk = await self._upstream.next_chunk()
                 if not chunk:
-                    return
+                    return False
                 self._last = chunk
                 if self._observe is not None:
                     self._observe(chunk)
+                last = self._upstream.ended
+                if last:  # one write for the last chunk and the end (of a chunked body)
+                    self._watch.stop()
                 sending = True
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if last:
+                    return True
                 sending = False
                 idle.touch()
         except asyncio.CancelledError:
@@ -253,10 +265,10 @@ class UpstreamResponse(Response):
         finally:
             idle.stop()
 
-    async def _send_chunk(self, send: Send, chunk: bytes) -> None:
+    async def _send_chunk(self, send: Send, chunk: bytes, more: bool = True) -> None:
         try:
             async with asyncio.timeout(self._idle_timeout):
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": chunk, "more_body": more})
         except TimeoutError:
             raise ClientStalled from None
 

@@ -96,6 +96,11 @@ class UpstreamReply:
                 return value.decode("latin-1")
         return ""
 
+    @property
+    def ended(self) -> bool:
+        """Every byte of the body was handed out (the next chunk is ``b""``)."""
+        return self._conn.drained
+
     async def next_chunk(self) -> bytes:
         """The next piece of the body as it arrives; ``b""`` at its end."""
         return await self._conn.next_chunk()

@@ -121,6 +121,11 @@ class Connection(asyncio.Protocol):
         return self._complete
 
     @property
+    def drained(self) -> bool:
+        """The whole body arrived and was taken: the next chunk would be the end."""
+        return self._complete and not self._chunks
+
+    @property
     def reusable(self) -> bool:
         return self._complete and self._keep_alive and not self.closed
 

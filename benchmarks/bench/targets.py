@@ -257,6 +257,18 @@ def find_peer_binary(spec: PeerSpec, dirs: Sequence[Path]) -> Path | None:
     return None
 
 
+def peer_args(
+    spec: PeerSpec, binary: Path, port: int, metrics_port: int, replicas: Sequence[str]
+) -> list[str]:
+    """The command line of a peer router in front of ``replicas``, all bound to loopback."""
+    common = ["--host", HOST, "--port", str(port), "--worker-urls", *replicas,
+              "--policy", spec.policy, "--prometheus-host", HOST,
+              "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1"]
+    if spec.router == "smg":
+        return [str(binary), "launch", *common, "--backend", "vllm", "--log-level", "warn"]
+    return [str(binary), *common, "--log-level", "warning"]
+
+
 @dataclass
 class Peer:
     name: str
@@ -279,12 +291,7 @@ class Peer:
     def args(
         self, binary: Path, port: int, metrics_port: int, replicas: Sequence[str]
     ) -> list[str]:
-        common = ["--host", HOST, "--port", str(port), "--worker-urls", *replicas,
-                  "--policy", self.spec.policy, "--prometheus-host", HOST,
-                  "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1"]
-        if self.spec.router == "smg":
-            return [str(binary), "launch", *common, "--backend", "vllm", "--log-level", "warn"]
-        return [str(binary), *common, "--log-level", "warning"]
+        return peer_args(self.spec, binary, port, metrics_port, replicas)
 
     async def start(self, replicas: Sequence[str], stack: contextlib.AsyncExitStack) -> list[str]:
         binary = self.binary

@@ -211,3 +211,15 @@ def test_no_spread_in_queues_or_running_counts_keeps_their_priors() -> None:
     assert price.per_queued_token_s == pytest.approx(price.per_token_s, rel=0.01)
     assert price.per_running_s == pytest.approx(40 * price.per_token_s, rel=0.05)
     assert price.per_queued_request_s == 0.0
+
+
+def test_the_fleet_price_is_recomputed_when_a_sample_or_the_priors_change() -> None:
+    calibrator = Calibrator(CostPriors(overhead_s=0.03, per_token_s=0.0002))
+    first = calibrator.fleet_price()
+    assert calibrator.fleet_price() is first, "cached between changes"
+    calibrator.observe("a", 1000, 0.5)
+    learned = calibrator.fleet_price()
+    assert learned is not first and learned.overhead_s != first.overhead_s
+    calibrator.priors = CostPriors(overhead_s=0.1, per_token_s=0.0002)
+    assert calibrator.fleet_price() is not learned
+    assert calibrator.fleet_price().overhead_s > learned.overhead_s

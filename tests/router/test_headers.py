@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from router.auth import UpstreamKeys
-from router.headers import ForwardedHeaders, request_id_of, response_headers
+from router.headers import ForwardedHeaders, RequestIds, request_id_of, response_headers
 
 RAW = [
     (b"Content-Type", b"application/json"),
@@ -41,6 +41,10 @@ def test_behind_authentication_the_tenant_and_endpoint_key_replace_the_clients()
 def test_request_ids_and_response_headers() -> None:
     assert request_id_of({"x-request-id": "abc-123"}) == "abc-123"
     assert request_id_of({"x-request-id": "bad id with spaces"}) != "bad id with spaces"
+    ids = RequestIds()
+    fresh = {request_id_of({}, ids) for _ in range(1000)} | {request_id_of({}, RequestIds())}
+    assert len(fresh) == 1001, "unique within an instance and across instances"
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in fresh)
     out = dict(response_headers([(b"Server", b"vllm"), (b"X-Other", b"1")], "e1", "rid"))
     assert b"server" not in out
     assert out[b"x-other"] == b"1"

@@ -64,6 +64,10 @@ class FakeUpstream:
         self.stall_after = stall_after
         self.closed = False
 
+    @property
+    def ended(self) -> bool:
+        return not self.chunks and self.stall_after is None
+
     async def next_chunk(self) -> bytes:
         if self.stall_after is not None and not self.chunks[self.stall_after :]:
             await asyncio.sleep(60)
@@ -115,7 +119,8 @@ async def test_relay_outcomes(stall_after: int | None, send_blocks_at: int | Non
     got, sent = await _relay(upstream, send_blocks_at)
     assert got == outcome
     if outcome == "ok":
-        assert sent == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n", b""]
+        # The last chunk ends the body: no separate (empty) message, so one write fewer.
+        assert sent == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n"]
     elif outcome == "stream_error":  # the replica went quiet: an error event ends the stream
         assert b"idle timeout" in sent[-2] and sent[-1] == b""
 
@@ -149,5 +154,11 @@ async def test_body_chunks_skip_the_framework_send_wrappers() -> None:
             direct.append(message["body"])
 
     await asyncio.wait_for(ServerSend(app)({"type": "http"}, None, server_send), 3)  # type: ignore[arg-type]
-    assert through == ["http.response.start", "http.response.body", "http.response.body"]
-    assert direct == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
+    assert through == ["http.response.start", "http.response.body"]
+    assert direct == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"]
+
+
+async def test_an_answer_complete_in_its_first_chunk_is_one_body_message() -> None:
+    upstream = FakeUpstream([])
+    got, sent = await _relay(upstream, None)
+    assert (got, sent) == ("ok", [b"data: 0\n\n"])
