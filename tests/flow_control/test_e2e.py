@@ -114,7 +114,7 @@ class Sender:
         return out
 
 
-async def until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+async def until(condition: Callable[[], bool], seconds: float = 30.0) -> None:
     async with asyncio.timeout(seconds):
         while not condition():  # noqa: ASYNC110 (state changed by the gateway's tasks)
             await asyncio.sleep(0.002)
