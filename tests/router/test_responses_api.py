@@ -441,11 +441,15 @@ async def test_gateways_share_response_routes_through_redis(
 ) -> None:
     urls = [r.url for r in replicas]
     index = {"backend": "redis", "url": redis_url, "namespace": redis_namespace}
-    # The second gateway may not ask the endpoints: it must know from Redis.
+    # Sharing, not budgets: with the default 50 ms, a loaded machine's second gateway gave up
+    # on Redis and answered 404. It may not ask the endpoints: it must know from Redis.
+    generous = {"redisTimeoutMs": 1000}
     async with (
-        running_gateway(gateway_config(urls, prefixIndex=index)) as one,
+        running_gateway(gateway_config(urls, prefixIndex=index, responses=generous)) as one,
         running_gateway(
-            gateway_config(urls, prefixIndex=index, responses={"probeTimeoutSeconds": 0})
+            gateway_config(
+                urls, prefixIndex=index, responses={**generous, "probeTimeoutSeconds": 0}
+            )
         ) as two,
         openai.AsyncOpenAI(base_url=one.url + "/v1", api_key="k", max_retries=0) as via_one,
         openai.AsyncOpenAI(base_url=two.url + "/v1", api_key="k", max_retries=0) as via_two,
