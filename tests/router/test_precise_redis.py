@@ -39,7 +39,9 @@ class Replica:
 
     def __init__(self, url: str, namespace: str, **kwargs: Any) -> None:
         self.local = PreciseIndex(BS)
+        # Semantics, not budgets (as in test_redis_index): tests about budgets pass their own.
         kwargs.setdefault("timeout_ms", 250.0)
+        kwargs.setdefault("write_timeout_ms", 2000.0)
         self.shared = SharedPreciseIndex(
             self.local, url, namespace=namespace, metrics=RedisMetrics(CollectorRegistry()),
             resync_seconds=60.0, **kwargs,
@@ -217,7 +219,9 @@ async def test_redis_outage_falls_back_within_budget_and_recovers(
     url = await proxy.start()
     breaker = CircuitBreaker(threshold=2, initial_seconds=0.05, max_seconds=0.2)
     try:
-        async with replicas(url, redis_namespace, 1, timeout_ms=20.0, breaker=breaker) as (r,):
+        async with replicas(
+            url, redis_namespace, 1, timeout_ms=20.0, write_timeout_ms=100.0, breaker=breaker
+        ) as (r,):
             r.deliver(A, 0, 1.0, Stored([1], None, chain[:4], BS))
             await r.shared.flush()
             assert (await r.lookup(keys, A))[A] == RemoteMatch(True, 1, 0)
@@ -271,9 +275,7 @@ async def test_bytes_per_entry(redis_url: str, redis_namespace: str) -> None:
     n, step = 20_000, 500
     chain = toks(n * BS)
     p = key_tag(redis_namespace) + ":p"
-    # Memory figures, not budgets: a loaded machine gave up a 500-block write at the default
-    # 100 ms, and the count of applied batches came out short.
-    async with replicas(redis_url, redis_namespace, 1, write_timeout_ms=5000.0) as (r,):
+    async with replicas(redis_url, redis_namespace, 1) as (r,):
         for i in range(n // step):
             parent = i * step if i else None
             hashes = list(range(i * step + 1, (i + 1) * step + 1))
