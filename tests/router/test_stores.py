@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ class Outcome:
     requests: int = 0
     failed: int = 0
     reuse: ReuseTracker | None = None
+    errors: list[str] = field(default_factory=list)  # status and body of each failure
 
 
 async def spread(
@@ -80,6 +81,7 @@ async def spread(
                         await between(outcome.requests)
                     if resp.status_code != 200:
                         outcome.failed += 1
+                        outcome.errors.append(f"{resp.status_code} {resp.text[:300]}")
                         return
                     answer = resp.json()["choices"][0]["message"]["content"]
                     assert outcome.reuse is not None
@@ -224,8 +226,8 @@ async def test_redis_outage_fails_no_request(
     finally:
         flaky.forwarding = True
         await flaky.close()
+    assert outcome.failed == 0, outcome.errors
     assert outcome.requests == 200
-    assert outcome.failed == 0
     fallbacks = sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
