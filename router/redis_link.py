@@ -275,6 +275,7 @@ class RedisLink:
         self._suppressed = 0
         self._closed = False
         self._cluster_init: asyncio.Task[Any] | None = None
+        self._pending: set[asyncio.Future[Any]] = set()  # calls past their budget, cleaning up
 
     async def call(
         self, op: str, fn: Callable[[RedisClient], Awaitable[T]], budget: float | None = None
@@ -282,10 +283,7 @@ class RedisLink:
         if self._closed or not self.breaker.allow():
             raise Unavailable("circuit_open")
         try:
-            async with asyncio.timeout(self.timeout if budget is None else budget):
-                if isinstance(self.client, RedisCluster):
-                    await self._cluster_ready(self.client)
-                result = await fn(self.client)
+            result = await self._within(self.timeout if budget is None else budget, fn)
         except (TimeoutError, RedisTimeoutError) as exc:
             _raise_if_cancelled(exc)
             self._failed(op, "timeout", exc)
@@ -302,6 +300,34 @@ class RedisLink:
         self.breaker.success()
         self.metrics.circuit_open.labels(self.component).set(0)
         return result
+
+    async def _within(self, budget: float, fn: Callable[[RedisClient], Awaitable[T]]) -> T:
+        client = self.client
+        if not isinstance(client, RedisCluster):
+            async with asyncio.timeout(budget):
+                return await fn(client)
+        # Cancelled, a cluster client cleans up with awaits of its own (closing a lost node's
+        # connections: hundreds of ms in a failover), which would hold the caller past its
+        # budget. The call runs as a task the caller stops waiting for at the budget.
+        work = asyncio.ensure_future(self._on_cluster(client, fn))
+        self._pending.add(work)
+        work.add_done_callback(self._settled)
+        try:
+            return await asyncio.wait_for(asyncio.shield(work), budget)
+        except BaseException:
+            work.cancel()
+            raise
+
+    async def _on_cluster(
+        self, client: RedisCluster, fn: Callable[[RedisClient], Awaitable[T]]
+    ) -> T:
+        await self._cluster_ready(client)
+        return await fn(client)
+
+    def _settled(self, task: asyncio.Future[Any]) -> None:
+        self._pending.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller has had its answer (or its timeout)
 
     async def eval_or_none(
         self, op: str, script: LuaScript, keys: Sequence[str], args: Sequence[Any]
@@ -364,6 +390,10 @@ class RedisLink:
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
+            for work in list(self._pending):
+                work.cancel()
+            if self._pending:
+                await asyncio.wait(list(self._pending), timeout=2.0)
             task = self._cluster_init
             if task is not None:
                 task.cancel()

@@ -193,7 +193,7 @@ async def test_retry_on_5xx_before_first_byte(
                 assert resp.headers["x-gateway-destination-endpoint"] == healthy
 
 
-async def _wait_for(predicate: Callable[[], bool], seconds: float = 3.0) -> bool:
+async def _wait_for(predicate: Callable[[], bool], seconds: float = 20.0) -> bool:
     for _ in range(int(seconds / 0.02)):
         if predicate():
             return True

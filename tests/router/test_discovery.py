@@ -201,7 +201,7 @@ class Recorder:
         return {eid: e.role for eid, (e, r) in self.latest.items() if r}
 
 
-async def until(predicate: Callable[[], bool], seconds: float = 5.0) -> None:
+async def until(predicate: Callable[[], bool], seconds: float = 20.0) -> None:
     async with asyncio.timeout(seconds):
         while not predicate():  # noqa: ASYNC110 (changed by the watch task)
             await asyncio.sleep(0.01)

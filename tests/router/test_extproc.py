@@ -206,7 +206,7 @@ def in_flight(epp: RunningEpp) -> int:
     return sum(s.in_flight for s in epp.gateway.pool)
 
 
-async def eventually(predicate: Any, seconds: float = 5.0) -> None:
+async def eventually(predicate: Any, seconds: float = 20.0) -> None:
     async with asyncio.timeout(seconds):
         while not predicate():  # noqa: ASYNC110 (state changed by the server's tasks)
             await asyncio.sleep(0.01)

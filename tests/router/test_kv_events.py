@@ -40,7 +40,7 @@ BS = 4
 EID = "127.0.0.1:9"
 
 
-async def wait_for(predicate: Callable[[], bool], seconds: float = 5.0) -> None:
+async def wait_for(predicate: Callable[[], bool], seconds: float = 20.0) -> None:
     async with asyncio.timeout(seconds):
         while True:
             if predicate():

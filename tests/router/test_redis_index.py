@@ -300,7 +300,9 @@ async def test_hung_redis_costs_one_budget_then_nothing(
         start = time.perf_counter()
         assert await index.match([1, 2], ["a"]) == {"a": 2}
         worst = max(worst, time.perf_counter() - start)
-    assert worst < 0.2
+    # The hung Redis never answers: only the 20 ms budget (then the open breaker) ends a
+    # match. 1 s is 50x that budget, room for a loaded machine's loop lag.
+    assert worst < 1.0
     timeouts = registry.get_sample_value(
         "prefixgate_redis_errors_total", {"op": "index_match", "kind": "timeout"}
     )

@@ -209,12 +209,14 @@ async def test_the_prefill_queued_by_other_gateways_is_priced_here(
 async def test_crashed_gateway_counts_expire(
     redis_url: str, redis_namespace: str, closing: list[Any]
 ) -> None:
-    crashed = inflight(redis_url, redis_namespace, closing, {"e1": 4}, expiry=0.2)
-    alive = inflight(redis_url, redis_namespace, closing, {}, expiry=0.2)
+    # 1 s: the count must still be there between two calls however slow the machine, and gone
+    # after a sleep past it (0.2 s expired between the two calls on a loaded machine).
+    crashed = inflight(redis_url, redis_namespace, closing, {"e1": 4}, expiry=1.0)
+    alive = inflight(redis_url, redis_namespace, closing, {}, expiry=1.0)
     assert await crashed.sync_once()
     assert await alive.sync_once()
     assert alive.remote_in_flight("e1") == 4
-    await asyncio.sleep(0.3)  # the crashed one never publishes again
+    await asyncio.sleep(1.2)  # the crashed one never publishes again
     assert await alive.sync_once()
     assert alive.remote_in_flight("e1") == 0
 

@@ -102,7 +102,7 @@ async def _post(http: httpx.AsyncClient, body: dict[str, Any] = CHAT) -> httpx.R
     return await http.post("/v1/chat/completions", json=body)
 
 
-async def _wait_for(predicate: Callable[[], bool], seconds: float = 5.0) -> bool:
+async def _wait_for(predicate: Callable[[], bool], seconds: float = 20.0) -> bool:
     for _ in range(int(seconds / 0.02)):
         if predicate():
             return True

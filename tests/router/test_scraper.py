@@ -76,7 +76,7 @@ async def test_monitor_scrapes_a_replica_and_marks_a_dead_one_unhealthy() -> Non
         states[dead.id].healthy = True  # as if it had been up: failures must take it out
         monitor.start()
         try:
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(20):
                 while not capacity or states[dead.id].healthy:  # noqa: ASYNC110 (monitor tasks)
                     await asyncio.sleep(0.02)
         finally:
@@ -110,7 +110,7 @@ async def test_a_scrape_remembers_the_gateway_requests_it_may_have_counted() -> 
 async def scrape_once(monitor: EndpointMonitor, state: EndpointState) -> None:
     monitor.start()
     try:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(20):
             while not state.metrics.scraped_at:  # noqa: ASYNC110 (monitor tasks)
                 await asyncio.sleep(0.01)
     finally:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ class Outcome:
     requests: int = 0
     failed: int = 0
     reuse: ReuseTracker | None = None
+    errors: list[str] = field(default_factory=list)  # status and body of each failure
 
 
 async def spread(
@@ -80,6 +81,7 @@ async def spread(
                         await between(outcome.requests)
                     if resp.status_code != 200:
                         outcome.failed += 1
+                        outcome.errors.append(f"{resp.status_code} {resp.text[:300]}")
                         return
                     answer = resp.json()["choices"][0]["message"]["content"]
                     assert outcome.reuse is not None
@@ -114,15 +116,41 @@ async def gateways(
         yield [g.url for g in running]
 
 
-async def captured(tmp_path: Path, n_gateways: int, index: dict[str, Any]) -> float:
-    """Share of the workload's reusable tokens served from the replicas' caches."""
+@dataclass(frozen=True)
+class Captured:
+    reuse: float  # share of the workload's reusable tokens served from the replicas' caches
+    fallbacks: float  # Redis calls the gateways gave up on (budget, breaker) during the run
+
+    def __str__(self) -> str:
+        return f"{self.reuse:.3f} ({self.fallbacks:.0f} Redis fallbacks)"
+
+
+async def fallbacks(gateway: str) -> float:
+    async with httpx.AsyncClient(base_url=gateway, timeout=30) as http:
+        text = (await http.get("/metrics")).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("prefixgate_redis_fallbacks_total")
+    )
+
+
+async def captured(tmp_path: Path, n_gateways: int, index: dict[str, Any]) -> Captured:
     async with start_replicas(4, SimConfig(num_gpu_blocks=768, speed=50.0)) as replicas:
         urls = [r.url for r in replicas]
         async with gateways(tmp_path, urls, n_gateways, index) as gw_urls:
             outcome = await spread(gw_urls, workload(), seed=11)
+            gave_up = sum([await fallbacks(url) for url in gw_urls])
         stats = await cache_stats(urls)
     assert outcome.failed == 0 and outcome.reuse is not None
-    return sum(s.hits for s in stats.values()) / outcome.reuse.reusable_tokens
+    return Captured(sum(s.hits for s in stats.values()) / outcome.reuse.reusable_tokens, gave_up)
+
+
+# These tests are about sharing, not Redis's latency: a budget that a loaded machine's event
+# loop lag cannot use up. With 50 ms, a busy 2-core box could make the gateways give up on
+# Redis mid-run and route apart (reuse 0.919 against one gateway's 0.995); the outage test
+# below is the one about budgets and fallbacks.
+GENEROUS_MS = 1000
 
 
 async def test_gateways_sharing_redis_route_as_one(
@@ -130,14 +158,14 @@ async def test_gateways_sharing_redis_route_as_one(
 ) -> None:
     redis_index = {"backend": "redis", "url": redis_url, "namespace": redis_namespace}
     single = await captured(tmp_path, 1, {})
-    shared = await captured(tmp_path, 3, {**redis_index, "timeoutMs": 50})
+    shared = await captured(tmp_path, 3, {**redis_index, "timeoutMs": GENEROUS_MS})
     separate = await captured(tmp_path, 3, {})
-    print(
-        f"captured reuse: 1 gateway {single:.3f}, 3 on Redis {shared:.3f}, 3 apart {separate:.3f}"
-    )
-    assert shared >= single - 0.05
-    assert shared >= separate + 0.15
-
+    seen = f"captured reuse: 1 gateway {single}, 3 on Redis {shared}, 3 apart {separate}"
+    print(seen)
+    # Three gateways sharing one index know what one gateway knows; 0.05 is the routing noise
+    # of load-dependent tie-breaks. Apart, each knows about a third of it.
+    assert shared.reuse >= single.reuse - 0.05, seen
+    assert shared.reuse >= separate.reuse + 0.15, seen
 
 
 async def test_gateways_sharing_a_redis_cluster_route_as_one(
@@ -150,12 +178,13 @@ async def test_gateways_sharing_a_redis_cluster_route_as_one(
     )
     cluster = {
         "backend": "redis", "url": redis_cluster_url, "cluster": True, "namespace": namespace,
-        "timeoutMs": 50,
+        "timeoutMs": GENEROUS_MS,
     }
     shared = await captured(tmp_path, 3, cluster)
     separate = await captured(tmp_path, 3, {})
-    print(f"captured reuse: 3 on a Redis Cluster {shared:.3f}, 3 apart {separate:.3f}")
-    assert shared >= separate + 0.15
+    seen = f"captured reuse: 3 on a Redis Cluster {shared}, 3 apart {separate}"
+    print(seen)
+    assert shared.reuse >= separate.reuse + 0.15, seen
 
 
 CLOSED = 'prefixgate_redis_circuit_open{component="index"} 0.0'
@@ -197,8 +226,8 @@ async def test_redis_outage_fails_no_request(
     finally:
         flaky.forwarding = True
         await flaky.close()
+    assert outcome.failed == 0, outcome.errors
     assert outcome.requests == 200
-    assert outcome.failed == 0
     fallbacks = sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

@@ -11,35 +11,42 @@ from starlette.types import Message
 from router.endpoints import Lease
 from router.streaming import DisconnectWatch, IdleTimer, ServerSend, UpstreamResponse
 from router.upstream import UpstreamReply
+from tests import virtual_clock
 
 
-async def test_idle_timer_cancels_only_after_a_quiet_timeout() -> None:
-    async def steady() -> None:
+def test_idle_timer_cancels_only_after_a_quiet_timeout() -> None:
+    # On a virtual clock (tests/virtual_clock.py): a loaded machine's stalls cannot pass for
+    # quiet time, and the expiry's moment is exact.
+    async def steady() -> float:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         idle = IdleTimer(0.1)
         try:
-            for _ in range(10):  # 0.3 s in all, never 0.1 s without a touch
-                await asyncio.sleep(0.03)
+            for _ in range(10):  # 0.9 s in all, never 0.1 s without a touch
+                await asyncio.sleep(0.09)
                 idle.touch()
         finally:
             idle.stop()
+        return loop.time() - started
 
-    await asyncio.wait_for(steady(), 2)
+    assert virtual_clock.run(steady()) == pytest.approx(0.9)
 
-    async def quiet() -> str:
+    async def quiet() -> tuple[str, float]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         idle = IdleTimer(0.1)
         try:
+            await asyncio.sleep(0.05)
+            idle.touch()  # the timeout counts from here
             await asyncio.sleep(5)
         except asyncio.CancelledError:
-            return "expired" if idle.absorb_expiry() else "cancelled"
-        return "slept"
+            return "expired" if idle.absorb_expiry() else "cancelled", loop.time() - started
+        return "slept", loop.time() - started
 
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    assert await asyncio.wait_for(quiet(), 2) == "expired"
-    assert 0.09 <= loop.time() - started < 1.0
+    assert virtual_clock.run(quiet()) == ("expired", pytest.approx(0.15))
 
 
-async def test_idle_timer_leaves_another_cancellation_standing() -> None:
+def test_idle_timer_leaves_another_cancellation_standing() -> None:
     async def waits() -> bool:
         idle = IdleTimer(0.05)
         try:
@@ -48,10 +55,13 @@ async def test_idle_timer_leaves_another_cancellation_standing() -> None:
             return idle.absorb_expiry()
         return False
 
-    task = asyncio.create_task(waits())
-    await asyncio.sleep(0.01)
-    task.cancel()  # a disconnect, say, before the timer is due: not the timer's to absorb
-    assert await task is False
+    async def main() -> bool:
+        task = asyncio.create_task(waits())
+        await asyncio.sleep(0.01)
+        task.cancel()  # a disconnect, say, before the timer is due: not the timer's to absorb
+        return await task
+
+    assert virtual_clock.run(main()) is False
 
 
 class FakeUpstream:
@@ -113,10 +123,11 @@ async def _relay(upstream: FakeUpstream, send_blocks_at: int | None) -> tuple[st
     ("stall_after", "send_blocks_at", "outcome"),
     [(None, None, "ok"), (2, None, "stream_error"), (None, 2, "client_stalled")],
 )
-async def test_relay_outcomes(stall_after: int | None, send_blocks_at: int | None,
-                              outcome: str) -> None:
+def test_relay_outcomes(stall_after: int | None, send_blocks_at: int | None,
+                       outcome: str) -> None:
     upstream = FakeUpstream([b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n"], stall_after)
-    got, sent = await _relay(upstream, send_blocks_at)
+    # Virtual clock: only a stalled side can reach the idle timeout, not a slow machine.
+    got, sent = virtual_clock.run(_relay(upstream, send_blocks_at))
     assert got == outcome
     if outcome == "ok":
         # The last chunk ends the body: no separate (empty) message, so one write fewer.

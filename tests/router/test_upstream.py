@@ -246,8 +246,11 @@ async def test_max_connections_holds_back_the_next_request_until_one_is_done() -
     async with serve(keep_answering) as server:
         first = await client.post(server.url, [], b"1")
         second = asyncio.create_task(client.post(server.url, [], b"2"))
-        await asyncio.sleep(0.05)
-        assert not second.done()
+        # Only a client that let the second request through can fail this, never a slow
+        # machine (a slow one at worst misses that bug on this run); the server would have
+        # seen a second connection.
+        await asyncio.sleep(0.1)
+        assert not second.done() and server.connections == 1
         await first.read_all()
         first.close()
         reply = await asyncio.wait_for(second, 2)
@@ -256,19 +259,41 @@ async def test_max_connections_holds_back_the_next_request_until_one_is_done() -
     await client.aclose()
 
 
-async def test_a_slow_reader_stops_the_socket_being_read() -> None:
+async def test_a_slow_reader_stops_the_socket_being_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     size = 4 * HIGH_WATER_BYTES
+    loop = asyncio.get_running_loop()
+    transports: list[asyncio.Transport] = []
+    connect = loop.create_connection
 
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        transport, protocol = await connect(*args, **kwargs)
+        transports.append(transport)
+        return transport, protocol
+
+    monkeypatch.setattr(loop, "create_connection", recording)
     big = answer_once(ok(b"x" * size), hold_open=True)
     client = UpstreamClient(8, 2)
     async with serve(big) as server:
         reply = await client.post(server.url, [], b"")
-        await asyncio.sleep(0.2)  # the server wrote it all; the gateway reads only so far
+        # The gateway stops reading once more than the high-water mark is buffered; wait for
+        # that, however slowly the bytes come (a fixed sleep was too short on a loaded machine).
+        assert await until(lambda: not transports[0].is_reading(), 10), "never paused"
         first = await reply.next_chunk()
         assert HIGH_WATER_BYTES < len(first) < size
         assert len(first) + len(await reply.read_all(size)) == size
         reply.close()
     await client.aclose()
+
+
+async def until(predicate: Callable[[], bool], seconds: float) -> bool:
+    """Poll ``predicate`` until it holds; False after ``seconds`` (a bound far above need)."""
+    for _ in range(int(seconds / 0.01)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from benchmarks.sim.cli import Replica, start_replicas
 from benchmarks.sim.config import SimConfig
+from benchmarks.sim.engine import Engine
 from router.app import build_gateway
 from router.config import parse_config
 from router.endpoints import endpoint_id_from_url
@@ -83,6 +84,13 @@ async def precise_fleet(
             yield replicas, gw
 
 
+def arrived(engine: Engine) -> int:
+    """Requests that reached ``engine``: queued, running or ended."""
+    stats = engine.stats
+    return (len(engine.waiting) + len(engine.running) + stats.requests_succeeded
+            + stats.requests_aborted)
+
+
 def chat(text: str, max_tokens: int = 4) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": text}],
             "max_tokens": max_tokens}
@@ -137,10 +145,11 @@ async def test_routes_by_the_real_cache_after_eviction() -> None:
 
 
 async def test_prediction_error_for_both_indexes() -> None:
-    async with precise_fleet(2) as (_replicas, gw), httpx.AsyncClient(timeout=20) as client:
+    async with precise_fleet(2) as (replicas, gw), httpx.AsyncClient(timeout=20) as client:
         gateway = gw.gateway
         prediction = gateway.prediction
-        assert prediction is not None
+        precise_index = gateway.precise.index if gateway.precise is not None else None
+        assert prediction is not None and precise_index is not None
         text = "a conversation that grows turn by turn " * 20
         for turn in range(4):
             body = orjson.dumps(chat(text))
@@ -153,7 +162,12 @@ async def test_prediction_error_for_both_indexes() -> None:
             prediction.observe(ranked[0].id, routing, usage)
             answer = reply.json()["choices"][0]["message"]["content"]
             text += answer + " and then the user says more words " * 5
-            await asyncio.sleep(0.2)  # the think gap: events arrive before the next turn
+            # The think gap: the turn's events arrive before the next turn (waited for, as a
+            # fixed gap was too short on a loaded machine).
+            await wait_for(lambda: all(
+                precise_index.engine_hashes(eid(r)) == set(r.engine.kv.cached_hashes())
+                for r in replicas
+            ))
         precise = prediction.summary["precise"]
         assert precise.count == 4
         assert precise.within_one_block == 4
@@ -166,7 +180,7 @@ async def test_a_burst_is_predicted_from_the_picks_in_flight() -> None:
     """Siblings sent one after another hit what the first is computing (vLLM caches a block
     when the step computing it is scheduled): ``precise`` counts the picks in flight and is
     right; ``precise_confirmed`` (events and finished prefills) under-predicts them."""
-    async with precise_fleet(2) as (_replicas, gw), httpx.AsyncClient(timeout=20) as client:
+    async with precise_fleet(2) as (replicas, gw), httpx.AsyncClient(timeout=20) as client:
         gateway = gw.gateway
         prediction = gateway.prediction
         assert prediction is not None
@@ -181,11 +195,12 @@ async def test_a_burst_is_predicted_from_the_picks_in_flight() -> None:
             gateway.router.picked(routing, ranked[0].id)
             picks.append((routing, ranked[0], body))
         sends = []
-        for routing, endpoint, body in picks:
+        for n, (routing, endpoint, body) in enumerate(picks, 1):
             url = endpoint.url + "/v1/chat/completions"
             task = asyncio.create_task(client.post(url, content=body))
             sends.append((routing, endpoint.id, task))
-            await asyncio.sleep(0.02)  # arrive in pick order
+            # Arrive in pick order: each reaches its replica before the next is sent.
+            await wait_for(lambda n=n: sum(arrived(r.engine) for r in replicas) >= n)  # type: ignore[misc]
         assert len({endpoint for _, endpoint, _ in sends}) == 1
         for routing, endpoint, task in sends:
             reply = await task

@@ -96,7 +96,7 @@ def test_encodings(encoding: str) -> None:
     assert payload == [1.5, [first, ["AllBlocksCleared"]], 0]
 
 
-async def wait_for(predicate: Callable[[], bool], seconds: float = 5.0) -> None:
+async def wait_for(predicate: Callable[[], bool], seconds: float = 20.0) -> None:
     async with asyncio.timeout(seconds):
         while True:
             if predicate():
