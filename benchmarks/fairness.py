@@ -207,40 +207,61 @@ def parse_head(raw: bytes) -> tuple[int, dict[str, str]]:
     return int(lines[0].split()[1]), headers
 
 
-def answer(rng: random.Random, s: Settings) -> int:
-    # Varied lengths, as real answers: equal ones would finish whole batches in lockstep.
-    return rng.randint(1, 2 * s.max_tokens - 1)
+@dataclass(frozen=True, slots=True)
+class Load:
+    """One tenant's traffic: prompts of ``tokens`` (bursts: 0.5x-1.5x), answers of 1 to
+    ``2 * max_tokens - 1`` tokens (varied, or whole batches would finish in lockstep)."""
+
+    tenant: str
+    seconds: float
+    tokens: int
+    max_tokens: int
+    seed: int
+    headers: str = ""
 
 
-async def tenant_a(port: int, s: Settings) -> list[Outcome]:
-    rng = random.Random(s.seed)
-    tasks: list[asyncio.Task[Outcome]] = []
-    started = time.perf_counter()
-    n = 0
-    while True:
-        at = n * s.burst_every
-        if at >= s.seconds:
-            break
-        await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
-        for _ in range(s.burst):
-            prompt = words(rng, rng.randint(s.a_tokens // 2, s.a_tokens * 3 // 2))
-            tasks.append(asyncio.create_task(send(port, "A", prompt, answer(rng, s))))
-        n += 1
-    return list(await asyncio.gather(*tasks))
-
-
-async def tenant_b(port: int, s: Settings) -> list[Outcome]:
-    rng = random.Random(s.seed + 1)
+async def bursts(port: int, load: Load, size: int, every: float) -> list[Outcome]:
+    """``size`` requests at once every ``every`` seconds."""
+    rng = random.Random(load.seed)
     tasks: list[asyncio.Task[Outcome]] = []
     started = time.perf_counter()
     at = 0.0
-    while at < s.seconds:
+    while at < load.seconds:
         await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
-        prompt = words(rng, s.b_tokens)
-        headers = f"{OBJECTIVE}: interactive\r\n" if s.mode == "priority" else ""
-        tasks.append(asyncio.create_task(send(port, "B", prompt, answer(rng, s), headers)))
-        at += rng.expovariate(s.b_rate)  # Poisson arrivals
+        for _ in range(size):
+            prompt = words(rng, rng.randint(load.tokens // 2, load.tokens * 3 // 2))
+            max_tokens = rng.randint(1, 2 * load.max_tokens - 1)
+            tasks.append(asyncio.create_task(
+                send(port, load.tenant, prompt, max_tokens, load.headers)))
+        at += every
     return list(await asyncio.gather(*tasks))
+
+
+async def steady(port: int, load: Load, rate: float) -> list[Outcome]:
+    """Poisson arrivals at ``rate`` requests a second."""
+    rng = random.Random(load.seed)
+    tasks: list[asyncio.Task[Outcome]] = []
+    started = time.perf_counter()
+    at = 0.0
+    while at < load.seconds:
+        await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
+        prompt = words(rng, load.tokens)
+        max_tokens = rng.randint(1, 2 * load.max_tokens - 1)
+        tasks.append(asyncio.create_task(
+            send(port, load.tenant, prompt, max_tokens, load.headers)))
+        at += rng.expovariate(rate)
+    return list(await asyncio.gather(*tasks))
+
+
+async def tenant_a(port: int, s: Settings) -> list[Outcome]:
+    load = Load("A", s.seconds, s.a_tokens, s.max_tokens, s.seed)
+    return await bursts(port, load, s.burst, s.burst_every)
+
+
+async def tenant_b(port: int, s: Settings) -> list[Outcome]:
+    headers = f"{OBJECTIVE}: interactive\r\n" if s.mode == "priority" else ""
+    return await steady(port, Load("B", s.seconds, s.b_tokens, s.max_tokens, s.seed + 1, headers),
+                        s.b_rate)
 
 
 async def phase(port: int, s: Settings, with_a: bool) -> list[Outcome]:

@@ -19,18 +19,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import random
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from benchmarks.fairness import HOST, OBJECTIVE, Outcome, free_ports, percentile, process, send
-from benchmarks.workloads import words
+from benchmarks.fairness import (
+    HOST,
+    OBJECTIVE,
+    Load,
+    Outcome,
+    bursts,
+    free_ports,
+    percentile,
+    process,
+    steady,
+)  # fmt: skip
 
 SLO_HEADER = "x-llm-d-slo-ttft-ms"
 
@@ -58,35 +65,15 @@ def gateway_config(sim_urls: list[str], port: int) -> dict[str, Any]:
 
 
 async def tenant_a(port: int, s: Settings, with_header: bool) -> list[Outcome]:
-    rng = random.Random(s.seed)
     headers = f"{OBJECTIVE}: slo\r\n"
     if with_header:
         headers += f"{SLO_HEADER}: {s.slo_ms:g}\r\n"
-    tasks: list[asyncio.Task[Outcome]] = []
-    started = time.perf_counter()
-    at = 0.0
-    while at < s.seconds:
-        await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
-        for _ in range(s.burst):
-            prompt = words(rng, rng.randint(s.tokens // 2, s.tokens * 3 // 2))
-            max_tokens = rng.randint(1, 2 * s.max_tokens - 1)
-            tasks.append(asyncio.create_task(send(port, "A", prompt, max_tokens, headers)))
-        at += s.burst_every
-    return list(await asyncio.gather(*tasks))
+    load = Load("A", s.seconds, s.tokens, s.max_tokens, s.seed, headers)
+    return await bursts(port, load, s.burst, s.burst_every)
 
 
 async def tenant_b(port: int, s: Settings) -> list[Outcome]:
-    rng = random.Random(s.seed + 1)
-    tasks: list[asyncio.Task[Outcome]] = []
-    started = time.perf_counter()
-    at = 0.0
-    while at < s.seconds:
-        await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
-        prompt = words(rng, s.tokens)
-        max_tokens = rng.randint(1, 2 * s.max_tokens - 1)
-        tasks.append(asyncio.create_task(send(port, "B", prompt, max_tokens)))
-        at += rng.expovariate(s.b_rate)
-    return list(await asyncio.gather(*tasks))
+    return await steady(port, Load("B", s.seconds, s.tokens, s.max_tokens, s.seed + 1), s.b_rate)
 
 
 def row(label: str, outcomes: list[Outcome], slo_s: float) -> str:
