@@ -144,6 +144,9 @@ class ServerConfig(Strict):
     # Answer "x-prefixgate-explain: 1" with the routing decision in "x-prefixgate-decision"
     # (scores and cost terms of the best endpoints). Off by default: it shows fleet internals.
     explain_header: bool = False
+    # Processes serving the port (``prefixgate serve``; router/supervisor.py). Above 1 they share
+    # the prefix index, session affinity and in-flight counts through prefixIndex's Redis.
+    workers: int = Field(1, ge=1, le=64)
 
 
 class ProxyConfig(Strict):

@@ -27,6 +27,8 @@ READY_TIMEOUT_S = 60.0
 REDIS_VARIANT = "default-redis-2gw"
 # "<built-in strategy>-2gw": that strategy on two gateways that share nothing.
 SPLIT_SUFFIX = "-2gw"
+# "<built-in strategy>-2w": that strategy on one gateway of two worker processes (--workers 2).
+WORKERS_SUFFIX = "-2w"
 
 
 class Unavailable(Exception):
@@ -65,6 +67,28 @@ def _ready_all(url: str, n: int) -> Probe:
     return probe
 
 
+def _workers_ready(url: str, n: int, workers: int) -> Probe:
+    """Every worker of a ``--workers`` gateway up, each with every replica healthy (a scrape
+    answers for all workers: router/worker_metrics.py)."""
+
+    async def probe(http: aiohttp.ClientSession) -> bool:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        async with http.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+        up: dict[str, float] = {}
+        healthy: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                into = {"prefixgate_worker_up": up, "prefixgate_endpoint_healthy": healthy}
+                if s.name in into:
+                    worker = s.labels["worker"]
+                    into[s.name][worker] = into[s.name].get(worker, 0.0) + s.value
+        return sum(up.values()) == workers and sorted(healthy.values()) == [n] * workers
+
+    return probe
+
+
 def _gateway_args(
     port: int, config: Path | None, backends: Sequence[str], strategy: str, log_level: str
 ) -> list[str]:
@@ -92,6 +116,7 @@ class Strategy:
     strategy: str = ""  # the built-in strategy; the name when empty
     gateways: int = 1
     prefix_index: dict[str, Any] | None = None  # the config's prefixIndex section
+    workers: int = 1  # server.workers of each gateway
 
     def unavailable(self) -> str | None:
         return None
@@ -119,7 +144,10 @@ class Strategy:
         events.setdefault("replayPortOffset", s.kv_replay_offset)
 
     def _config_file(self, replicas: Sequence[str], port: int, process: str) -> Path | None:
-        if self.config is None and not self.needs_kv_events and self.prefix_index is None:
+        if (
+            self.config is None and not self.needs_kv_events and self.prefix_index is None
+            and self.workers == 1
+        ):
             return None
         data: dict[str, Any] = {"strategy": self.builtin}
         if self.config is not None:
@@ -130,6 +158,8 @@ class Strategy:
             data["prefixIndex"] = self.prefix_index
         data.setdefault("pool", {})["endpoints"] = [{"url": u} for u in replicas]
         data.setdefault("server", {}).update(host=HOST, port=port)
+        if self.workers > 1:
+            data["server"]["workers"] = self.workers
         path = self.settings.out / "logs" / f"{process}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -146,7 +176,10 @@ class Strategy:
             )
             procs.append(await _spawn(stack, process, args, self.settings))
             urls.append(f"http://{HOST}:{port}")
-        await wait_ready(procs, [_ready_all(u, len(replicas)) for u in urls], READY_TIMEOUT_S)
+        probes = [_ready_all(u, len(replicas)) for u in urls]
+        if self.workers > 1:
+            probes = [_workers_ready(u, len(replicas), self.workers) for u in urls]
+        await wait_ready(procs, probes, READY_TIMEOUT_S)
         return urls
 
 
@@ -295,8 +328,9 @@ def make_targets(
     strategies: Sequence[str], peers: Sequence[str], settings: BenchSettings
 ) -> list[Target]:
     """Targets for names: built-in strategies, each also as ``<strategy>-2gw`` (two gateways
-    sharing nothing), ``default-redis-2gw``, ``label=config.yaml``, and peer names
-    (``PEERS``). Unknown names fail before anything starts."""
+    sharing nothing) and ``<strategy>-2w`` (one gateway, two workers), ``default-redis-2gw``,
+    ``label=config.yaml``, and peer names (``PEERS``). Unknown names fail before anything
+    starts."""
     from router.strategies import STRATEGIES
 
     out: list[Target] = []
@@ -313,8 +347,12 @@ def make_targets(
         elif name.endswith(SPLIT_SUFFIX) and name.removesuffix(SPLIT_SUFFIX) in STRATEGIES:
             base = name.removesuffix(SPLIT_SUFFIX)
             out.append(Strategy(name, settings, strategy=base, gateways=2))
+        elif name.endswith(WORKERS_SUFFIX) and name.removesuffix(WORKERS_SUFFIX) in STRATEGIES:
+            base = name.removesuffix(WORKERS_SUFFIX)
+            out.append(Strategy(name, settings, strategy=base, workers=2))
         else:
-            known = ", ".join([*STRATEGIES, REDIS_VARIANT, f"<strategy>{SPLIT_SUFFIX}"])
+            suffixed = [f"<strategy>{SPLIT_SUFFIX}", f"<strategy>{WORKERS_SUFFIX}"]
+            known = ", ".join([*STRATEGIES, REDIS_VARIANT, *suffixed])
             raise ValueError(f"unknown strategy {name!r} (known: {known}, or label=config.yaml)")
     for name in peers:
         if name not in PEERS:

@@ -1,0 +1,189 @@
+"""``prefixgate serve --workers 2`` as real processes on loopback: both workers serve, a
+session sticks to one replica whichever worker takes its requests, a killed worker is replaced,
+and SIGTERM drains and stops every process (workers and the private Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+import redis.asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.sim.cli import start_replicas
+from benchmarks.sim.config import SimConfig
+from router.errors import ConfigError
+from router.headers import DESTINATION_HEADER
+from router.private_redis import private_redis
+from router.supervisor import RestartPolicy, needs_private_redis
+from tests.router.conftest import MODEL, gateway_config
+from tests.router.processes import gateway_process
+
+T = TypeVar("T")
+POLL_S = 0.05
+BOUND_S = 30.0  # generous: imports and start-up are slow on a busy 2-core box
+
+
+async def _poll(probe: Callable[[], Awaitable[T]], until: Callable[[T], bool]) -> T:
+    result = await probe()
+    for _ in range(int(BOUND_S / POLL_S)):
+        if until(result):
+            return result
+        await asyncio.sleep(POLL_S)
+        result = await probe()
+    return result
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The live child processes of ``pid``: pid -> command name (from /proc)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = (entry / "stat").read_text()
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out[int(entry.name)] = comm
+    return out
+
+
+def _workers(pid: int) -> set[int]:
+    return {p for p, comm in _children(pid).items() if not comm.startswith("redis")}
+
+
+async def _per_worker(url: str, name: str) -> dict[str, float]:
+    """A metric summed per worker label, from one scrape of the merged /metrics."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        text = (await http.get(f"{url}/metrics")).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                worker = sample.labels["worker"]
+                out[worker] = out.get(worker, 0.0) + sample.value
+    return out
+
+
+def _all_up(up: dict[str, float]) -> bool:
+    return up == {"0": 1.0, "1": 1.0}
+
+
+def _chat(session: str) -> dict[str, Any]:
+    content = f"a session that must stay home {session}"
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+
+
+@pytest.fixture
+def pool_config() -> Callable[[list[str]], dict[str, Any]]:
+    def make(urls: list[str]) -> dict[str, Any]:
+        data: dict[str, Any] = gateway_config(urls).model_dump(by_alias=True, exclude_unset=True)
+        data["server"] = {"workers": 2}
+        return data
+
+    return make
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+async def test_two_workers_serve_and_a_session_sticks_across_them(
+    tmp_path: Path, redis_url: str, redis_namespace: str,
+    pool_config: Callable[[list[str]], dict[str, Any]],
+) -> None:
+    async with start_replicas(4, SimConfig(speed=50.0)) as replicas:
+        config = pool_config([r.url for r in replicas])
+        config["prefixIndex"] = {"backend": "redis", "url": redis_url, "namespace": redis_namespace}
+        async with (
+            gateway_process(tmp_path, config) as gw,
+            redis.asyncio.Redis.from_url(redis_url) as client,
+        ):
+            up = await _poll(lambda: _per_worker(gw.url, "prefixgate_worker_up"), _all_up)
+            assert _all_up(up)
+            served: dict[str, float] = {}
+            homes: list[str] = []
+            session_key = f"pg:{redis_namespace}:sess:s1"
+            for _ in range(200):  # each on a new connection, which the kernel hashes to a worker
+                async with httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+                    resp = await http.post(
+                        "/v1/chat/completions", json=_chat("s1"), headers={"x-session-id": "s1"}
+                    )
+                assert resp.status_code == 200, resp.text
+                homes.append(resp.headers[DESTINATION_HEADER])
+                if len(homes) == 1:  # the next worker must find the session in Redis
+                    assert await _poll(lambda: client.exists(session_key), bool)
+                served = await _per_worker(gw.url, "prefixgate_requests_total")
+                if len(homes) >= 10 and len(served) == 2 and min(served.values()) > 0:
+                    break
+        assert set(served) == {"0", "1"} and min(served.values()) > 0, served
+        assert set(homes) == {homes[0]}, homes
+
+
+@pytest.mark.slow
+async def test_killed_worker_is_replaced_and_sigterm_stops_everything(
+    tmp_path: Path, pool_config: Callable[[list[str]], dict[str, Any]],
+) -> None:
+    async with start_replicas(2, SimConfig(speed=20.0)) as replicas:
+        config = pool_config([r.url for r in replicas])
+        config["server"] |= {"shutdownDelaySeconds": 0.5, "drainTimeoutSeconds": 10}
+        async with gateway_process(tmp_path, config) as gw:
+            supervisor = gw.proc.pid
+            first = await _poll(lambda: _async(_workers, supervisor), lambda w: len(w) == 2)
+            assert len(first) == 2
+            assert any(c.startswith("redis") for c in _children(supervisor).values())
+            victim = min(first)
+            os.kill(victim, signal.SIGKILL)
+            now = await _poll(
+                lambda: _async(_workers, supervisor), lambda w: len(w) == 2 and victim not in w
+            )
+            assert len(now) == 2 and victim not in now
+            up = await _poll(lambda: _per_worker(gw.url, "prefixgate_worker_up"), _all_up)
+            assert _all_up(up), "the replacement serves its metrics"
+            everyone = set(_children(supervisor))
+            async with httpx.AsyncClient(base_url=gw.url, timeout=20) as http:
+                body = {**_chat("drain"), "max_tokens": 2000, "stream": True}
+                async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+                    stream = resp.aiter_bytes()
+                    chunks = [await anext(stream)]
+                    gw.proc.send_signal(signal.SIGTERM)
+                    chunks += [chunk async for chunk in stream]
+            async with asyncio.timeout(BOUND_S):
+                code = await gw.proc.wait()
+    assert b"".join(chunks).rstrip().endswith(b"data: [DONE]"), "the stream drained"
+    assert code == 0
+    assert not set(everyone) & set(_children(supervisor)), "no process left"
+    assert "restarting" in gw.log_path.read_text()
+
+
+async def _async(fn: Callable[[int], T], arg: int) -> T:
+    return fn(arg)
+
+
+def test_restart_policy_backs_off_and_gives_up() -> None:
+    now = [0.0]
+    policy = RestartPolicy(clock=lambda: now[0], max_restarts=3, window=60.0)
+    assert [policy.crashed(0) for _ in range(3)] == [0.1, 0.2, 0.4]
+    assert policy.crashed(1) == 0.1, "slots are counted apart"
+    assert policy.crashed(0) is None, "a fourth crash within the window: give up"
+    now[0] = 61.0
+    assert policy.crashed(0) == 0.1, "old crashes leave the window"
+
+
+def test_more_workers_without_redis_fail_naming_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = gateway_config(["http://127.0.0.1:9"], server={"workers": 2})
+    assert needs_private_redis(config)
+    assert not needs_private_redis(gateway_config(["http://127.0.0.1:9"]))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no redis-server on it
+    with pytest.raises(ConfigError, match=r"prefixIndex\.backend: redis"), private_redis(
+        tmp_path, 2
+    ):
+        pass
