@@ -28,6 +28,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -182,7 +183,7 @@ class Supervisor:
         if self._stop_at is not None and self._workers and time.monotonic() > self._stop_at:
             log.error("%d worker(s) still running past the drain deadline: killed",
                       len(self._workers))
-            self._code = 1
+            self._code = self._code or 1
             self._send(signal.SIGKILL)
             self._stop_at = time.monotonic() + STOP_GRACE_S
 
@@ -203,7 +204,7 @@ class Supervisor:
         if self._stop_at is not None:
             if code != 0:
                 log.warning("worker %d (pid %d) exited %d while stopping", slot, pid, code)
-                self._code = 1
+                self._code = self._code or 1
             return
         if code == CONFIG_ERROR_EXIT:
             log.error("worker %d exited on a configuration error: stopping", slot)
@@ -228,6 +229,8 @@ class Supervisor:
                 self._start(slot)
 
     def _start(self, slot: int) -> None:
+        if threading.active_count() > 1:  # a forked child would inherit their locks, not them
+            log.warning("forking with %d threads running", threading.active_count())
         parent = os.getpid()
         pid = os.fork()
         if pid == 0:

@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -187,3 +190,23 @@ def test_more_workers_without_redis_fail_naming_the_key(
         tmp_path, 2
     ):
         pass
+
+
+@pytest.mark.slow
+def test_a_config_error_in_the_workers_stops_the_gateway_with_exit_2(tmp_path: Path) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server for the private Redis")
+    env_name = "PREFIXGATE_TEST_NEVER_SET"
+    path = tmp_path / "gateway.yaml"
+    path.write_text(
+        f"server: {{port: 0, workers: 2}}\n"
+        f"pool: {{apiKeyEnv: {env_name}, endpoints: [{{url: 'http://127.0.0.1:9'}}]}}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != env_name}
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(path)],
+        capture_output=True, text=True, timeout=BOUND_S * 2, env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"pool.apiKeyEnv: environment variable {env_name}" in done.stderr
+    assert "crashed" not in done.stderr, "not restarted in a loop"
