@@ -52,6 +52,11 @@ FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
 STOP_GRACE_S = 10.0
 CONFIG_ERROR_EXIT = 2
+# Budget of a private Redis call unless prefixIndex.timeoutMs says otherwise. The 5 ms default
+# guards against a slow network Redis; a local one answers in microseconds, so its timeouts only
+# measure how late the worker's own loop ran, and with a 5 ms budget a busy host turned up to
+# half of the lookups into local-only guesses (docs/benchmarks/workers.md).
+PRIVATE_REDIS_TIMEOUT_MS = 50.0
 
 
 @dataclass
@@ -79,7 +84,9 @@ def shared_config(config: GatewayConfig, redis_url: str | None, port: int) -> Ga
     data = config.model_dump(by_alias=True, exclude_unset=True)
     data.setdefault("server", {})["port"] = port
     if redis_url is not None:
-        data.setdefault("prefixIndex", {}).update(backend="redis", url=redis_url)
+        index = data.setdefault("prefixIndex", {})
+        index.update(backend="redis", url=redis_url)
+        index.setdefault("timeoutMs", PRIVATE_REDIS_TIMEOUT_MS)
     return parse_config(data)
 
 

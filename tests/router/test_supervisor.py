@@ -25,7 +25,12 @@ from benchmarks.sim.config import SimConfig
 from router.errors import ConfigError
 from router.headers import DESTINATION_HEADER
 from router.private_redis import private_redis
-from router.supervisor import RestartPolicy, needs_private_redis
+from router.supervisor import (
+    PRIVATE_REDIS_TIMEOUT_MS,
+    RestartPolicy,
+    needs_private_redis,
+    shared_config,
+)
 from tests.router.conftest import MODEL, gateway_config
 from tests.router.processes import gateway_process
 
@@ -210,3 +215,16 @@ def test_a_config_error_in_the_workers_stops_the_gateway_with_exit_2(tmp_path: P
     assert done.returncode == 2, done.stderr
     assert f"pool.apiKeyEnv: environment variable {env_name}" in done.stderr
     assert "crashed" not in done.stderr, "not restarted in a loop"
+
+
+def test_workers_config_takes_the_port_and_the_private_redis() -> None:
+    config = gateway_config(["http://127.0.0.1:9"], server={"workers": 2, "port": 0})
+    shared = shared_config(config, "unix:///run/r.sock", 8123)
+    assert shared.server.port == 8123 and shared.server.workers == 2
+    assert (shared.prefix_index.backend, shared.prefix_index.url) == ("redis", "unix:///run/r.sock")
+    assert shared.prefix_index.timeout_ms == PRIVATE_REDIS_TIMEOUT_MS
+    mine = gateway_config(
+        ["http://127.0.0.1:9"], server={"workers": 2}, prefixIndex={"timeoutMs": 7}
+    )
+    assert shared_config(mine, "unix:///run/r.sock", 1).prefix_index.timeout_ms == 7
+    assert shared_config(mine, None, 1).prefix_index.backend == "memory"
