@@ -108,7 +108,11 @@ async def test_two_workers_serve_and_a_session_sticks_across_them(
 ) -> None:
     async with start_replicas(4, SimConfig(speed=50.0)) as replicas:
         config = pool_config([r.url for r in replicas])
-        config["prefixIndex"] = {"backend": "redis", "url": redis_url, "namespace": redis_namespace}
+        # A generous budget: on a loaded machine a 5 ms one can time out, and the local
+        # fallback is not what this test is about.
+        config["prefixIndex"] = {
+            "backend": "redis", "url": redis_url, "namespace": redis_namespace, "timeoutMs": 2000
+        }
         async with (
             gateway_process(tmp_path, config) as gw,
             redis.asyncio.Redis.from_url(redis_url) as client,
