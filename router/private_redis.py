@@ -47,9 +47,9 @@ def _answers(url: str) -> bool:
 def missing_redis_message(workers: int) -> str:
     return (
         f"server.workers: {workers} workers share the prefix index, session affinity and "
-        "in-flight counts through Redis, and there is none: set prefixIndex.backend: redis "
-        "with prefixIndex.url (redis://host:port/db or unix:///path), or install redis-server "
-        "on the PATH for a private one (docs/scale-out.md)"
+        "in-flight counts through Redis, and there is none: set prefixIndex.backend: "
+        "replicated (or redis) with prefixIndex.url (redis://host:port/db or unix:///path), "
+        "or install redis-server on the PATH for a private one (docs/scale-out.md)"
     )
 
 

@@ -2,9 +2,11 @@
 
 One Python process serves on one core; N workers (router/worker_process.py) serve the same port
 through SO_REUSEPORT, and share the prefix index, session affinity and in-flight counts through
-the Redis-backed stores, as separate gateway replicas do (a private redis-server when the config
-names no Redis: router/private_redis.py). The supervisor itself serves nothing and runs no event
-loop or thread, so forking from it is safe at any time. It:
+Redis: the configured one, or a private redis-server when the config names none
+(router/private_redis.py), on which each worker keeps the index and affinity in memory and
+replicates its writes to the others (``backend: replicated``, router/replicated.py). The
+supervisor itself serves nothing and runs no event loop or thread, so forking from it is safe
+at any time. It:
 
 - restarts a worker that exits on its own, after a backoff that doubles per crash of its slot,
   and gives up (stops the others, exits 1) when one slot crashed ``MAX_RESTARTS`` times within
@@ -85,14 +87,14 @@ def shared_config(config: GatewayConfig, redis_url: str | None, port: int) -> Ga
     data.setdefault("server", {})["port"] = port
     if redis_url is not None:
         index = data.setdefault("prefixIndex", {})
-        index.update(backend="redis", url=redis_url)
+        index.update(backend="replicated", url=redis_url)
         index.setdefault("timeoutMs", PRIVATE_REDIS_TIMEOUT_MS)
     return parse_config(data)
 
 
 def needs_private_redis(config: GatewayConfig) -> bool:
     index = config.prefix_index
-    return config.server.workers > 1 and (index.backend != "redis" or index.url is None)
+    return config.server.workers > 1 and (index.backend == "memory" or index.url is None)
 
 
 class Supervisor:

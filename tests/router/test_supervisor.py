@@ -70,8 +70,11 @@ def _workers(pid: int) -> set[int]:
 
 async def _per_worker(url: str, name: str) -> dict[str, float]:
     """A metric summed per worker label, from one scrape of the merged /metrics."""
-    async with httpx.AsyncClient(timeout=5) as http:
-        text = (await http.get(f"{url}/metrics")).text
+    try:
+        async with httpx.AsyncClient(timeout=5) as http:
+            text = (await http.get(f"{url}/metrics")).text
+    except httpx.HTTPError:
+        return {}  # no worker listening at this instant (starting, or being replaced)
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -147,7 +150,9 @@ async def test_killed_worker_is_replaced_and_sigterm_stops_everything(
         config["server"] |= {"shutdownDelaySeconds": 0.5, "drainTimeoutSeconds": 10}
         async with gateway_process(tmp_path, config) as gw:
             supervisor = gw.proc.pid
-            first = await _poll(lambda: _async(_workers, supervisor), lambda w: len(w) == 2)
+            up = await _poll(lambda: _per_worker(gw.url, "prefixgate_worker_up"), _all_up)
+            assert _all_up(up), "both workers serve before one is killed"
+            first = _workers(supervisor)
             assert len(first) == 2
             assert any(c.startswith("redis") for c in _children(supervisor).values())
             victim = min(first)
@@ -195,7 +200,7 @@ def test_more_workers_without_redis_fail_naming_the_key(
     assert needs_private_redis(config)
     assert not needs_private_redis(gateway_config(["http://127.0.0.1:9"]))
     monkeypatch.setenv("PATH", str(tmp_path))  # no redis-server on it
-    with pytest.raises(ConfigError, match=r"prefixIndex\.backend: redis"), private_redis(
+    with pytest.raises(ConfigError, match=r"prefixIndex\.backend: replicated"), private_redis(
         tmp_path, 2
     ):
         pass
@@ -225,7 +230,8 @@ def test_workers_config_takes_the_port_and_the_private_redis() -> None:
     config = gateway_config(["http://127.0.0.1:9"], server={"workers": 2, "port": 0})
     shared = shared_config(config, "unix:///run/r.sock", 8123)
     assert shared.server.port == 8123 and shared.server.workers == 2
-    assert (shared.prefix_index.backend, shared.prefix_index.url) == ("redis", "unix:///run/r.sock")
+    index = shared.prefix_index
+    assert (index.backend, index.url) == ("replicated", "unix:///run/r.sock")
     assert shared.prefix_index.timeout_ms == PRIVATE_REDIS_TIMEOUT_MS
     mine = gateway_config(
         ["http://127.0.0.1:9"], server={"workers": 2}, prefixIndex={"timeoutMs": 7}
