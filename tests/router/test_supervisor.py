@@ -89,7 +89,9 @@ def _all_up(up: dict[str, float]) -> bool:
 
 
 def _chat(session: str) -> dict[str, Any]:
-    content = f"a session that must stay home {session}"
+    # Long enough to fill blocks: a prompt of no block gives its endpoint no reason but the
+    # affinity, which a moment's in-flight count on another worker's view may outweigh.
+    content = f"a session that must stay home {session} " * 200
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
 
 
@@ -103,10 +105,32 @@ def pool_config() -> Callable[[list[str]], dict[str, Any]]:
     return make
 
 
+async def _subscribed(pubsub: Any, namespace: str) -> None:
+    """Listen to the workers' replication channel; back once Redis confirmed it."""
+    await pubsub.subscribe("{pg:" + namespace + "}:replicate")
+    confirmed = await _poll(
+        lambda: pubsub.get_message(timeout=0.05), lambda m: m is not None
+    )
+    assert confirmed is not None and confirmed["type"] == "subscribe"
+
+
+async def _session_shared(client: Any, pubsub: Any, backend: str, namespace: str) -> bool:
+    """Whether the session's endpoint reached where the other worker reads it: its key in
+    Redis, or (replicated) its set published on the channel the workers listen to."""
+    if backend == "redis":
+        return bool(await _poll(lambda: client.exists(f"pg:{namespace}:sess:s1"), bool))
+    message = await _poll(
+        lambda: pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05),
+        lambda m: m is not None and b"s1" in m["data"],
+    )
+    return message is not None
+
+
 @pytest.mark.slow
 @pytest.mark.redis
+@pytest.mark.parametrize("backend", ["redis", "replicated"])
 async def test_two_workers_serve_and_a_session_sticks_across_them(
-    tmp_path: Path, redis_url: str, redis_namespace: str,
+    tmp_path: Path, redis_url: str, redis_namespace: str, backend: str,
     pool_config: Callable[[list[str]], dict[str, Any]],
 ) -> None:
     async with start_replicas(4, SimConfig(speed=50.0)) as replicas:
@@ -114,17 +138,18 @@ async def test_two_workers_serve_and_a_session_sticks_across_them(
         # A generous budget: on a loaded machine a 5 ms one can time out, and the local
         # fallback is not what this test is about.
         config["prefixIndex"] = {
-            "backend": "redis", "url": redis_url, "namespace": redis_namespace, "timeoutMs": 2000
+            "backend": backend, "url": redis_url, "namespace": redis_namespace, "timeoutMs": 2000
         }
         async with (
             gateway_process(tmp_path, config) as gw,
             redis.asyncio.Redis.from_url(redis_url) as client,
+            client.pubsub() as pubsub,
         ):
             up = await _poll(lambda: _per_worker(gw.url, "prefixgate_worker_up"), _all_up)
             assert _all_up(up)
+            await _subscribed(pubsub, redis_namespace)
             served: dict[str, float] = {}
             homes: list[str] = []
-            session_key = f"pg:{redis_namespace}:sess:s1"
             for _ in range(200):  # each on a new connection, which the kernel hashes to a worker
                 async with httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
                     resp = await http.post(
@@ -132,8 +157,8 @@ async def test_two_workers_serve_and_a_session_sticks_across_them(
                     )
                 assert resp.status_code == 200, resp.text
                 homes.append(resp.headers[DESTINATION_HEADER])
-                if len(homes) == 1:  # the next worker must find the session in Redis
-                    assert await _poll(lambda: client.exists(session_key), bool)
+                if len(homes) == 1:  # the next worker must find the session
+                    assert await _session_shared(client, pubsub, backend, redis_namespace)
                 served = await _per_worker(gw.url, "prefixgate_requests_total")
                 if len(homes) >= 10 and len(served) == 2 and min(served.values()) > 0:
                     break
