@@ -92,14 +92,21 @@ def run_wrk(url: str, script: Path, connections: int, seconds: float) -> tuple[i
          f"{url}/v1/chat/completions"],
         capture_output=True, text=True, check=True, timeout=seconds + 60,
     ).stdout
-    requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    return parse_wrk(out)
+
+
+def parse_wrk(out: str) -> tuple[int, float, int]:
+    """(requests, req/s, errors: non-2xx answers plus socket errors) from wrk's report."""
+    done = re.search(r"(\d+) requests in", out)
+    rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if done is None or rate is None:
+        raise ValueError(f"not a wrk report: {out[:200]!r}")
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     socket_errors = re.search(r"Socket errors: (.*)", out)
     errors = int(bad.group(1)) if bad else 0
     if socket_errors:
         errors += sum(int(n) for n in re.findall(r"\d+", socket_errors.group(1)))
-    return requests, rps, errors
+    return int(done.group(1)), float(rate.group(1)), errors
 
 
 def _workers_up(url: str) -> float:
