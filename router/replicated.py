@@ -33,7 +33,6 @@ from router.affinity import InMemoryAffinityStore
 from router.prefix_index import InMemoryPrefixIndex
 from router.redis_index import pack_hashes
 from router.redis_link import RedisMetrics, key_tag
-from router.tasks import cancel_and_wait
 
 log = logging.getLogger("prefixgate.replicated")
 Op = tuple[str, str, bytes]  # (kind, key, value)
@@ -43,6 +42,7 @@ MAX_PENDING = 100_000  # ops waiting to be published; past it new ones are dropp
 MAX_BATCH = 1024  # ops per published message
 PUBLISH_TIMEOUT_S = 1.0
 RETRY_S = 0.5
+READ_TIMEOUT_S = 0.5  # how often the subscription loop looks at its stop flag
 
 
 class Replicator:
@@ -57,6 +57,7 @@ class Replicator:
         self._pending: list[Op] = []
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
 
     def on(self, kind: str, apply: Apply) -> None:
         self._handlers[kind] = apply
@@ -77,10 +78,11 @@ class Replicator:
             ]
 
     async def _publish_loop(self) -> None:
-        while True:
+        # Ends on the flag too: redis-py may swallow a cancellation that lands mid-command.
+        while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            while self._pending:
+            while self._pending and not self._closing:
                 # What accumulates while one publish is on the wire goes in the next: under
                 # load one message carries many picks.
                 batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
@@ -96,17 +98,20 @@ class Replicator:
             log.warning("replication: %d update(s) not published: %r", len(batch), exc)
 
     async def _read_loop(self) -> None:
-        while True:
+        # Ends on the flag too, like the publisher.
+        while not self._closing:
             try:
                 async with self._client.pubsub() as pubsub:
                     await pubsub.subscribe(self._channel)
-                    while True:
+                    while not self._closing:
                         message = await pubsub.get_message(
-                            ignore_subscribe_messages=True, timeout=1.0
+                            ignore_subscribe_messages=True, timeout=READ_TIMEOUT_S
                         )
                         if message is not None:
                             self.apply(message["data"])
             except (RedisError, OSError) as exc:
+                if self._closing:
+                    return
                 self._metrics.errors.labels("replicate", "error").inc()
                 log.warning("replication: subscription lost (%r); again in %.1fs", exc, RETRY_S)
                 await asyncio.sleep(RETRY_S)
@@ -128,8 +133,17 @@ class Replicator:
                 async with asyncio.timeout(grace):
                     await self._publish(self._pending[:MAX_BATCH])
         self._pending.clear()
+        self._closing = True
+        self._wake.set()
         for task in self._tasks:
-            await cancel_and_wait(task)
+            task.cancel()
+        if self._tasks:
+            # Within one read timeout (or one publish budget) each loop sees the flag.
+            _, late = await asyncio.wait(
+                self._tasks, timeout=READ_TIMEOUT_S + PUBLISH_TIMEOUT_S + 1.0
+            )
+            if late:
+                log.warning("replication: %d task(s) did not stop in time", len(late))
         self._tasks = []
         await self._client.aclose()
 
