@@ -125,15 +125,17 @@ async def captured(tmp_path: Path, n_gateways: int, index: dict[str, Any]) -> fl
     return sum(s.hits for s in stats.values()) / outcome.reuse.reusable_tokens
 
 
+@pytest.mark.parametrize("backend", ["redis", "replicated"])
 async def test_gateways_sharing_redis_route_as_one(
-    tmp_path: Path, redis_url: str, redis_namespace: str
+    tmp_path: Path, redis_url: str, redis_namespace: str, backend: str
 ) -> None:
-    redis_index = {"backend": "redis", "url": redis_url, "namespace": redis_namespace}
+    redis_index = {"backend": backend, "url": redis_url, "namespace": redis_namespace}
     single = await captured(tmp_path, 1, {})
     shared = await captured(tmp_path, 3, {**redis_index, "timeoutMs": 50})
     separate = await captured(tmp_path, 3, {})
     print(
-        f"captured reuse: 1 gateway {single:.3f}, 3 on Redis {shared:.3f}, 3 apart {separate:.3f}"
+        f"captured reuse: 1 gateway {single:.3f}, 3 on Redis ({backend}) {shared:.3f}, "
+        f"3 apart {separate:.3f}"
     )
     assert shared >= single - 0.05
     assert shared >= separate + 0.15
