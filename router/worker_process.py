@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -112,3 +113,5 @@ def run_worker(
         WorkerServer(ucfg, gateway, fleet).run(sockets=[sock])
     finally:
         stop_logging()
+        if os.getppid() != parent:  # the supervisor was killed: nobody else will clean up
+            shutil.rmtree(slot.run_dir, ignore_errors=True)

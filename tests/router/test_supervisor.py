@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import msgpack
 import pytest
 import redis.asyncio
 from prometheus_client.parser import text_string_to_metric_families
@@ -115,15 +116,27 @@ async def _subscribed(pubsub: Any, namespace: str) -> None:
 
 
 async def _session_shared(client: Any, pubsub: Any, backend: str, namespace: str) -> bool:
-    """Whether the session's endpoint reached where the other worker reads it: its key in
-    Redis, or (replicated) its set published on the channel the workers listen to."""
+    """Whether the session's endpoint and its prompt's blocks reached where the other worker
+    reads them: Redis's keys, or (replicated) ops published on the workers' channel. Before
+    that, the other worker may fairly route the session elsewhere."""
     if backend == "redis":
-        return bool(await _poll(lambda: client.exists(f"pg:{namespace}:sess:s1"), bool))
-    message = await _poll(
-        lambda: pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05),
-        lambda m: m is not None and b"s1" in m["data"],
-    )
-    return message is not None
+        tag = "{pg:" + namespace + "}"
+
+        async def stored() -> bool:
+            return bool(await client.exists(f"pg:{namespace}:sess:s1")) and bool(
+                await client.hlen(tag + ":h")
+            )
+
+        return bool(await _poll(stored, bool))
+    kinds: set[str] = set()
+
+    async def published() -> set[str]:
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)
+        if message is not None:
+            kinds.update(op[0] for op in msgpack.unpackb(message["data"])[1])
+        return kinds
+
+    return await _poll(published, lambda k: {"r", "s"} <= k) == {"r", "s"}
 
 
 @pytest.mark.slow
@@ -162,6 +175,9 @@ async def test_two_workers_serve_and_a_session_sticks_across_them(
                 served = await _per_worker(gw.url, "prefixgate_requests_total")
                 if len(homes) >= 10 and len(served) == 2 and min(served.values()) > 0:
                     break
+            gw.proc.send_signal(signal.SIGTERM)  # a clean stop removes its run directory
+            async with asyncio.timeout(BOUND_S):
+                assert await gw.proc.wait() == 0
         assert set(served) == {"0", "1"} and min(served.values()) > 0, served
         assert set(homes) == {homes[0]}, homes
 
