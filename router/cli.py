@@ -29,6 +29,8 @@ def _serve_config(args: argparse.Namespace) -> GatewayConfig:
         server["host"] = args.host
     if args.port is not None:
         server["port"] = args.port
+    if args.workers is not None:
+        server["workers"] = args.workers
     if args.strategy:
         data.pop("plugins", None)
         data.pop("schedulingProfiles", None)
@@ -55,6 +57,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from router.server import serve
 
     config = _serve_config(args)
+    if config.server.workers > 1:
+        from router.supervisor import supervise
+
+        return supervise(config, args.log_level, args.log_format)
     serve(config, args.log_level, args.log_format)
     return 0
 
@@ -109,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
     serve.add_argument("--strategy", default=None, help="built-in strategy instead of plugins")
+    serve.add_argument(
+        "--workers", type=int, default=None,
+        help="processes serving the port (default: server.workers, 1); see docs/scale-out.md",
+    )
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
         "--log-format", choices=["text", "json"], default=None,

@@ -94,7 +94,9 @@ class PoolConfig(Strict):
 
 
 class PrefixIndexConfig(Strict):
-    backend: Literal["memory", "redis"] = "memory"
+    # replicated: each process's own index and affinity, writes replicated through the Redis at
+    # url (router/replicated.py); in-flight counts and response routes are in that Redis.
+    backend: Literal["memory", "redis", "replicated"] = "memory"
     block_bytes: int = Field(DEFAULT_BLOCK_BYTES, ge=16, le=65536)
     max_blocks_per_request: int = Field(32768, ge=1)
     # None: derived per endpoint from its reported KV capacity (vllm:cache_config_info).
@@ -112,6 +114,8 @@ class PrefixIndexConfig(Strict):
     @model_validator(mode="after")
     def _redis_url(self) -> PrefixIndexConfig:
         check_url(self.url, self.backend, self.cluster)
+        if self.backend == "replicated" and self.cluster:
+            raise ValueError("cluster: the replicated backend publishes on one Redis server")
         return self
 
 
@@ -166,6 +170,9 @@ class ServerConfig(Strict):
     # Answer "x-prefixgate-explain: 1" with the routing decision in "x-prefixgate-decision"
     # (scores and cost terms of the best endpoints). Off by default: it shows fleet internals.
     explain_header: bool = False
+    # Processes serving the port (``prefixgate serve``; router/supervisor.py). Above 1 they share
+    # the prefix index, session affinity and in-flight counts through prefixIndex's Redis.
+    workers: int = Field(1, ge=1, le=64)
 
 
 class ProxyConfig(Strict):

@@ -38,8 +38,8 @@ _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0
 
 def check_url(url: str | None, backend: str, cluster: bool) -> None:
     """Config validation of a Redis-backed store's ``url`` and ``cluster`` (ValueError)."""
-    if backend == "redis" and not url:
-        raise ValueError("url: the redis backend needs url: redis://host:port/db")
+    if backend in ("redis", "replicated") and not url:
+        raise ValueError(f"url: the {backend} backend needs url: redis://host:port/db")
     if url is None:
         return
     if not url.startswith(("redis://", "rediss://", "unix://")):

@@ -15,11 +15,11 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from dataclasses import dataclass
 
 import uvicorn
-from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 from uvicorn.config import LOGGING_CONFIG
 
 from router.app import Gateway, create_app
@@ -29,10 +29,11 @@ from router.logs import LogFormat, configure_logging
 from router.streaming import ServerSend
 
 log = logging.getLogger("prefixgate.server")
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def uvicorn_config(
-    app: FastAPI, host: str, port: int, log_level: str = "info", own_logging: bool = False
+    app: ASGIApp, host: str, port: int, log_level: str = "info", own_logging: bool = False
 ) -> uvicorn.Config:
     # "auto" picks uvloop and httptools when installed (they are, via uvicorn[standard]).
     return uvicorn.Config(
@@ -94,7 +95,7 @@ class GatewayServer(uvicorn.Server):
         self.should_exit = True
 
 
-def _set_timeout(config: uvicorn.Config, drain_timeout: float) -> None:
+def set_drain_timeout(config: uvicorn.Config, drain_timeout: float) -> None:
     # uvicorn takes whole seconds in its type hints but waits with a float.
     config.timeout_graceful_shutdown = drain_timeout  # type: ignore[assignment]
 
@@ -109,7 +110,7 @@ def serve(
         ucfg = uvicorn_config(
             app, server_cfg.host, server_cfg.port, log_level, own_logging=True
         )
-        _set_timeout(ucfg, server_cfg.drain_timeout_seconds)
+        set_drain_timeout(ucfg, server_cfg.drain_timeout_seconds)
         sock = bind_socket(server_cfg.host, server_cfg.port)
         freeze_startup_heap()
         GatewayServer(ucfg, app.state.gateway).run(sockets=[sock])
@@ -125,10 +126,14 @@ class RunningGateway:
     server: GatewayServer | None = None
 
 
-def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+def bind_socket(host: str = "127.0.0.1", port: int = 0, reuse_port: bool = False) -> socket.socket:
+    """The listening socket; with ``reuse_port`` one of several on the same port, each with its
+    own accept queue that the kernel spreads new connections over (``--workers``)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     # Accepted connections inherit it: without it the first SSE chunk, written right after the
     # response headers, waits for the client's delayed ACK (~40 ms on Linux).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -156,7 +161,7 @@ async def running_gateway(
     server = _InProcessServer(
         uvicorn_config(app, config.server.host, port, log_level), app.state.gateway
     )
-    _set_timeout(server.config, min(2.0, config.server.drain_timeout_seconds))
+    set_drain_timeout(server.config, min(2.0, config.server.drain_timeout_seconds))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with asyncio.timeout(startup_timeout):

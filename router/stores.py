@@ -1,6 +1,8 @@
 """What the gateway remembers between requests: the prefix index, session affinity and, with
 several gateway replicas, their shared in-flight counts. Built from ``prefixIndex`` config:
-in memory by default, in Redis (shared by every replica) with ``backend: redis``.
+in memory by default, in Redis (shared by every replica) with ``backend: redis``, or in each
+process's memory with writes replicated through Redis with ``backend: replicated``
+(router/replicated.py; the workers of ``serve --workers N``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex, Pr
 from router.redis_index import RedisPrefixIndex
 from router.redis_link import RedisMetrics
 from router.redis_state import RedisAffinityStore, SharedInFlight, gateway_load
+from router.replicated import ReplicatedAffinityStore, ReplicatedPrefixIndex, Replicator
 from router.response_store import ResponseRoutes
 
 Candidates = Callable[[str], list[EndpointSnapshot]]
@@ -32,6 +35,8 @@ class Stores:
     responses: ResponseRoutes = dataclasses.field(default_factory=ResponseRoutes)
     # The Redis metrics, registered once, for other Redis users (the shared precise index).
     redis_metrics: RedisMetrics | None = None
+    # backend: replicated: carries the index's and affinity's writes to the other processes.
+    replicator: Replicator | None = None
 
     def candidates(self, pool: EndpointPool) -> Candidates:
         """The pool's candidates, with the other gateway replicas' load added (in flight, and
@@ -48,10 +53,14 @@ class Stores:
     def start(self) -> None:
         if self.shared_in_flight is not None:
             self.shared_in_flight.start()
+        if self.replicator is not None:
+            self.replicator.start()
 
     async def aclose(self) -> None:
         if self.shared_in_flight is not None:
             await self.shared_in_flight.aclose()
+        if self.replicator is not None:
+            await self.replicator.aclose()
         closer = getattr(self.affinity, "aclose", None)
         if closer is not None:
             await closer()
@@ -85,19 +94,6 @@ def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorR
         )
     metrics = RedisMetrics(registry)
     url, namespace, budget = cfg.url, cfg.namespace, cfg.timeout_ms
-    index = RedisPrefixIndex(
-        url, namespace=namespace, timeout_ms=budget, metrics=metrics, default_capacity=capacity,
-        max_blocks_per_write=cfg.max_blocks_per_write, cluster=cfg.cluster,
-    )
-    affinity = RedisAffinityStore(
-        url,
-        namespace=namespace,
-        timeout_ms=budget,
-        metrics=metrics,
-        ttl_seconds=sessions.ttl_seconds,
-        max_sessions=sessions.max_sessions,
-        cluster=cfg.cluster,
-    )
     shared = SharedInFlight(
         url,
         lambda: gateway_load(pool),
@@ -114,6 +110,28 @@ def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorR
         timeout_ms=rc.redis_timeout_ms,
         probe_timeout_seconds=rc.probe_timeout_seconds,
         metrics=metrics,
+        cluster=cfg.cluster,
+    )
+    if cfg.backend == "replicated":
+        replicator = Replicator(url, namespace, metrics)
+        return Stores(
+            ReplicatedPrefixIndex(InMemoryPrefixIndex(capacity), replicator),
+            ReplicatedAffinityStore(
+                InMemoryAffinityStore(sessions.ttl_seconds, sessions.max_sessions), replicator
+            ),
+            shared, responses, metrics, replicator,
+        )
+    index = RedisPrefixIndex(
+        url, namespace=namespace, timeout_ms=budget, metrics=metrics, default_capacity=capacity,
+        max_blocks_per_write=cfg.max_blocks_per_write, cluster=cfg.cluster,
+    )
+    affinity = RedisAffinityStore(
+        url,
+        namespace=namespace,
+        timeout_ms=budget,
+        metrics=metrics,
+        ttl_seconds=sessions.ttl_seconds,
+        max_sessions=sessions.max_sessions,
         cluster=cfg.cluster,
     )
     return Stores(index, affinity, shared, responses, metrics)

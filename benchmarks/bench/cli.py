@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--replicas", type=int, default=8)
     add("--strategies", default=ALL,
         help="comma list of built-in strategies, <strategy>-2gw (two gateways sharing "
-             "nothing), default-nofc (flow control off), default-redis-2gw, "
+             "nothing), <strategy>-2w (one gateway, --workers 2), default-nofc (flow control "
+             "off), default-redis-2gw, "
              "label=config.yaml; 'all' (default) or 'none'")
     add("--peers", default=ALL,
         help="comma list of peers; 'all' (default: those installed) or 'none'")

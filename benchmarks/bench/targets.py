@@ -32,6 +32,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # "<built-in strategy>-2gw": that strategy on two gateways that share nothing.
 SPLIT_SUFFIX = "-2gw"
+# "<built-in strategy>-2w": that strategy on one gateway of two worker processes (--workers 2).
+WORKERS_SUFFIX = "-2w"
 
 
 class Unavailable(Exception):
@@ -70,6 +72,28 @@ def _ready_all(url: str, n: int) -> Probe:
     return probe
 
 
+def _workers_ready(url: str, n: int, workers: int) -> Probe:
+    """Every worker of a ``--workers`` gateway up, each with every replica healthy (a scrape
+    answers for all workers: router/worker_metrics.py)."""
+
+    async def probe(http: aiohttp.ClientSession) -> bool:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        async with http.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+        up: dict[str, float] = {}
+        healthy: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                into = {"prefixgate_worker_up": up, "prefixgate_endpoint_healthy": healthy}
+                if s.name in into:
+                    worker = s.labels["worker"]
+                    into[s.name][worker] = into[s.name].get(worker, 0.0) + s.value
+        return sum(up.values()) == workers and sorted(healthy.values()) == [n] * workers
+
+    return probe
+
+
 def _gateway_args(
     port: int, config: Path | None, backends: Sequence[str], strategy: str, log_level: str
 ) -> list[str]:
@@ -98,6 +122,7 @@ class Strategy:
     gateways: int = 1
     prefix_index: dict[str, Any] | None = None  # the config's prefixIndex section
     overlay: dict[str, Any] | None = None  # further top-level sections (a variant's)
+    workers: int = 1  # server.workers of each gateway
 
     def unavailable(self) -> str | None:
         return None
@@ -125,7 +150,7 @@ class Strategy:
         events.setdefault("replayPortOffset", s.kv_replay_offset)
 
     def _config_file(self, replicas: Sequence[str], port: int, process: str) -> Path | None:
-        plain = self.prefix_index is None and self.overlay is None
+        plain = self.prefix_index is None and self.overlay is None and self.workers == 1
         if self.config is None and not self.needs_kv_events and plain:
             return None
         data: dict[str, Any] = {"strategy": self.builtin}
@@ -138,6 +163,8 @@ class Strategy:
         data.update(self.overlay or {})
         data.setdefault("pool", {})["endpoints"] = [{"url": u} for u in replicas]
         data.setdefault("server", {}).update(host=HOST, port=port)
+        if self.workers > 1:
+            data["server"]["workers"] = self.workers
         path = self.settings.out / "logs" / f"{process}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -154,7 +181,10 @@ class Strategy:
             )
             procs.append(await _spawn(stack, process, args, self.settings))
             urls.append(f"http://{HOST}:{port}")
-        await wait_ready(procs, [_ready_all(u, len(replicas)) for u in urls], READY_TIMEOUT_S)
+        probes = [_ready_all(u, len(replicas)) for u in urls]
+        if self.workers > 1:
+            probes = [_workers_ready(u, len(replicas), self.workers) for u in urls]
+        await wait_ready(procs, probes, READY_TIMEOUT_S)
         return urls
 
 
@@ -310,9 +340,9 @@ def make_targets(
     strategies: Sequence[str], peers: Sequence[str], settings: BenchSettings
 ) -> list[Target]:
     """Targets for names: built-in strategies, each also as ``<strategy>-2gw`` (two gateways
-    sharing nothing), ``VARIANTS`` (``default-nofc``: flow control off),
-    ``default-redis-2gw``, ``label=config.yaml``, and peer names
-    (``PEERS``). Unknown names fail before anything starts."""
+    sharing nothing), ``<strategy>-2w`` (one gateway, two workers), ``VARIANTS``
+    (``default-nofc``: flow control off), ``default-redis-2gw``, ``label=config.yaml``, and
+    peer names (``PEERS``). Unknown names fail before anything starts."""
     from router.strategies import STRATEGIES
 
     out: list[Target] = []
@@ -332,10 +362,12 @@ def make_targets(
         elif name.endswith(SPLIT_SUFFIX) and name.removesuffix(SPLIT_SUFFIX) in STRATEGIES:
             base = name.removesuffix(SPLIT_SUFFIX)
             out.append(Strategy(name, settings, strategy=base, gateways=2))
+        elif name.endswith(WORKERS_SUFFIX) and name.removesuffix(WORKERS_SUFFIX) in STRATEGIES:
+            base = name.removesuffix(WORKERS_SUFFIX)
+            out.append(Strategy(name, settings, strategy=base, workers=2))
         else:
-            known = ", ".join(
-                [*STRATEGIES, *VARIANTS, REDIS_VARIANT, f"<strategy>{SPLIT_SUFFIX}"]
-            )
+            suffixed = [f"<strategy>{SPLIT_SUFFIX}", f"<strategy>{WORKERS_SUFFIX}"]
+            known = ", ".join([*STRATEGIES, *VARIANTS, REDIS_VARIANT, *suffixed])
             raise ValueError(f"unknown strategy {name!r} (known: {known}, or label=config.yaml)")
     for name in peers:
         if name not in PEERS:

@@ -61,6 +61,21 @@ async def test_strategies_on_two_replicas(
     assert "subagent group of 2-3: first turn" in capsys.readouterr().out
 
 
+@pytest.mark.timeout(90)
+async def test_a_gateway_of_two_workers(tmp_path: Path) -> None:
+    settings = BenchSettings(
+        out=tmp_path, replicas=2, speed=20.0, num_gpu_blocks=512, deadline_s=30.0,
+        plots=False, progress=False, peer_dirs=[tmp_path / "no-peers"],
+    )  # fmt: skip
+    workload = build_workload("agentic", "tiny", sessions=3, turns=2)
+    report = await Runner(settings, workload).run(make_targets(["default-2w"], [], settings))
+    (r,) = report.results
+    assert r.status == "ok", r.note
+    assert (r.requests, r.errors, r.incomplete) == (workload.num_requests, 0, 0)
+    assert 0 < r.cached_ratio < 1
+    assert "workers: 2" in (tmp_path / "logs" / "default-2w.yaml").read_text()
+
+
 def _script_places(conversations: Sequence[Conversation]) -> list[tuple[str, int, int]]:
     def walk(kind: str, steps: Sequence[Step], group: int) -> list[tuple[str, int, int]]:
         out = []

@@ -53,6 +53,7 @@ def test_example_loads(tmp_path: Path) -> None:
             "pool.metricsScrape.intervalSeconds",
         ),
         ({"prefixIndex": {"blockBytes": 3}}, "prefixIndex.blockBytes"),
+        ({"server": {"workers": 0}}, "server.workers"),
         ({"strategy": "nope"}, "strategy"),
         ({"plugins": []}, "schedulingProfiles go together"),
         (

@@ -153,14 +153,18 @@ async def captured(tmp_path: Path, n_gateways: int, index: dict[str, Any]) -> Ca
 GENEROUS_MS = 1000
 
 
+@pytest.mark.parametrize("backend", ["redis", "replicated"])
 async def test_gateways_sharing_redis_route_as_one(
-    tmp_path: Path, redis_url: str, redis_namespace: str
+    tmp_path: Path, redis_url: str, redis_namespace: str, backend: str
 ) -> None:
-    redis_index = {"backend": "redis", "url": redis_url, "namespace": redis_namespace}
+    redis_index = {"backend": backend, "url": redis_url, "namespace": redis_namespace}
     single = await captured(tmp_path, 1, {})
     shared = await captured(tmp_path, 3, {**redis_index, "timeoutMs": GENEROUS_MS})
     separate = await captured(tmp_path, 3, {})
-    seen = f"captured reuse: 1 gateway {single}, 3 on Redis {shared}, 3 apart {separate}"
+    seen = (
+        f"captured reuse: 1 gateway {single}, 3 on Redis ({backend}) {shared}, "
+        f"3 apart {separate}"
+    )
     print(seen)
     # Three gateways sharing one index know what one gateway knows; 0.05 is the routing noise
     # of load-dependent tie-breaks. Apart, each knows about a third of it.

@@ -1,0 +1,52 @@
+"""The workers benchmark's measuring parts: wrk's report and a process tree's CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.workers import parse_wrk, tree_cpu_seconds
+
+REPORT = """Running 8s test @ http://127.0.0.1:1/v1/chat/completions
+  2 threads and 32 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency    43.10ms    9.02ms 120.00ms   80.00%
+  5866 requests in 8.06s, 4.10MB read
+  Socket errors: connect 0, read 2, write 0, timeout 1
+  Non-2xx or 3xx responses: 4
+Requests/sec:    727.95
+Transfer/sec:    521.00KB
+"""
+
+
+def test_parse_wrk_counts_requests_rate_and_every_kind_of_error() -> None:
+    assert parse_wrk(REPORT) == (5866, 727.95, 7)
+    clean = REPORT.replace("  Socket errors: connect 0, read 2, write 0, timeout 1\n", "")
+    assert parse_wrk(clean.replace("  Non-2xx or 3xx responses: 4\n", "")) == (5866, 727.95, 0)
+    with pytest.raises(ValueError, match="not a wrk report"):
+        parse_wrk("wrk: command failed")
+
+
+def test_tree_cpu_counts_the_children() -> None:
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", burn + "input()"], stdin=subprocess.PIPE)
+    try:
+        # The child stays alive (waiting on stdin) after burning: poll until its CPU shows.
+        for _ in range(600):  # 30 s bound on a loaded machine
+            if tree_cpu_seconds(os.getpid()) - _own() >= 0.25:
+                break
+            assert child.poll() is None
+            time.sleep(0.05)
+        assert tree_cpu_seconds(os.getpid()) - _own() >= 0.25
+    finally:
+        child.kill()
+        child.wait(5)
+
+
+def _own() -> float:
+    times = os.times()
+    return times.user + times.system
