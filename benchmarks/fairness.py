@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -356,28 +356,40 @@ def settings(argv: list[str] | None) -> Settings:
     )  # fmt: skip
 
 
+def start_sims(
+    stack: contextlib.ExitStack, work: Path, replicas: int, max_num_seqs: int, speed: float
+) -> list[str]:
+    """Simulated replicas in one process of their own, until ``stack`` closes; their urls."""
+    base = free_ports(replicas)
+    urls = [f"http://{HOST}:{base + i}" for i in range(replicas)]
+    sim = [sys.executable, "-m", "router.cli", "sim", "--replicas", str(replicas),
+           "--base-port", str(base), "--host", HOST, "--max-num-seqs", str(max_num_seqs),
+           "--speed", str(speed), "--log-level", "warning"]  # fmt: skip
+    stack.enter_context(process(sim, f"{urls[-1]}/health", work / "sim.log"))
+    return urls
+
+
+def start_gateway(
+    stack: contextlib.ExitStack, work: Path, name: str, config: Callable[[int], dict[str, Any]]
+) -> int:
+    """A gateway in its own process from ``config(port)``, until ``stack`` closes; its port."""
+    port = free_ports(1)
+    path = work / f"gateway-{name}.yaml"
+    path.write_text(yaml.safe_dump(config(port)))
+    gateway = [sys.executable, "-m", "router.cli", "serve", "--config", str(path),
+               "--log-level", "warning"]  # fmt: skip
+    stack.enter_context(process(gateway, f"http://{HOST}:{port}/ready", work / f"{name}.log"))
+    return port
+
+
 def main(argv: list[str] | None = None) -> int:
     s = settings(argv)
-    exe = [sys.executable, "-m", "router.cli"]
-    base = free_ports(s.replicas)
-    sim_urls = [f"http://{HOST}:{base + i}" for i in range(s.replicas)]
-    sim = [*exe, "sim", "--replicas", str(s.replicas), "--base-port", str(base), "--host", HOST,
-           "--max-num-seqs", str(s.max_num_seqs), "--speed", str(s.speed),
-           "--log-level", "warning"]
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
-        stack.enter_context(process(sim, f"{sim_urls[-1]}/health", work / "sim.log"))
-        ports = []
-        for flow in (False, True):
-            port = free_ports(1)
-            name = "on" if flow else "off"
-            path = work / f"gateway-{name}.yaml"
-            path.write_text(yaml.safe_dump(gateway_config(s, sim_urls, port, flow)))
-            gateway = [*exe, "serve", "--config", str(path), "--log-level", "warning"]
-            url = f"http://{HOST}:{port}"
-            stack.enter_context(process(gateway, f"{url}/ready", work / f"gateway-{name}.log"))
-            ports.append(port)
-        asyncio.run(run_phases(ports[0], ports[1], s))
+        urls = start_sims(stack, work, s.replicas, s.max_num_seqs, s.speed)
+        off = start_gateway(stack, work, "off", lambda port: gateway_config(s, urls, port, False))
+        on = start_gateway(stack, work, "on", lambda port: gateway_config(s, urls, port, True))
+        asyncio.run(run_phases(off, on, s))
     return 0
 
 

@@ -25,17 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from benchmarks.fairness import (
     HOST,
     OBJECTIVE,
     Load,
     Outcome,
     bursts,
-    free_ports,
     percentile,
-    process,
+    start_gateway,
+    start_sims,
     steady,
 )  # fmt: skip
 
@@ -127,20 +125,10 @@ def settings(argv: list[str] | None) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     s = settings(argv)
-    exe = [sys.executable, "-m", "router.cli"]
-    base = free_ports(s.replicas)
-    sim_urls = [f"http://{HOST}:{base + i}" for i in range(s.replicas)]
-    sim = [*exe, "sim", "--replicas", str(s.replicas), "--base-port", str(base), "--host", HOST,
-           "--max-num-seqs", str(s.max_num_seqs), "--log-level", "warning"]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="slo-") as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
-        stack.enter_context(process(sim, f"{sim_urls[-1]}/health", work / "sim.log"))
-        port = free_ports(1)
-        path = work / "gateway.yaml"
-        path.write_text(yaml.safe_dump(gateway_config(sim_urls, port)))
-        gateway = [*exe, "serve", "--config", str(path), "--log-level", "warning"]
-        url = f"http://{HOST}:{port}"
-        stack.enter_context(process(gateway, f"{url}/ready", work / "gateway.log"))
+        urls = start_sims(stack, work, s.replicas, s.max_num_seqs, 1.0)
+        port = start_gateway(stack, work, "gateway", lambda port: gateway_config(urls, port))
         print(asyncio.run(run(port, s)))
     return 0
 
