@@ -166,9 +166,12 @@ async def test_gateways_sharing_redis_route_as_one(
         f"3 apart {separate}"
     )
     print(seen)
-    # Three gateways sharing one index know what one gateway knows; 0.05 is the routing noise
-    # of load-dependent tie-breaks. Apart, each knows about a third of it.
-    assert shared.reuse >= single.reuse - 0.05, seen
+    # Three gateways sharing one index know what one gateway knows, less the routing noise of
+    # concurrent turns that reach two gateways before either's index write lands: on a quiet
+    # machine, 14 runs on 2026-12-02 gave 0.934-0.989 shared against 0.967-0.997 alone, so the
+    # margin is 0.08. Apart, each knows about a third of it (0.65-0.79 in the same runs): the
+    # second bound still fails whenever the gateways do not share.
+    assert shared.reuse >= single.reuse - 0.08, seen
     assert shared.reuse >= separate.reuse + 0.15, seen
 
 
