@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic.alias_generators import to_camel, to_snake
 
 
 class Strict(BaseModel):
@@ -29,10 +29,6 @@ FairnessPolicyName = Literal["round-robin", "fcfs", "program-aware"]
 
 MiB = 1024 * 1024
 _UTILIZATION_KEYS = {"queue_depth_threshold", "kv_cache_util_threshold", "in_flight_threshold"}
-
-
-def _snake(key: str) -> str:
-    return "".join(f"_{c.lower()}" if c.isupper() else c for c in key)
 
 
 class ProgramAwareConfig(Strict):
@@ -135,7 +131,7 @@ class SaturationDetectorConfig(Strict):
         error rather than silently unused."""
         if not isinstance(data, dict):
             return data
-        given = sorted(k for k in data if _snake(k) in _UTILIZATION_KEYS)
+        given = sorted(k for k in data if to_snake(k) in _UTILIZATION_KEYS)
         if not given:
             return data
         if "type" not in data:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import pytest
 
@@ -12,24 +13,19 @@ from flow_control.controller import FlowController
 from flow_control.limits import ConcurrencyLimits, ConcurrencySaturationDetector
 from flow_control.request import FlowRequest
 from router.endpoints import EndpointSnapshot
+from tests.snapshots import snap as base_snap
 
 CFG = ConcurrencyLimitConfig(initial_limit=8, min_limit=1, max_limit=32, tolerance=2.0)
 
 
 def snap(
-    eid: str = "a",
-    *,
-    pending: int = 0,
-    in_flight: int | None = None,
-    waiting: float = 0.0,
-    kv: float = 0.0,
-    age: float = 0.05,
+    eid: str = "a", *, pending: int = 0, in_flight: int | None = None, age: float = 0.05,
+    **kw: Any,
 ) -> EndpointSnapshot:
-    return EndpointSnapshot(
-        id=eid, url=f"http://{eid}", role="both",
-        in_flight=pending if in_flight is None else in_flight,
-        pending_prefill_tokens=100 * pending, waiting=waiting, running=0.0, kv_usage=kv,
-        metrics_age=age, pending_prefill_requests=pending,
+    """``pending`` requests of ours waiting for a first byte (in flight too, unless given)."""
+    return base_snap(
+        eid, pending_prefill_requests=pending, pending_prefill_tokens=100 * pending,
+        in_flight=pending if in_flight is None else in_flight, metrics_age=age, **kw,
     )  # fmt: skip
 
 
@@ -84,10 +80,10 @@ def test_detector_saturates_only_when_every_endpoint_is_at_its_limit() -> None:
 def test_scraped_metrics_never_hold_an_idle_endpoint() -> None:
     """KV use and the engine queue read full, but nothing of ours is there: room for one."""
     detector = ConcurrencySaturationDetector(ConcurrencyLimits(CFG), staleness=1.0)
-    idle_but_full = snap("a", pending=0, in_flight=0, waiting=8, kv=0.99)
+    idle_but_full = snap("a", pending=0, in_flight=0, waiting=8, kv_usage=0.99)
     assert detector.room(idle_but_full) == 1
     assert not detector.saturated([idle_but_full])
-    stale = snap("a", pending=0, in_flight=0, waiting=8, kv=0.99, age=math.inf)
+    stale = snap("a", pending=0, in_flight=0, waiting=8, kv_usage=0.99, age=math.inf)
     assert detector.room(stale) == CFG.initial_limit
 
 
