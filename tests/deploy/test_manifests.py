@@ -35,10 +35,10 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa
 from google.protobuf import json_format
 
 from router.app import build_gateway
-from router.config import parse_config
-from router.extproc import ExtProcMetrics
-from router.extproc_server import EXT_PROC_SERVICE
-from router.redis_link import RedisMetrics
+from router.config.model import parse_config
+from router.extproc.server import EXT_PROC_SERVICE
+from router.extproc.service import ExtProcMetrics
+from router.index.redis_link import RedisMetrics
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # The oldest Kubernetes the manifests claim (gRPC probes, appProtocol, policy/v1), and the newest.
