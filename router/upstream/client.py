@@ -42,9 +42,21 @@ DNS_TTL_SECONDS = 60.0
 UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (OSError, TimeoutError)
 
 __all__ = [
-    "UPSTREAM_ERRORS", "UpstreamClient", "UpstreamConnectionError", "UpstreamProtocolError",
-    "UpstreamReply",
+    "UPSTREAM_ERRORS", "Fetched", "ResponseTooLargeError", "UpstreamClient",
+    "UpstreamConnectionError", "UpstreamProtocolError", "UpstreamReply",
 ]
+
+
+class ResponseTooLargeError(UpstreamProtocolError):
+    """An answer read whole (:meth:`UpstreamClient.fetch`) ran past its byte limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """A small answer read whole: a health check, a scrape, a tokenizer's or the API server's."""
+
+    status: int
+    body: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +172,30 @@ class UpstreamClient:
             self._slots.release()
             raise
         return UpstreamReply(self, conn)
+
+    async def fetch(
+        self,
+        method: str,
+        url: str,
+        headers: Sequence[tuple[str, str]] = (),
+        body: bytes = b"",
+        *,
+        seconds: float,
+        limit: int = 1 << 20,
+    ) -> Fetched:
+        """The whole answer within ``seconds`` (connect, head and body), at most ``limit``
+        bytes of it: the monitor's, the tokenizer's and discovery's calls, off the hot path."""
+        reply: UpstreamReply | None = None
+        try:
+            async with asyncio.timeout(seconds):
+                reply = await self.request(method, url, headers, body)
+                data = await reply.read_all(limit + 1)
+                if len(data) > limit:
+                    raise ResponseTooLargeError(f"{url}: answer over {limit} bytes")
+                return Fetched(reply.status, data)
+        finally:
+            if reply is not None:
+                reply.close()
 
     async def _exchange(self, target: _Target, data: list[bytes]) -> Connection:
         conn = self._pooled(target.key)
