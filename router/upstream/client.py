@@ -4,8 +4,9 @@ Its own small client on ``asyncio.Protocol`` and httptools (``router.upstream.co
 rather than a general one, because this path runs once per request and once per streamed
 token, and a burst of sub-agent requests pays it in series on the one event loop: measured with
 ``benchmarks.overhead`` and ``benchmarks.relay_cost``, it costs the gateway less CPU than httpx
-or aiohttp (docs/benchmarks/gateway-cost.md). httpx stays for the monitor and everything off the
-hot path.
+or aiohttp (docs/benchmarks/gateway-cost.md), and so it does for the gateway's other calls
+(scrapes, health checks, the tokenizer, the Kubernetes API; ``benchmarks.http_clients``,
+docs/benchmarks/http-client.md), which use it too, through :meth:`UpstreamClient.fetch`.
 
 Connections are pooled per endpoint, most recently used first, and a pooled connection idle for
 ``keepalive_seconds`` is not used again: servers close idle ones on their own clock (uvicorn,
