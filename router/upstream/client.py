@@ -153,6 +153,10 @@ class UpstreamClient:
         self._dns: dict[tuple[str, int], tuple[float, list[str]]] = {}
         self._closed = False
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def post(
         self, url: str, headers: Sequence[tuple[str, str]], body: bytes
     ) -> UpstreamReply:
