@@ -3,8 +3,9 @@
 Core kinds are checked with kubernetes-validate (the Kubernetes OpenAPI schemas, strict: an
 unknown field fails); InferencePool against the openAPIV3Schema of the CRD shipped in
 deploy/crds; HTTPRoute and ServiceMonitor against the subset of their CRD schemas written out
-in tests/deploy/schemas.py; the Envoy bootstrap against Envoy's own protobuf types; the Grafana dashboard against the
-metrics prefixgate really exports. ``kubectl kustomize`` renders each base when kubectl is here.
+in tests/deploy/schemas.py; the Envoy bootstrap against Envoy's own protobuf types; the Grafana
+dashboard against the metrics prefixgate really exports. ``kubectl kustomize`` renders each base
+when kubectl is here.
 """
 
 from __future__ import annotations
