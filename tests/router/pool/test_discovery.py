@@ -25,7 +25,7 @@ from router.extproc.server import running_epp
 from router.pool.discovery import Discovered, KubernetesDiscovery, LivePool, pod_endpoints
 from router.serve.server import running_gateway
 from tests.gateways import gateway_config
-from tests.router.extproc.test_extproc import MODEL, Envoy, chat_body, epp_config
+from tests.router.extproc.envoy import MODEL, Envoy, chat_body, epp_config
 
 POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools"
 PODS = "/api/v1/namespaces/default/pods"
