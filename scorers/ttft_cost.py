@@ -63,6 +63,16 @@ class TTFTCostParameters(Strict):
     # It is what keeps sessions home when every cache is full, and costs nothing while caches
     # have room.
     eviction_weight: float = Field(1.0, ge=0.0, le=4.0)
+    # For a request without a session, each token of its prefix that another endpoint holds
+    # and this one would recompute weighs this much, where that is more than the eviction
+    # term above: the copy takes room that evicts someone's context, now (the eviction term)
+    # or once the cache fills, and splits the prefix's later hits between two caches.
+    # Without it, recomputing a shared prefix on an idle replica priced as cheap as a short
+    # wait where it is cached, and single-turn traffic on shared prompts scattered over the
+    # fleet. A session's requests are not charged: its context is its own (moving it leaves
+    # the old copy to age out, not a second live one), and where its first request copies a
+    # shared system prompt is the session's placement, which placementHorizonWeight prices.
+    copy_weight: float = Field(1.0, ge=0.0, le=4.0)
     # The room an endpoint's cache has for new blocks: "live-sessions" counts only the contexts
     # of live sessions homed there as worth keeping (router/estimators/live_sessions.py: a cache
     # full of
@@ -102,6 +112,7 @@ class CostTerms:
     kv_penalty_s: float
     affinity_bonus_s: float
     horizon_s: float = 0.0
+    copied_tokens: int = 0
 
     @property
     def total_s(self) -> float:
@@ -129,19 +140,30 @@ class TTFTCostScorer:
             return request.uncached_tokens(endpoint_id)
         return request.uncached_at(share)
 
-    def terms(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> CostTerms:
+    def least_uncached(self, request: RoutingRequest) -> int:
+        """The fewest uncached tokens this request has on any endpoint holding part of it."""
+        hits = request.prefix_hits
+        return min((self._uncached(request, e) for e in hits), default=request.prompt_tokens)
+
+    def terms(
+        self, request: RoutingRequest, endpoint: EndpointSnapshot, least: int | None = None
+    ) -> CostTerms:
         p = self._p
         price = self._calibrator.price(endpoint.id)
         per_token = price.per_token_s
         uncached = self._uncached(request, endpoint.id)
         evicted = self._evicted_tokens(request, endpoint, uncached)
+        copied = 0
+        if request.session_id is None:
+            least = self.least_uncached(request) if least is None else least
+            copied = max(0, uncached - least)
         foreign_requests = endpoint.foreign_waiting
         pending = float(endpoint.pending_prefill_tokens)
         pending += p.recent_queue_weight * max(0.0, endpoint.recent_prefill_tokens - pending)
         queued = pending + foreign_requests * p.foreign_request_tokens
         queued_requests = endpoint.pending_prefill_requests + foreign_requests
         weight = self._recompute_weight(queued_requests)
-        own = weight * uncached + p.eviction_weight * evicted
+        own = weight * uncached + max(p.eviction_weight * evicted, p.copy_weight * copied)
         prefill = price.predict(own, queued, queued_requests=queued_requests)
         running = max(float(endpoint.in_flight), endpoint.running)
         # The configured decode pressure (which also slows this request's answer) at least;
@@ -157,7 +179,7 @@ class TTFTCostScorer:
         )  # fmt: skip
         return CostTerms(
             endpoint.id, queued, queued_requests, uncached, weight, evicted, prefill, load,
-            penalty, bonus, horizon,
+            penalty, bonus, horizon, copied,
         )
 
     def _recompute_weight(self, queued_requests: float) -> float:
@@ -185,7 +207,7 @@ class TTFTCostScorer:
             "queued_requests": t.queued_requests,
             "speed_factor": self._calibrator.factor(endpoint.id),
             "uncached_tokens": t.uncached_tokens, "recompute_weight": t.recompute_weight,
-            "evicted_tokens": t.evicted_tokens,
+            "evicted_tokens": t.evicted_tokens, "copied_tokens": t.copied_tokens,
             "prefill_s": t.prefill_s, "load_s": t.load_s, "kv_penalty_s": t.kv_penalty_s,
             "affinity_bonus_s": t.affinity_bonus_s, "horizon_s": t.horizon_s,
         }
@@ -204,7 +226,8 @@ class TTFTCostScorer:
             # Matches the request once (speculative entries of the picks before it included);
             # the tracker keeps the result for _uncached, and for explain() after the pick.
             self._precise.scores(request, endpoints)
-        costs = [self.terms(request, e).total_s for e in endpoints]
+        least = None if request.session_id else self.least_uncached(request)
+        costs = [self.terms(request, e, least).total_s for e in endpoints]
         if not costs:
             return []
         best = min(costs)

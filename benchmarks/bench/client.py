@@ -20,7 +20,13 @@ from typing import Any
 import aiohttp
 import orjson
 
-from benchmarks.bench.conversation import ConversationState, Prompt, ReuseLedger, new_state
+from benchmarks.bench.conversation import (
+    BLOCK_SIZE,
+    ConversationState,
+    Prompt,
+    ReuseLedger,
+    new_state,
+)
 from benchmarks.sim.tokenizer import Tokenizer
 from benchmarks.workloads import Conversation, Step, SubAgent, Workload
 
@@ -112,6 +118,7 @@ class WorkloadClient:
         speed: float = 1.0,
         deadline_s: float = 300.0,
         bytes_per_token: float | None = None,
+        block_size: int = BLOCK_SIZE,
         on_record: Callable[[RequestRecord], None] | None = None,
     ) -> None:
         if not targets:
@@ -122,10 +129,12 @@ class WorkloadClient:
         self.speed = speed
         self.deadline_s = deadline_s
         self.on_record = on_record
-        self._tok = Tokenizer(bytes_per_token)  # as the replicas count, for the reuse ledger
+        # The reuse ledger tokenizes and cuts blocks as the replicas do, or it bounds nothing.
+        self._tok = Tokenizer(bytes_per_token)
+        self._block_size = block_size
         self._sent = 0
         self._t0 = 0.0
-        self._run = ClientRun(workload.num_requests)
+        self._run = ClientRun(workload.num_requests, ledger=ReuseLedger(block_size))
         self._http: aiohttp.ClientSession | None = None
 
     async def run(self) -> ClientRun:
@@ -174,7 +183,8 @@ class WorkloadClient:
         return out
 
     async def _conversation(self, conv: Conversation) -> None:
-        await self._steps(new_state(self._tok, conv), conv, conv.steps, conv.kind)
+        state = new_state(self._tok, conv, self._block_size)
+        await self._steps(state, conv, conv.steps, conv.kind)
 
     async def _steps(
         self,

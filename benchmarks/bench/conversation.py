@@ -10,6 +10,13 @@ block hashes only over the new tail.
 would have served: the same rule and hashes as ``benchmarks.reuse.ReuseTracker``, but fed with
 chains computed incrementally, a request's prompt recorded when it is sent and its answer when
 it ends (as vLLM caches computed blocks while a request runs).
+
+The chains must be cut at the replicas' block size: vLLM hits whole blocks only, so a ledger
+of finer blocks counts reuse no replica can reach (up to 7x too much on a trace at 64-token
+blocks), and one whose counted blocks are not the replicas' is no bound on their hits. At the
+replicas' block size and tokenizer, the ledger's total is what one infinite cache would hit
+in any admission order (a block is missed only by the first request that holds it), so the
+replicas' hits, counted once per request as vLLM exports them, stay at or below it.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ BLOCK_SIZE = 16
 
 
 def extend_chain(chain: list[int], ids: Sequence[int], block_size: int = BLOCK_SIZE) -> None:
-    """Append the hashes of the full blocks of ``ids`` not yet in ``chain`` (in place)."""
+    """Append the hashes of the full ``block_size`` blocks of ``ids`` not yet in ``chain``."""
     h = chain[-1] if chain else 0
     pack = struct.Struct(f"<{block_size}I").pack
     for start in range(len(chain) * block_size, len(ids) - block_size + 1, block_size):
@@ -75,9 +82,8 @@ class ReuseLedger:
 
     @property
     def distinct_tokens(self) -> int:
-        """Tokens in the distinct full blocks seen (what an infinite cache would hold; chains
-        are always of ``BLOCK_SIZE`` blocks)."""
-        return len(self._seen) * BLOCK_SIZE
+        """Tokens in the distinct full blocks seen (what an infinite cache would hold)."""
+        return len(self._seen) * self.block_size
 
     @property
     def fraction(self) -> float:
@@ -95,9 +101,14 @@ class ConversationState:
     """Messages so far, their token ids and block chain; ``fork`` for a sub-agent."""
 
     def __init__(
-        self, tokenizer: Tokenizer, system: str, tools: Sequence[Message] = ()
+        self,
+        tokenizer: Tokenizer,
+        system: str,
+        tools: Sequence[Message] = (),
+        block_size: int = BLOCK_SIZE,
     ) -> None:
         self._tok = tokenizer
+        self.block_size = block_size
         self._gen_ids = tokenizer.encode(render_chat([], None, add_generation_prompt=True))
         self.tools: list[Message] = list(tools)
         self._system = system
@@ -123,23 +134,24 @@ class ConversationState:
         message = {"role": role, "content": content}
         self.messages.append(message)
         self.ids.extend(self._tok.encode(render_chat([message], None, False)))
-        extend_chain(self.chain, self.ids)
+        extend_chain(self.chain, self.ids, self.block_size)
 
     def prompt(self) -> Prompt:
         """What the next request sends: the messages and its prompt ids with their chain."""
         ids = self.ids + self._gen_ids
         chain = list(self.chain)
-        extend_chain(chain, ids)
+        extend_chain(chain, ids, self.block_size)
         return Prompt(list(self.messages), ids, chain)
 
     def answer_chain(self, prompt: Prompt, answer_ids: Sequence[int]) -> list[int]:
         chain = list(prompt.chain)
-        extend_chain(chain, [*prompt.ids, *answer_ids])
+        extend_chain(chain, [*prompt.ids, *answer_ids], self.block_size)
         return chain
 
     def fork(self) -> ConversationState:
         child = ConversationState.__new__(ConversationState)
         child._tok, child._gen_ids, child.tools = self._tok, self._gen_ids, self.tools
+        child.block_size = self.block_size
         child._system = self._system
         child.messages, child.ids, child.chain = (
             list(self.messages), list(self.ids), list(self.chain)
@@ -171,7 +183,8 @@ def _walk(
 def estimate_reuse(
     workload: Workload, block_size: int = BLOCK_SIZE, bytes_per_token: float | None = None
 ) -> ReuseLedger:
-    """The workload's reusable tokens, walking conversations one after the other.
+    """The workload's reusable tokens at ``block_size``, walking conversations one after the
+    other.
 
     A live run interleaves conversations, which changes little: what one conversation reuses
     comes from its own earlier turns and from prefixes (system prompt, tools) that are seen
@@ -181,9 +194,12 @@ def estimate_reuse(
     ledger = ReuseLedger(block_size)
     rng = random.Random(workload.seed)
     for conv in workload.conversations:
-        _walk(ConversationState(tok, conv.system, conv.tools), conv.steps, ledger, tok, rng)
+        state = ConversationState(tok, conv.system, conv.tools, block_size)
+        _walk(state, conv.steps, ledger, tok, rng)
     return ledger
 
 
-def new_state(tokenizer: Tokenizer, conv: Conversation) -> ConversationState:
-    return ConversationState(tokenizer, conv.system, conv.tools)
+def new_state(
+    tokenizer: Tokenizer, conv: Conversation, block_size: int = BLOCK_SIZE
+) -> ConversationState:
+    return ConversationState(tokenizer, conv.system, conv.tools, block_size)

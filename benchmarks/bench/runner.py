@@ -202,6 +202,7 @@ class Runner:
                 speed=s.speed,
                 deadline_s=s.deadline_s,
                 bytes_per_token=s.bytes_per_token,
+                block_size=s.block_size,
                 on_record=progress.update if progress else None,
             )
             run = await client.run()

@@ -161,8 +161,8 @@ def markdown(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun])
         f"scale {spec.scale:g}, wall {sum(r.wall_s for r in runs):.0f} s",
         "",
         "Per target, its TTFT over the best target's in each world (1.00: the best). "
-        "TTFT in simulated seconds; reuse captured: the replicas' prefix-cache hit ratio over "
-        "an infinite cache's.",
+        "TTFT in simulated seconds; reuse captured: the replicas' prefix-cache hits over the "
+        "tokens an infinite cache would have served.",
         "",
         *summary_table(target_stats(ranked, names), reuse_gaps(ranked, names)),
     ]

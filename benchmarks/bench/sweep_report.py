@@ -6,9 +6,9 @@ A target's *ratio* in a world is its figure over the lowest figure any target re
 ranked; a failed or skipped target is listed in the world's table. Requests a run did not
 answer before its deadline count as waiting the whole run.
 
-*Reuse captured* is the replicas' prefix-cache hit ratio over the hit ratio an infinitely large
-cache would have reached (the client's estimate): unit-free, so it holds whatever the
-simulator's tokenizer density.
+*Reuse captured* is the replicas' prefix-cache hits over the tokens one infinitely large cache
+would have served (the client's reuse ledger, which tokenizes and cuts blocks as the replicas
+do): at most 1 (``benchmarks.bench.conversation``).
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def ttft(r: TargetResult) -> Summary:
 
 
 def reuse_captured(r: TargetResult) -> float:
-    return r.cached_ratio / r.reusable_fraction if r.reusable_fraction > 0 else math.nan
+    """Hits over reusable tokens, both in the replicas' tokens. (A ratio of the two hit
+    ratios, as before, also moved with the replicas' counted queries.)"""
+    return r.captured if r.reusable_tokens > 0 else math.nan
 
 
 def target_stats(worlds: Sequence[tuple[int, Sequence[TargetResult]]],

@@ -211,7 +211,9 @@ def build_world(world: World, scale: float = 1.0, rows: Sequence[TraceRow] = ())
     else:
         wl = _closed(world, c, wall_s)
     est = _size(wl, c, world.replicas).est_sim_s
-    ledger = estimate_reuse(wl, world.block_size)
+    # The working set is measured in 16-token blocks whatever the world's block size, as when
+    # the sweeps of record were drawn, so a seed keeps drawing the same KV sizes.
+    ledger = estimate_reuse(wl)
     steps = [s for conv in wl.conversations for s in conv.steps]
     steps += [s for st in steps for a in st.burst for s in a.steps]
     need = (ledger.max_prompt_tokens + max(s.max_tokens for s in steps)) * max(1.0, sim_ratio)

@@ -128,6 +128,8 @@ class Engine:
             "kv_cache_usage": self.kv.usage,
             "prefix_cache_queries": self.kv.queries,
             "prefix_cache_hits": self.kv.hits,
+            "preempted_prefix_cache_queries": self.kv.preempted_queries,
+            "preempted_prefix_cache_hits": self.kv.preempted_hits,
             "prompt_tokens": self.stats.prompt_tokens,
             "generation_tokens": self.stats.generation_tokens,
             "requests_succeeded": self.stats.requests_succeeded,
@@ -255,7 +257,9 @@ class Engine:
 
     def _admit(self, req: SimRequest) -> bool:
         extend_block_hashes(req.block_hashes, req.all_tokens, self.kv.block_size, req.cache_salt)
-        admitted = self.kv.admit(req.block_hashes, len(req.all_tokens))
+        admitted = self.kv.admit(
+            req.block_hashes, len(req.all_tokens), preempted=req.cached_tokens >= 0
+        )
         if admitted is None:
             return False
         req.blocks, cached = admitted

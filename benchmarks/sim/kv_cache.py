@@ -12,6 +12,10 @@
   a request frees its blocks last block first, so the tail of a chain is evicted first.
   Allocation takes the head of the free queue and drops its hash; a cache hit on a free
   block takes it out of the queue.
+- ``queries``/``hits`` (the exported ``vllm:prefix_cache_*`` counters) count a request's first
+  admission only: vLLM books the lookup of a preempted request's re-admission under
+  ``preempted_queries``/``preempted_hits``, which /metrics does not export. Counted there, a
+  re-admission that finds its own blocks again would report reuse no workload offers.
 - ``usage`` is the fraction of blocks held by running requests (vLLM's kv_cache_usage_perc).
 - With events enabled, the cache records vLLM's KV events as they happen: ``BlockStored`` when
   full blocks become findable, ``BlockRemoved`` when a cached block is evicted for reuse, and
@@ -67,6 +71,8 @@ class KVCache:
         self._cached: dict[int, int] = {}
         self.queries = 0
         self.hits = 0
+        self.preempted_queries = 0
+        self.preempted_hits = 0
         self._events: list[KVEvent] | None = None
 
     # -- KV events ----------------------------------------------------------------------
@@ -121,11 +127,13 @@ class KVCache:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def admit(self, hashes: Sequence[int], num_tokens: int) -> tuple[list[int], int] | None:
+    def admit(
+        self, hashes: Sequence[int], num_tokens: int, preempted: bool = False
+    ) -> tuple[list[int], int] | None:
         """Take the cached prefix and fresh blocks for ``num_tokens``; None if they don't fit.
 
         Returns the request's blocks and its cached token count. Stats are counted only for
-        an admission that succeeds (one per scheduling of the request, as vLLM counts).
+        an admission that succeeds, a ``preempted`` request's re-admission apart (as vLLM).
         """
         hit = self.lookup(hashes, num_tokens)
         need = self.blocks_for(num_tokens) - len(hit)
@@ -140,8 +148,12 @@ class KVCache:
         blocks = hit
         for _ in range(need):
             blocks.append(self._take_free())
-        self.queries += num_tokens
-        self.hits += cached_tokens
+        if preempted:
+            self.preempted_queries += num_tokens
+            self.preempted_hits += cached_tokens
+        else:
+            self.queries += num_tokens
+            self.hits += cached_tokens
         return blocks, cached_tokens
 
     def allocate_block(self) -> int | None:

@@ -21,8 +21,10 @@ from benchmarks.bench.sweep_report import (
 def result(name: str, p90: float, mean: float = 1.0, p99: float = 2.0,
            cached: float = 0.5, status: str = "ok") -> TargetResult:
     ttft = Summary(p50=0.5, p90=p90, p99=p99, mean=mean, n=10) if status == "ok" else None
+    # 1000 reusable tokens of 1250 prompt tokens; ``cached`` of the prompt tokens hit.
     return TargetResult(name, "prefixgate", status=status, ttft=ttft, cached_ratio=cached,
-                        reusable_fraction=0.8)
+                        reusable_fraction=0.8, reusable_tokens=1000, prompt_tokens=1250,
+                        captured=cached * 1250 / 1000)
 
 
 def test_ratios_are_over_the_lowest_value() -> None:
@@ -50,8 +52,14 @@ def test_target_stats_count_bands_worst_and_not_best() -> None:
     assert means["x"] == [(0, 1.0), (1, 1.0), (2, 1.0)]
 
 
-def test_reuse_is_unit_free_and_gaps_are_points_below_the_best() -> None:
+def test_reuse_is_hits_over_reusable_tokens_and_gaps_are_points_below_the_best() -> None:
     assert reuse_captured(result("a", 1.0, cached=0.4)) == pytest.approx(0.5)
+    # Not the ratio of the two hit ratios: replicas that counted a preempted request's
+    # re-admission (more queries, at a high hit ratio) read above 100% that way.
+    readmitted = result("r", 1.0, cached=0.7)
+    readmitted.captured = 0.9
+    assert reuse_captured(readmitted) == pytest.approx(0.9)
+    assert math.isnan(reuse_captured(TargetResult("none", "prefixgate")))
     worlds = [(0, [result("a", 1.0, cached=0.72), result("b", 1.0, cached=0.8)])]
     gaps = reuse_gaps(worlds, ["a", "b"])
     assert gaps["a"][0][1] == pytest.approx(10.0) and gaps["b"] == [(0, 0.0)]

@@ -92,7 +92,8 @@ def test_affinity_breaks_near_ties_and_calibration_is_used() -> None:
 
 
 def test_recompute_weight_follows_the_queue_where_the_recompute_would_run() -> None:
-    request = req(tokens=10_000, hits={"home": 150})  # ~9,600 tokens cached at home
+    # A session placed at home: ~9,600 tokens of its own context cached there.
+    request = req(tokens=10_000, hits={"home": 150}, session_id="s", affinity_endpoint="home")
     home = snap("home", pending_prefill_tokens=12_000, pending_prefill_requests=3)
     s = scorer(recompute_weight=1.0, recompute_weight_per_queued=0.1, recompute_weight_max=2.0)
     # Nothing queued where the context would be recomputed: the recompute delays no one else,
@@ -172,11 +173,42 @@ def test_a_full_cache_keeps_a_session_home_longer() -> None:
     hits = {"home": 140}  # 8,960 of 10,000 tokens cached at home
     queued = {"pending_prefill_tokens": 14_000}
     endpoints = [snap("home", **queued), snap("other")]
-    with_room = req(tokens=10_000, hits=hits, cache_room={"home": 10**6, "other": 10**6})
-    full = req(tokens=10_000, hits=hits, cache_room={"home": 0, "other": 0})
+    session = {"session_id": "s", "affinity_endpoint": "home"}
+    with_room = req(tokens=10_000, hits=hits, cache_room={"home": 10**6, "other": 10**6},
+                    **session)
+    full = req(tokens=10_000, hits=hits, cache_room={"home": 0, "other": 0}, **session)
     s = scorer()
     assert s.score(with_room, endpoints)[1] == 1.0, "caches with room: the queue decides, move"
     assert s.score(full, endpoints)[0] == 1.0, "full caches: moving costs an eviction, stay"
+
+
+def test_a_shared_prefix_stays_where_it_is_cached_unless_moving_pays_for_the_copy() -> None:
+    # No session (single-turn traffic on a shared document or system prompt): 8,960 of
+    # 10,000 tokens held by "home", whose queue is as long as the whole prompt.
+    request = req(tokens=10_000, hits={"home": 140})
+    home, idle = snap("home", pending_prefill_tokens=10_000), snap("idle")
+    s = scorer()
+    terms = s.terms(request, idle)
+    assert terms.copied_tokens == 8_960 and s.terms(request, home).copied_tokens == 0
+    # Recomputing it on the idle replica is about as fast; the copy tips it: stay.
+    assert scorer(copy_weight=0).score(request, [home, idle])[1] == 1.0
+    assert s.score(request, [home, idle])[0] == 1.0
+    # A real gain still moves it: the queue at home costs more than the recompute and a copy.
+    long_queue = snap("home", pending_prefill_tokens=25_000)
+    assert s.score(request, [long_queue, idle])[1] == 1.0
+    # Where the idle replica's cache must evict to take it, the copy is that eviction, not
+    # another on top of it.
+    full = req(tokens=10_000, hits={"home": 140}, cache_room={"idle": 0})
+    both = s.terms(full, idle)
+    assert both.evicted_tokens > both.copied_tokens
+    assert both.prefill_s == pytest.approx(
+        scorer(copy_weight=0).terms(full, idle).prefill_s)
+    # A session's context is its own, and its first request's placement is the placement
+    # term's to price: neither is charged a copy.
+    placed = req(tokens=10_000, hits={"home": 140}, session_id="s", affinity_endpoint="home")
+    first = req(tokens=10_000, hits={"home": 140}, session_id="new", later_requests=8.0)
+    assert s.terms(placed, idle).copied_tokens == s.terms(first, idle).copied_tokens == 0
+    assert s.score(first, [home, idle])[1] == 1.0
 
 
 def test_explain_reports_every_term() -> None:

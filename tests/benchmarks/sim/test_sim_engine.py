@@ -190,6 +190,10 @@ async def test_preemption_when_kv_is_exhausted(engine_factory: type[Engine]) -> 
         assert req.status is Status.FINISHED
         assert req.output == req.output_plan
     assert engine.kv.usage == 0.0
+    # Exported counters: each request's first lookup only (vLLM books a re-admission's under
+    # preempted_*): counted there, re-found own blocks read as reuse the workload never had.
+    assert (engine.kv.queries, engine.kv.hits) == (24, 0)
+    assert engine.kv.preempted_queries > 12
 
 
 async def test_abort_frees_blocks_and_slots(engine_factory: type[Engine]) -> None:
