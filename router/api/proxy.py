@@ -383,7 +383,7 @@ class Proxy:
         self.active -= 1
         if not self.active:
             self._idle.set()
-        self._metrics.requests.labels(ex.endpoint or "none", str(ex.status), ex.api).inc()
+        self._metrics.count_request(ex.endpoint or "none", ex.status, ex.api)
         access = self._access
         if access.active and access.sampled(ex.status >= 400 or ex.outcome != "ok"):
             access.emit(ExchangeFields(ex, time.perf_counter()))
