@@ -210,8 +210,6 @@ def configure_logging(
         root.removeHandler(old)
     root.addHandler(source)
     root.setLevel(level.upper())
-    # httpx logs every request at INFO: far too much for a proxy's log.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     writer = BatchWriter(source, handler)
     writer.start()
     return writer.stop

@@ -25,16 +25,46 @@ in blocks, and a gauge gives the share of the last ``window`` predictions within
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.core.framework import RoutingRequest
 from router.estimators.answer_cache import AnswerCache
-from router.precise.routing import PreciseTracker
+
+
+class PreciseFacts(Protocol):
+    """What precise routing predicted for one request, per endpoint (leading blocks)."""
+
+    @property
+    def expected(self) -> Mapping[str, int]: ...
+
+    @property
+    def confirmed(self) -> Mapping[str, int]: ...
+
+    @property
+    def keys(self) -> Sequence[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def trusted(self) -> AbstractSet[str]: ...
+
+    @property
+    def picked_at(self) -> float | None: ...
+
+
+class PreciseStates(Protocol):
+    """Precise routing's per-request facts (router.precise.routing.PreciseTracker): typed
+    here so the always-on proxy does not import the precise stack (and zmq) for a hint."""
+
+    def finish(self, request_id: str) -> PreciseFacts | None: ...
+
 
 # Another reader of each answer's usage (the index sizer): endpoint, request, usage.
 UsageObserver = Callable[[str, RoutingRequest, Mapping[str, Any] | None], None]
@@ -108,7 +138,7 @@ class PredictionTracker:
         self,
         registry: CollectorRegistry,
         block_size: int = 16,
-        precise: PreciseTracker | None = None,
+        precise: PreciseStates | None = None,
         expect_events: Callable[[str, float], None] | None = None,
         window: int = 1000,
         answers: AnswerCache | None = None,

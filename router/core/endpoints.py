@@ -167,12 +167,13 @@ class EndpointState:
 
 @dataclass(frozen=True, slots=True)
 class OutlierSettings:
-    """Envoy's outlier detection knobs (its defaults: 5 failures, 30 s base, 10%)."""
+    """Envoy's outlier detection knobs, from ``pool.outlierDetection`` (the config holds the
+    defaults; core cannot import the config models)."""
 
-    consecutive_failures: int = 5
-    base_ejection: float = 30.0
-    max_ejection: float = 300.0
-    max_ejection_percent: float = 50.0
+    consecutive_failures: int
+    base_ejection: float
+    max_ejection: float
+    max_ejection_percent: float
 
 
 class Lease:

@@ -77,6 +77,13 @@ class RedisMetrics:
             ["op", "reason"],
             registry=r,
         )
+        self.replicated_applied = Counter(
+            "prefixgate_replicated_ops_applied",
+            "Updates applied from other worker processes (backend: replicated), by kind "
+            "(r: a prefix record, s: a session's endpoint).",
+            ["kind"],
+            registry=r,
+        )
         self.circuit_open = Gauge(
             "prefixgate_redis_circuit_open",
             "1 while calls to Redis are skipped after repeated failures.",

@@ -125,6 +125,7 @@ class Replicator:
             handler = self._handlers.get(kind)
             if handler is not None:
                 handler(key, value)
+                self._metrics.replicated_applied.labels(kind).inc()
 
     async def aclose(self, grace: float = 0.5) -> None:
         """Publish what is pending (within ``grace``), then stop."""

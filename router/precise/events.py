@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import zmq
@@ -30,6 +30,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from zmq.utils.monitor import parse_monitor_message
 
+from router.config.precise import KVEventsConfig
 from router.precise.event_codec import (
     AppliedOp,
     Cleared,
@@ -62,10 +63,9 @@ class BatchMirror(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SubscriberSettings:
-    topic: str = ""
-    silence_seconds: float = 3.0
-    resync_seconds: float = 30.0
-    replay_timeout_seconds: float = 1.0
+    """The ``precisePrefix.kvEvents`` config, and the polling knobs that are not configurable."""
+
+    events: KVEventsConfig = field(default_factory=KVEventsConfig)
     tick_seconds: float = 0.1
     receive_hwm: int = 100_000
 
@@ -153,7 +153,7 @@ class EndpointSubscriber:
         """A request finished here that must have stored blocks: events should follow soon."""
         if self.last_batch_at >= since or self._expect is not None:
             return
-        self._expect = (since, self._clock() + self._settings.silence_seconds)
+        self._expect = (since, self._clock() + self._settings.events.silence_seconds)
 
     def tick(self, now: float) -> None:
         """Periodic checks: silence deadlines, resync windows; refresh the gauges."""
@@ -222,7 +222,7 @@ class EndpointSubscriber:
 
     def _start_resync(self, seq: int) -> None:
         self._index.cleared(self.endpoint_id)
-        self._resync_until = self._clock() + self._settings.resync_seconds
+        self._resync_until = self._clock() + self._settings.events.resync_seconds
         self._distrust(f"sequence gap before {seq}; resyncing")
 
     async def _recover(self, start: int, until: int) -> bool:
@@ -236,7 +236,7 @@ class EndpointSubscriber:
         try:
             dealer.connect(self.source.replay_address)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            async with asyncio.timeout(self._settings.replay_timeout_seconds):
+            async with asyncio.timeout(self._settings.events.replay_timeout_seconds):
                 while self.last_seq is None or self.last_seq < until - 1:
                     frames = await dealer.recv_multipart()
                     if len(frames) != 3 or not frames[2]:
@@ -292,7 +292,7 @@ class EndpointSubscriber:
         monitor = sub.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
         )
-        sub.setsockopt(zmq.SUBSCRIBE, s.topic.encode())
+        sub.setsockopt(zmq.SUBSCRIBE, s.events.topic.encode())
         sub.connect(self.source.address)
         plain: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)  # never closed: sub owns it
         poller = zmq.asyncio.Poller()

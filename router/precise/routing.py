@@ -26,7 +26,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from router.config.model import GatewayConfig, PluginConfig
-from router.config.precise import TokenizerConfig
+from router.config.precise import PrecisePrefixConfig, TokenizerConfig
 from router.core.endpoints import Endpoint, EndpointSnapshot
 from router.core.framework import RoutingRequest
 from router.index.redis_link import RedisMetrics
@@ -75,9 +75,9 @@ class PreciseState:
 
 @dataclass(frozen=True, slots=True)
 class PreciseSettings:
-    block_size: int = 16
-    speculative_ttl_seconds: float = 2.0
-    max_blocks_per_request: int = 32_768
+    """The ``precisePrefix`` config, and how many requests' states to keep (not configurable)."""
+
+    config: PrecisePrefixConfig = field(default_factory=PrecisePrefixConfig)
     max_requests: int = DEFAULT_MAX_REQUESTS
 
 
@@ -122,7 +122,7 @@ class PreciseTracker:
         return self._states.pop(request_id, None)
 
     async def _keys(self, tokens: Sequence[int]) -> list[int]:
-        s = self.settings
+        s = self.settings.config
         if len(tokens) < _THREAD_ABOVE_TOKENS:
             return block_keys(tokens, s.block_size, max_blocks=s.max_blocks_per_request)
         return await asyncio.to_thread(
@@ -199,7 +199,7 @@ class PreciseTracker:
                 state.expected[endpoint_id] = scored
             else:
                 state.expected.update(self._match(state, [endpoint_id], speculative=True))
-            ttl = self.settings.speculative_ttl_seconds
+            ttl = self.settings.config.speculative_ttl_seconds
             self.index.speculate(endpoint_id, state.keys, ttl)
             if self.shared is not None:
                 self.shared.speculated(endpoint_id, state.keys, ttl)
@@ -324,9 +324,7 @@ class PreciseRuntime:
         self.tracker = PreciseTracker(
             self.index,
             build_tokenizer(pp.tokenizer),
-            PreciseSettings(
-                pp.block_size, pp.speculative_ttl_seconds, pp.max_blocks_per_request
-            ),
+            PreciseSettings(pp),
             shared=self.shared,
         )
         self.events: KVEventsManager | None = None
@@ -344,12 +342,7 @@ class PreciseRuntime:
     def start(self, endpoint_urls: Mapping[str, str]) -> None:
         """Subscribe to every endpoint that has an events address (needs a running loop)."""
         ev = self._config.precise_prefix.kv_events
-        settings = SubscriberSettings(
-            topic=ev.topic,
-            silence_seconds=ev.silence_seconds,
-            resync_seconds=ev.resync_seconds,
-            replay_timeout_seconds=ev.replay_timeout_seconds,
-        )
+        settings = SubscriberSettings(ev)
         sources = self.sources({**self._joined, **endpoint_urls})
         self._joined.clear()
         if not sources and self._config.discovery is None:

@@ -21,6 +21,7 @@ from benchmarks.sim.kv_events import (
     KVEventPublisher,
     encode_batch,
 )
+from router.config.precise import KVEventsConfig
 from router.core.endpoints import endpoint_id_from_url
 from router.precise.events import (
     Cleared,
@@ -130,7 +131,10 @@ async def subscribed(
     index = PreciseIndex(BS)
     source = EventSource(EID, pub.address, pub.replay_address)
     manager = KVEventsManager(
-        index, [source], SubscriberSettings(tick_seconds=0.02, **settings), CollectorRegistry()
+        index,
+        [source],
+        SubscriberSettings(KVEventsConfig(**settings), tick_seconds=0.02),
+        CollectorRegistry(),
     )
     manager.start()
     try:

@@ -15,6 +15,7 @@ import redis.asyncio
 from prometheus_client import CollectorRegistry
 
 from router.config.model import parse_config
+from router.config.precise import PrecisePrefixConfig
 from router.core.endpoints import EndpointSnapshot
 from router.core.errors import ConfigError
 from router.core.framework import RoutingRequest
@@ -156,7 +157,10 @@ async def test_a_late_replica_routes_on_the_full_picture(
         await late.shared.flush()
 
         tracker = PreciseTracker(
-            late.local, FixedTokenizer(chain), PreciseSettings(block_size=BS), shared=late.shared
+            late.local,
+            FixedTokenizer(chain),
+            PreciseSettings(PrecisePrefixConfig(block_size=BS)),
+            shared=late.shared,
         )
         scores, state = await scored(tracker, "r1")
         assert scores == [1.0, 0.0] and state.shared_only == {A}

@@ -115,10 +115,13 @@ async def _subscribed(pubsub: Any, namespace: str) -> None:
     assert confirmed is not None and confirmed["type"] == "subscribe"
 
 
-async def _session_shared(client: Any, pubsub: Any, backend: str, namespace: str) -> bool:
+async def _session_shared(
+    client: Any, pubsub: Any, backend: str, namespace: str, gateway_url: str
+) -> bool:
     """Whether the session's endpoint and its prompt's blocks reached where the other worker
     reads them: Redis's keys, or (replicated) ops published on the workers' channel. Before
-    that, the other worker may fairly route the session elsewhere."""
+    that, the other worker may fairly route the session elsewhere. Replicated ops must also
+    have been applied by the other worker."""
     if backend == "redis":
         tag = "{pg:" + namespace + "}"
 
@@ -136,7 +139,27 @@ async def _session_shared(client: Any, pubsub: Any, backend: str, namespace: str
             kinds.update(op[0] for op in msgpack.unpackb(message["data"])[1])
         return kinds
 
-    return await _poll(published, lambda k: {"r", "s"} <= k) == {"r", "s"}
+    if await _poll(published, lambda k: {"r", "s"} <= k) != {"r", "s"}:
+        return False
+    # Published is not applied: on a loaded machine the other worker's subscription may read
+    # the batch later than the next request reaches it. Its counter says when it has.
+    applied = await _poll(lambda: _applied_kinds(gateway_url), lambda k: {"r", "s"} <= k)
+    return {"r", "s"} <= applied
+
+
+async def _applied_kinds(url: str) -> set[str]:
+    """The update kinds some worker has applied from another's replication batches."""
+    try:
+        async with httpx.AsyncClient(timeout=5) as http:
+            text = (await http.get(f"{url}/metrics")).text
+    except httpx.HTTPError:
+        return set()
+    return {
+        sample.labels["kind"]
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "prefixgate_replicated_ops_applied_total" and sample.value > 0
+    }
 
 
 @pytest.mark.slow
@@ -171,7 +194,7 @@ async def test_two_workers_serve_and_a_session_sticks_across_them(
                 assert resp.status_code == 200, resp.text
                 homes.append(resp.headers[DESTINATION_HEADER])
                 if len(homes) == 1:  # the next worker must find the session
-                    assert await _session_shared(client, pubsub, backend, redis_namespace)
+                    assert await _session_shared(client, pubsub, backend, redis_namespace, gw.url)
                 served = await _per_worker(gw.url, "prefixgate_requests_total")
                 if len(homes) >= 10 and len(served) == 2 and min(served.values()) > 0:
                     break
