@@ -41,7 +41,13 @@ from router.pool.metrics import GatewayMetrics
 from router.protocol import anthropic, responses_api
 from router.protocol.auth import Authenticator, TenantHeaders, UpstreamKeys
 from router.protocol.exchange import Exchange, ExchangeFields
-from router.protocol.headers import ForwardedHeaders, RequestIds, request_id_of, response_headers
+from router.protocol.headers import (
+    ForwardedHeaders,
+    RequestHeaders,
+    RequestIds,
+    request_id_of,
+    response_headers,
+)
 from router.protocol.parsing import UPSTREAM_PATHS, Api, ParsedRequest
 from router.scheduling.disagg import Disaggregator
 from router.scheduling.routing import Prepared, Router
@@ -119,11 +125,12 @@ class Proxy:
         return await read_body(request, server.max_body_bytes, server.body_timeout_seconds)
 
     async def handle(self, request: Request, api: Api) -> Response:
-        ex = Exchange(api, request_id_of(request.headers, self._ids), time.perf_counter())
+        headers = RequestHeaders(request.scope["headers"])
+        ex = Exchange(api, request_id_of(headers, self._ids), time.perf_counter())
         self.active += 1
         self._idle.clear()
         try:
-            response = await self._serve(request, ex)
+            response = await self._serve(request, headers, ex)
         except GatewayError as exc:
             ex.status, ex.outcome = exc.status_code, "rejected"
             self._finish(ex)
@@ -136,8 +143,9 @@ class Proxy:
             self._finish(ex)
         return response
 
-    async def _serve(self, request: Request, ex: Exchange) -> Response:
-        headers: Mapping[str, str] = request.headers
+    async def _serve(
+        self, request: Request, headers: Mapping[str, str], ex: Exchange
+    ) -> Response:
         # Before the body: an unauthenticated client must not make the gateway buffer 32 MB.
         if self.auth is not None:
             ex.tenant = self.auth.authenticate(headers)
@@ -381,7 +389,7 @@ class Proxy:
         self.active -= 1
         if not self.active:
             self._idle.set()
-        self._metrics.requests.labels(ex.endpoint or "none", str(ex.status), ex.api).inc()
+        self._metrics.count_request(ex.endpoint or "none", ex.status, ex.api)
         access = self._access
         if access.active and access.sampled(ex.status >= 400 or ex.outcome != "ok"):
             access.emit(ExchangeFields(ex, time.perf_counter()))

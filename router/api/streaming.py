@@ -266,11 +266,16 @@ class UpstreamResponse(Response):
             idle.stop()
 
     async def _send_chunk(self, send: Send, chunk: bytes, more: bool = True) -> None:
+        # An IdleTimer rather than asyncio.timeout: the same deadline, fewer steps per answer.
+        idle = IdleTimer(self._idle_timeout)
         try:
-            async with asyncio.timeout(self._idle_timeout):
-                await send({"type": "http.response.body", "body": chunk, "more_body": more})
-        except TimeoutError:
-            raise ClientStalled from None
+            await send({"type": "http.response.body", "body": chunk, "more_body": more})
+        except asyncio.CancelledError:
+            if idle.absorb_expiry():
+                raise ClientStalled from None
+            raise
+        finally:
+            idle.stop()
 
     async def _end_on_shutdown(self, send: Send) -> None:
         task = asyncio.current_task()

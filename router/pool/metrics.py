@@ -20,6 +20,9 @@ class GatewayMetrics:
     def __init__(self, pool: EndpointPool) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._pool = pool
+        # The requests counter's children by label values: ``labels`` validates the values,
+        # builds its key and takes a lock on every call, once per request.
+        self._request_children: dict[tuple[str, int, str], Counter] = {}
         self._add_traffic(self.registry)
         self._add_failures(self.registry)
         self._add_endpoint_gauges(self.registry)
@@ -66,6 +69,14 @@ class GatewayMetrics:
             buckets=_RATIO_BUCKETS,
             registry=r,
         )
+
+    def count_request(self, endpoint: str, status: int, api: str) -> None:
+        """One answered request in ``prefixgate_requests``."""
+        key = (endpoint, status, api)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(endpoint, str(status), api)
+        child.inc()
 
     def _add_failures(self, r: CollectorRegistry) -> None:
         self.upstream_failures = Counter(

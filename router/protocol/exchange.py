@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import ItemsView, Iterator, KeysView, Mapping
 from dataclasses import dataclass
 
 from router.protocol.parsing import Api
@@ -66,3 +66,10 @@ class ExchangeFields(Mapping[str, object]):
 
     def __len__(self) -> int:
         return len(self._built())
+
+    # The formatters read every field: the dict's own views, not a lookup per key.
+    def keys(self) -> KeysView[str]:
+        return self._built().keys()
+
+    def items(self) -> ItemsView[str, object]:
+        return self._built().items()

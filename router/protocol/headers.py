@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -45,6 +45,38 @@ DROP_RESPONSE_HEADERS = frozenset(
 FAIRNESS_HEADERS = frozenset(
     h.encode() for h in ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
 )
+
+
+class RequestHeaders(Mapping[str, str]):
+    """A request's headers by name, read as Starlette's ``Headers`` reads them (the first
+    value of a name, any case asked), from a dict built once: the request path asks a dozen
+    names, most absent, and ``Headers`` scans the list and raises a ``KeyError`` for each."""
+
+    __slots__ = ("_map", "raw")
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.raw = raw
+        found: dict[str, str] = {}
+        for name, value in raw:
+            key = name.decode("latin-1")
+            if key not in found:
+                found[key] = value.decode("latin-1")
+        self._map = found
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._map.get(key.lower(), default)
+
+    def __getitem__(self, key: str) -> str:
+        return self._map[key.lower()]
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key.lower() in self._map
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map)
+
+    def __len__(self) -> int:
+        return len(self._map)
 
 
 class RequestIds:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import queue
 from collections.abc import Iterator
+from typing import TextIO, cast
 
 import httpx
 import orjson
@@ -14,6 +14,7 @@ import pytest
 
 from router.api.logs import (
     ACCESS_LOGGER,
+    BatchWriter,
     DroppingQueueHandler,
     JsonFormatter,
     TextFormatter,
@@ -48,10 +49,34 @@ def test_text_lines_are_logfmt_and_quote_what_needs_it() -> None:
 
 
 def test_a_full_log_queue_drops_instead_of_blocking() -> None:
-    handler = DroppingQueueHandler(queue.Queue(2))
+    handler = DroppingQueueHandler(2)
     for _ in range(5):
         handler.emit(record())
     assert handler.dropped == 3
+    assert len(handler.take()) == 2 and handler.take() == []
+
+
+def test_the_writer_writes_what_waits_in_one_call_and_the_rest_at_stop() -> None:
+    class Stream(io.StringIO):
+        writes = 0
+
+        def write(self, text: str) -> int:
+            self.writes += 1
+            return super().write(text)
+
+    stream = Stream()
+    sink = logging.StreamHandler(cast(TextIO, stream))
+    sink.setFormatter(TextFormatter())
+    source = DroppingQueueHandler()
+    writer = BatchWriter(source, sink, interval=3600.0)  # only explicit flushes
+    writer.start()
+    for n in range(3):
+        source.handle(record(n=n))
+    writer.flush()
+    assert stream.writes == 1 and stream.getvalue().count("\n") == 3
+    source.handle(record(n=3))
+    writer.stop()
+    assert stream.writes == 2 and stream.getvalue().splitlines()[-1].endswith("n=3")
 
 
 @pytest.fixture

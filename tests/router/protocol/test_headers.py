@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+from starlette.datastructures import Headers
+
 from router.protocol.auth import UpstreamKeys
-from router.protocol.headers import ForwardedHeaders, RequestIds, request_id_of, response_headers
+from router.protocol.headers import (
+    ForwardedHeaders,
+    RequestHeaders,
+    RequestIds,
+    request_id_of,
+    response_headers,
+)
 
 RAW = [
     (b"Content-Type", b"application/json"),
@@ -49,3 +57,15 @@ def test_request_ids_and_response_headers() -> None:
     assert b"server" not in out
     assert out[b"x-other"] == b"1"
     assert out[b"x-gateway-destination-endpoint"] == b"e1"
+
+
+def test_request_headers_answer_as_starlettes_do() -> None:
+    raw = [(b"x-session-id", b"s1"), (b"content-type", b"a/b"), (b"x-session-id", b"s2"),
+           (b"x-caf\xe9", b"\xe9t\xe9")]
+    ours, theirs = RequestHeaders(raw), Headers(raw=raw)
+    for name in ("x-session-id", "X-Session-ID", "content-type", "x-caf\xe9", "absent"):
+        assert ours.get(name) == theirs.get(name)
+        assert (name in ours) == (name in theirs)
+    assert ours["X-SESSION-ID"] == "s1" and ours.get("absent", "d") == "d"
+    assert list(ours) == ["x-session-id", "content-type", "x-caf\xe9"] and len(ours) == 3
+    assert ours.raw is raw
