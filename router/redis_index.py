@@ -18,7 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex
+from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex, capped
 from router.redis_index_scripts import FORGET as _FORGET
 from router.redis_index_scripts import MATCH as _MATCH
 from router.redis_index_scripts import RECORD as _RECORD
@@ -143,6 +143,7 @@ class RedisPrefixIndex:
     def record(self, endpoint_id: str, hashes: Sequence[int]) -> None:
         if not hashes:
             return
+        hashes = capped(hashes, self.local.capacity(endpoint_id))
         self.local.record(endpoint_id, hashes)
         op = ("record", endpoint_id, pack_hashes(hashes))
         self._queue.put(op, self.local.capacity(endpoint_id))
