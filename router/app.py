@@ -40,6 +40,7 @@ from router.precise_routing import PreciseRouter, PreciseRuntime, precise_enable
 from router.prediction import PredictionTracker
 from router.producers import AffinityTracker, PrefixTracker
 from router.proxy import Proxy
+from router.request_body import BodyParser
 from router.routing import Router
 from router.scheduling import PickObserver, Producer, Scheduler, SchedulingProfile
 from router.scraper import EndpointMonitor, MonitorSettings
@@ -281,6 +282,9 @@ async def gateway_running(gateway: Gateway) -> AsyncIterator[None]:
         gateway.flow.start()
         stack.push_async_callback(gateway.flow.stop)
         gateway.stores.start()
+        if config.server.offload_processes:
+            gateway.proxy.parser = BodyParser(config.server.offload_processes)
+            stack.push_async_callback(gateway.proxy.parser.aclose)
         lag = LoopLagMonitor(gateway.metrics.loop_lag)
         lag.start()
         stack.push_async_callback(lag.stop)

@@ -42,7 +42,7 @@ from router.logs import AccessLog
 from router.metrics import GatewayMetrics
 from router.parsing import UPSTREAM_PATHS, Api, ParsedRequest
 from router.prediction import PredictionTracker, UsageTap
-from router.request_body import read_body
+from router.request_body import BodyParser, read_body
 from router.routing import Prepared, Router
 from router.scheduling import RoutingRequest
 from router.streaming import DisconnectWatch, ErrorEvent, UpstreamResponse, sse_error_event
@@ -78,6 +78,8 @@ class Proxy:
         self.client: UpstreamClient | None = None
         # Prefill/decode disaggregation, set by build_gateway when it is enabled.
         self.disagg: Disaggregator | None = None
+        # Large bodies' parser (its processes live as long as the gateway runs).
+        self.parser: BodyParser | None = None
         self.prediction: PredictionTracker | None = None
         # Learns bytes per token from each answer's usage and sizes the index from it.
         self.sizer: IndexSizer | None = None
@@ -175,10 +177,13 @@ class Proxy:
                     ticket.release()
 
     async def _prepare(self, api: Api, body: bytes) -> Prepared:
-        """Parse and hash, in a worker thread when the body is large (orjson and the hashing
-        run there without the event loop; a small body is cheaper done here)."""
+        """Parse and hash here when the body is small (cheaper than handing it over), else in
+        the body parser's process; in a worker thread when the path reads the decoded body
+        (precise routing, disaggregation) or there is no parser."""
         if len(body) < self._config.server.offload_body_bytes:
             return self._router.prepare(api, body)
+        if self.parser is not None and self.disagg is None and not self._router.reads_payload:
+            return await self._router.prepare_in(self.parser, api, body)
         return await asyncio.to_thread(self._router.prepare, api, body)
 
     def upstream_headers(

@@ -1,13 +1,21 @@
 """Reading a request's body: bounded in size and in time, refused early when it says it is
-too big (an unauthenticated or careless client must not make the gateway buffer 32 MB)."""
+too big (an unauthenticated or careless client must not make the gateway buffer 32 MB); and
+parsing a large one in another process (:class:`BodyParser`)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from starlette.requests import ClientDisconnect, Request
 
 from router.errors import PayloadTooLargeError, RequestTimeoutError
+from router.parsing import Api, Digest, digest_body
+
+log = logging.getLogger("prefixgate.proxy")
 
 
 async def read_body(request: Request, limit: int, deadline_s: float) -> bytes:
@@ -30,3 +38,46 @@ async def read_body(request: Request, limit: int, deadline_s: float) -> bytes:
     except TimeoutError:
         raise RequestTimeoutError("the request body did not arrive in time") from None
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class BodyParser:
+    """Parses, renders and hashes large bodies in a small pool of processes.
+
+    Not a thread: ``orjson.loads`` holds the GIL for its whole run (about 130 ms for 30 MB),
+    so a worker thread stalls the event loop just as well. The processes are spawned (the
+    gateway runs threads, which fork does not mix with) on first use, since most gateways
+    never see a body this big, and shut down with the gateway. What comes back is a
+    :class:`Digest`; the raw body is forwarded from the gateway's own copy, unchanged.
+    """
+
+    def __init__(self, processes: int) -> None:
+        if processes < 1:
+            raise ValueError("a body parser needs at least one process")
+        self._processes = processes
+        self._pool: ProcessPoolExecutor | None = None
+        self.digested = 0  # bodies parsed by the pool's processes
+
+    async def digest(self, api: Api, body: bytes, block_bytes: int, max_blocks: int) -> Digest:
+        """:func:`router.parsing.digest_body` in a pool process (a BadRequestError as there)."""
+        pool = self._pool
+        if pool is None:
+            spawn = multiprocessing.get_context("spawn")
+            pool = self._pool = ProcessPoolExecutor(self._processes, mp_context=spawn)
+        loop = asyncio.get_running_loop()
+        args = (api, body, block_bytes, max_blocks)
+        try:
+            digest = await loop.run_in_executor(pool, digest_body, *args)
+        except BrokenProcessPool:
+            # A process died (killed for memory, say): this body in a thread, a new pool next.
+            log.warning("the body parser's process died; parsing this body in a thread")
+            if self._pool is pool:
+                self._pool = None
+                pool.shutdown(wait=False, cancel_futures=True)
+            return await asyncio.to_thread(digest_body, *args)
+        self.digested += 1
+        return digest
+
+    async def aclose(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)

@@ -23,10 +23,11 @@ from router.calibration import Calibrator
 from router.config import GatewayConfig
 from router.endpoints import EndpointPool, EndpointSnapshot, Lease
 from router.errors import BadRequestError, ModelNotFoundError, NoEndpointsError
-from router.hashing import estimate_tokens, hash_blocks
+from router.hashing import estimate_tokens
 from router.headers import EXPLAIN_HEADER
 from router.metrics import GatewayMetrics
-from router.parsing import Api, ParsedRequest, parse_request
+from router.parsing import Api, ParsedRequest, parse_request, prompt_hashes
+from router.request_body import BodyParser
 from router.response_store import ResponseRoutes
 from router.scheduling import RoutingRequest, Scheduler, SchedulingProfile
 from router.token_density import TokenDensity
@@ -48,6 +49,10 @@ class Prepared:
 
 
 class Router:
+    # Whether routing reads a request's decoded payload (precise routing tokenizes it): then a
+    # large body is parsed in a thread, since one parsed elsewhere would be decoded here again.
+    reads_payload = False
+
     def __init__(
         self,
         config: GatewayConfig,
@@ -85,9 +90,14 @@ class Router:
 
     def _digest(self, parsed: ParsedRequest) -> Prepared:
         index = self._config.prefix_index
-        data = parsed.rendered.encode("utf-8", "surrogatepass")
-        hashes = hash_blocks(data, index.block_bytes, parsed.model, index.max_blocks_per_request)
-        return Prepared(parsed, len(data), hashes)
+        size, hashes = prompt_hashes(parsed, index.block_bytes, index.max_blocks_per_request)
+        return Prepared(parsed, size, hashes)
+
+    async def prepare_in(self, parser: BodyParser, api: Api, body: bytes) -> Prepared:
+        """:meth:`prepare` in ``parser``'s process: the event loop only waits (a large body)."""
+        index = self._config.prefix_index
+        digest = await parser.digest(api, body, index.block_bytes, index.max_blocks_per_request)
+        return Prepared(digest.parsed(api, body), digest.prompt_bytes, digest.block_hashes)
 
     def routing_request(
         self,

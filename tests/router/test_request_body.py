@@ -1,0 +1,84 @@
+"""The body parser's processes give routing exactly what parsing in place gives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from router.errors import BadRequestError
+from router.parsing import Api, digest_body, parse_request, prompt_hashes
+from router.request_body import BodyParser
+
+BODIES: list[tuple[Api, dict[str, Any]]] = [
+    ("chat", {
+        "model": "m", "stream": True, "tools": [{"type": "function", "name": "f"}],
+        "messages": [
+            {"role": "system", "content": "be brief " * 300},
+            {"role": "user", "content": "question é " * 200},
+            {"role": "assistant", "content": "answer " * 100},
+            {"role": "user", "content": [{"type": "text", "text": "more " * 100}]},
+        ],
+    }),
+    ("completions", {"model": "m", "prompt": "p" * 5000}),
+    ("messages", {
+        "model": "m", "max_tokens": 4, "metadata": {"user_id": "u1"},
+        "messages": [{"role": "user", "content": "hi " * 2000}],
+    }),
+    ("responses", {
+        "model": "m", "input": "in " * 2000, "previous_response_id": "resp_1",
+        "prompt_cache_key": "k",
+    }),
+]
+
+
+@pytest.fixture
+async def parser() -> Any:
+    parser = BodyParser(1)
+    try:
+        yield parser
+    finally:
+        await parser.aclose()
+
+
+@pytest.mark.parametrize(("api", "payload"), BODIES, ids=[api for api, _ in BODIES])
+async def test_a_body_parsed_in_the_pool_routes_as_one_parsed_in_place(
+    parser: BodyParser, api: Api, payload: dict[str, Any]
+) -> None:
+    body = orjson.dumps(payload)
+    digest = await parser.digest(api, body, 64, 1000)
+    assert parser.digested == 1
+    inline = parse_request(api, body)
+    size, hashes = prompt_hashes(inline, 64, 1000)
+    assert digest == digest_body(api, body, 64, 1000)
+    assert (digest.prompt_bytes, digest.block_hashes) == (size, hashes) and len(hashes) > 10
+    parsed = digest.parsed(api, body)
+    assert parsed.decoded is None and parsed.prompt is None, "nothing decoded in the gateway"
+    for field in ("model", "stream", "session_hint", "previous_response_id", "answer_span"):
+        assert getattr(parsed, field) == getattr(inline, field), field
+    # Whatever reads the payload or the prompt later still gets them, decoded on demand.
+    assert (parsed.payload, parsed.rendered) == (inline.payload, inline.rendered)
+
+
+async def test_a_bad_body_is_refused_by_the_pool_as_in_place(parser: BodyParser) -> None:
+    with pytest.raises(BadRequestError) as in_pool:
+        await parser.digest("chat", b'{"model": "m", "messages": 3}', 64, 1000)
+    assert in_pool.value.param == "messages" and in_pool.value.status_code == 400
+
+
+async def test_the_pool_starts_on_first_use_and_stops_on_close() -> None:
+    parser = BodyParser(1)
+    assert parser._pool is None, "no process for a gateway that never sees a large body"
+    await parser.digest("completions", b'{"model": "m", "prompt": "x"}', 64, 10)
+    pool = parser._pool
+    assert pool is not None
+    await parser.aclose()
+    assert parser._pool is None
+    with pytest.raises(RuntimeError):
+        pool.submit(int)
+
+
+def test_a_parser_needs_a_process() -> None:
+    with pytest.raises(ValueError):
+        BodyParser(0)
