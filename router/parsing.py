@@ -11,6 +11,7 @@ without FastAPI validating anything per request: the routes read the raw body.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -106,6 +107,17 @@ def digest_body(api: Api, body: bytes, block_bytes: int, max_blocks: int) -> Dig
         parsed.model, parsed.stream, parsed.session_hint, parsed.previous_response_id,
         parsed.answer_span, size, hashes,
     )
+
+
+def digest_file(api: Api, path: str, block_bytes: int, max_blocks: int) -> Digest:
+    """:func:`digest_body` of a body spilled to a file, which it removes once read: handing 30
+    MB over through a pipe would be pickled, and pickling holds the sender's GIL."""
+    try:
+        with open(path, "rb") as f:
+            body = f.read()
+    finally:
+        os.unlink(path)
+    return digest_body(api, body, block_bytes, max_blocks)
 
 
 def decode_json(body: bytes) -> dict[str, Any]:

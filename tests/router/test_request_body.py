@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -34,12 +37,14 @@ BODIES: list[tuple[Api, dict[str, Any]]] = [
 
 
 @pytest.fixture
-async def parser() -> Any:
+async def parser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where bodies are spilled
     parser = BodyParser(1)
     try:
         yield parser
     finally:
         await parser.aclose()
+    assert not os.listdir(tmp_path), "every spilled body removed"
 
 
 @pytest.mark.parametrize(("api", "payload"), BODIES, ids=[api for api, _ in BODIES])
