@@ -19,6 +19,8 @@ from router.errors import PayloadTooLargeError, RequestTimeoutError
 from router.parsing import Api, Digest, digest_body, digest_file
 
 log = logging.getLogger("prefixgate.proxy")
+# CPython's bytes.join releases the GIL from 1 MiB on (Objects/stringlib/join.h).
+JOIN_IN_THREAD_BYTES = 1024 * 1024
 
 
 async def read_body(request: Request, limit: int, deadline_s: float) -> bytes:
@@ -40,7 +42,12 @@ async def read_body(request: Request, limit: int, deadline_s: float) -> bytes:
         raise asyncio.CancelledError from None
     except TimeoutError:
         raise RequestTimeoutError("the request body did not arrive in time") from None
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    if len(chunks) == 1:
+        return chunks[0]
+    if size >= JOIN_IN_THREAD_BYTES:
+        # bytes.join copies this much without the GIL: 20 ms for 30 MB not spent on the loop.
+        return await asyncio.to_thread(b"".join, chunks)
+    return b"".join(chunks)
 
 
 class BodyParser:

@@ -18,6 +18,9 @@ def _chat(text: str) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
 
 
+LARGE = orjson.dumps(_chat("x y " * 300_000))
+
+
 async def test_a_large_body_is_parsed_and_hashed_in_the_body_parsers_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -34,12 +37,13 @@ async def test_a_large_body_is_parsed_and_hashed_in_the_body_parsers_process(
         config = gateway_config([echo.url], server={"port": 0, "offloadBodyBytes": 4096})
         async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
             small = await http.post("/v1/chat/completions", json=_chat("hello"))
-            large = await http.post("/v1/chat/completions", json=_chat("x" * 8192))
+            # Over a MiB: joined in a thread, parsed in the pool, written upstream in slices.
+            large = await http.post("/v1/chat/completions", content=LARGE)
             parser = gw.gateway.proxy.parser
             assert parser is not None and parser.digested == 1, "the large body, in the pool"
     assert (small.status_code, large.status_code) == (200, 200)
     assert parsed_in == [(small_size := parsed_in[0][0], loop_thread)] and small_size < 4096
-    assert echo.bodies[-1] == orjson.dumps(_chat("x" * 8192)), "forwarded unchanged"
+    assert echo.bodies[-1] == LARGE, "forwarded unchanged"
 
 
 async def test_without_parser_processes_a_large_body_is_parsed_in_a_thread(
