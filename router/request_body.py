@@ -64,7 +64,7 @@ class BodyParser:
         if processes < 1:
             raise ValueError("a body parser needs at least one process")
         self._processes = processes
-        self._pool: ProcessPoolExecutor | None = None
+        self._pool: asyncio.Future[ProcessPoolExecutor] | None = None
         self.digested = 0  # bodies parsed by the pool's processes
 
     async def digest(self, api: Api, body: bytes, block_bytes: int, max_blocks: int) -> Digest:
@@ -72,33 +72,50 @@ class BodyParser:
 
         The body goes over in a temporary file, written from a worker thread: a file write
         copies without the GIL, where pickling it for the pool's pipe would hold the GIL
-        (25 ms and more for 30 MB)."""
-        pool = self._pool
-        if pool is None:
-            spawn = multiprocessing.get_context("spawn")
-            pool = self._pool = ProcessPoolExecutor(self._processes, mp_context=spawn)
-        path = await asyncio.to_thread(_spill, body)
-        loop = asyncio.get_running_loop()
+        (25 ms and more for 30 MB). Should the pool fail (a process killed for memory, no
+        room for the file), this body is parsed in a thread and the next starts a new pool.
+        """
+        started = self._started()
+        path: str | None = None
         try:
-            digest = await loop.run_in_executor(
+            pool = await asyncio.shield(started)
+            path = await asyncio.to_thread(_spill, body)
+            digest = await asyncio.get_running_loop().run_in_executor(
                 pool, digest_file, api, path, block_bytes, max_blocks
             )
-        except BrokenProcessPool:
-            # A process died (killed for memory, say): this body in a thread, a new pool next.
-            log.warning("the body parser's process died; parsing this body in a thread")
-            if self._pool is pool:
+        except (BrokenProcessPool, OSError) as exc:
+            log.warning("the body parser failed (%r); parsing this body in a thread", exc)
+            if self._pool is started:
                 self._pool = None
-                pool.shutdown(wait=False, cancel_futures=True)
+                if not started.exception():
+                    started.result().shutdown(wait=False, cancel_futures=True)
             return await asyncio.to_thread(digest_body, api, body, block_bytes, max_blocks)
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)  # read and removed by the process, unless it failed first
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # read and removed by the process, unless it failed first
         self.digested += 1
         return digest
 
+    def _started(self) -> asyncio.Future[ProcessPoolExecutor]:
+        """The pool, its processes spawned from a worker thread on first use: spawning holds
+        the caller until the child has started (tens of ms on a busy machine)."""
+        if self._pool is None:
+            self._pool = asyncio.ensure_future(asyncio.to_thread(self._spawn))
+        return self._pool
+
+    def _spawn(self) -> ProcessPoolExecutor:
+        pool = ProcessPoolExecutor(self._processes, mp_context=multiprocessing.get_context("spawn"))
+        for _ in range(self._processes):
+            pool.submit(int)  # each submission spawns a process until there are enough
+        return pool
+
     async def aclose(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
+        started, self._pool = self._pool, None
+        if started is None:
+            return
+        with contextlib.suppress(OSError):
+            pool = await started
             await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
 
 

@@ -76,12 +76,29 @@ async def test_the_pool_starts_on_first_use_and_stops_on_close() -> None:
     parser = BodyParser(1)
     assert parser._pool is None, "no process for a gateway that never sees a large body"
     await parser.digest("completions", b'{"model": "m", "prompt": "x"}', 64, 10)
-    pool = parser._pool
-    assert pool is not None
+    assert parser._pool is not None
+    pool = await parser._pool
     await parser.aclose()
     assert parser._pool is None
     with pytest.raises(RuntimeError):
         pool.submit(int)
+
+
+async def test_a_pool_that_breaks_hands_the_body_to_a_thread_and_is_started_anew(
+    parser: BodyParser,
+) -> None:
+    body = orjson.dumps({"model": "m", "prompt": "p" * 300})
+    first = await parser.digest("completions", body, 64, 10)
+    assert parser._pool is not None
+    broken = await parser._pool
+    for process in list(broken._processes.values()):  # as if killed for its memory
+        process.kill()
+        process.join()
+    again = await parser.digest("completions", body, 64, 10)
+    assert again == first and parser.digested == 1, "the second one, in a thread"
+    assert parser._pool is None
+    assert await parser.digest("completions", body, 64, 10) == first
+    assert parser.digested == 2 and parser._pool is not None
 
 
 def test_a_parser_needs_a_process() -> None:
