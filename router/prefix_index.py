@@ -123,9 +123,10 @@ class _Lru:
             return ordered.popleft()
         return heapq.heappop(heap)
 
-    def compact(self) -> None:
-        """Drop superseded entries: rare (they pile up only while nothing is evicted)."""
-        if len(self.ordered) + len(self.heap) > 3 * len(self.scores) + 1024:
+    def compact(self, slack: float = 3.0) -> None:
+        """Drop superseded entries once the queues hold ``slack`` times the live ones: rare
+        (they pile up only while nothing is evicted)."""
+        if len(self.ordered) + len(self.heap) > slack * len(self.scores) + 1024:
             self.heap = [(score, h) for h, score in self.scores.items()]
             heapq.heapify(self.heap)
             self.ordered.clear()
@@ -287,6 +288,10 @@ class InMemoryPrefixIndex:
 
     def _evict(self, lru: _Lru, bit: int, capacity: int) -> None:
         scores, pop, holders = lru.scores, lru.pop_oldest, self._holders
+        if len(scores) > capacity:
+            # Popping a re-touched long chain's superseded entries one by one would take a
+            # turn of the loop 40 ms (31K of them); rebuilding the queue takes a few.
+            lru.compact(1.5)
         while len(scores) > capacity:
             score, h = pop()
             if scores.get(h) == score:  # else a later touch superseded this entry
