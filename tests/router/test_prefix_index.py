@@ -166,3 +166,17 @@ def test_a_chain_past_the_capacity_touches_only_what_can_be_held() -> None:
     assert index.entries("a") == 10
     assert index.match_now(list(range(1, 26)), ["a"]) == {"a": 10}
     assert index.match_now([100, 101], ["a"]) == {"a": 0}
+
+
+def test_an_eviction_behind_many_superseded_entries_rebuilds_the_queue_first() -> None:
+    index = InMemoryPrefixIndex(default_capacity=2000)  # fresh window: 500
+    a, b = list(range(1, 1501)), list(range(10_000, 10_500))
+    for chain in (a, b, a, b, a):  # each re-touch leaves the chain's old entries behind
+        index.record("a", chain)
+    lru = index._lru["a"]
+    assert len(lru.ordered) + len(lru.heap) > 2 * index.entries("a") == 4000
+    index.record("a", list(range(20_000, 20_100)))  # 100 new blocks: 100 must go
+    assert len(lru.ordered) + len(lru.heap) == index.entries("a") == 2000, "rebuilt"
+    # The least recently touched went, as without the rebuild: b's tail.
+    assert index.match_now(b, ["a"]) == {"a": 400}
+    assert index.match_now(a, ["a"]) == {"a": 1500}
