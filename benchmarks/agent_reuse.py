@@ -286,8 +286,8 @@ async def captured_share(
     keyed: bool = False,
 ) -> tuple[float, Outcome, ReuseTracker]:
     """(cached tokens / reusable tokens, outcome, reuse) of one run on fresh replicas."""
-    from router.config import parse_config
-    from router.server import running_gateway
+    from router.config.model import parse_config
+    from router.serve.server import running_gateway
 
     sim = sim or SimConfig(num_gpu_blocks=768, speed=50.0)
     async with start_replicas(replicas, sim) as reps:

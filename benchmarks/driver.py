@@ -12,7 +12,7 @@ import httpx
 from benchmarks.reuse import ReuseTracker
 from benchmarks.sim.tokenizer import Tokenizer
 from benchmarks.workloads import ChatSession, MultiSessionWorkload
-from router.scraper import parse_vllm_metrics
+from router.pool.scraper import parse_vllm_metrics
 
 
 @dataclass(slots=True)

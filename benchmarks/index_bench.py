@@ -26,9 +26,9 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio
 
-from router.hashing import DEFAULT_BLOCK_BYTES, block_hashes
-from router.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex
-from router.redis_index import RedisPrefixIndex
+from router.core.hashing import DEFAULT_BLOCK_BYTES, block_hashes
+from router.index.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex
+from router.index.redis_index import RedisPrefixIndex
 
 MODEL = "bench-model"
 TURN_BLOCKS = -(-1_000 * 4 // DEFAULT_BLOCK_BYTES)  # 1,000 new tokens a turn

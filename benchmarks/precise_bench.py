@@ -6,7 +6,7 @@ Simulated replicas (their own process, KV events on) serve an agentic workload
 (benchmarks.workloads.agentic_sessions) through an in-process gateway, once per strategy, caches
 reset in between. Per strategy: client-side TTFT, the cached share of prompt tokens, the share of
 the available reuse captured (benchmarks.reuse: "one infinite cache"), and for both indexes the
-share of requests whose cached tokens were predicted within one block (router.prediction; the
+share of requests whose cached tokens were predicted within one block (router.api.prediction; the
 precise index is tracked in both runs, so each run reports both).
 """
 
@@ -28,8 +28,8 @@ from benchmarks.reuse import ReuseTracker
 from benchmarks.sim.tokenizer import Tokenizer
 from benchmarks.workloads import Conversation, Step, SubAgent, Workload, agentic_sessions
 from router.app import Gateway
-from router.config import parse_config
-from router.server import running_gateway
+from router.config.model import parse_config
+from router.serve.server import running_gateway
 
 MODEL = "sim-model"
 Message = dict[str, Any]

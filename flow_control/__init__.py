@@ -15,12 +15,12 @@ from flow_control.config import (
 )
 from flow_control.controller import FlowController
 from flow_control.policies import (
-    FairnessPolicy,
     FCFSPolicy,
     ProgramAwarePolicy,
     RoundRobinPolicy,
     make_policy,
 )
+from flow_control.queues import FairnessPolicy
 from flow_control.request import DEFAULT_FLOW, FlowRequest, Ticket
 from flow_control.resolve import (
     FAIRNESS_HEADERS,

@@ -1,29 +1,19 @@
 """The ``flowControl:`` section of the gateway config.
 
 Every key has a default so that an empty section (or none at all) gives a working controller:
-one default band, round-robin fairness, llm-d's saturation thresholds. Models reuse the
-gateway's :class:`~router.config.Strict` base, so an unknown or invalid key fails at start-up
-with a message naming it (``flowControl.priorityBands[0].maxRequests: ...``).
+one default band, round-robin fairness, llm-d's saturation thresholds. Models use the
+gateway's one :class:`~router.core.strict.Strict` base, so an unknown or invalid key fails at
+start-up with a message naming it (``flowControl.priorityBands[0].maxRequests: ...``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic.alias_generators import to_camel, to_snake
+from pydantic import Field, field_validator, model_validator
+from pydantic.alias_generators import to_snake
 
-
-class Strict(BaseModel):
-    """The same base as ``router.config.Strict`` (a test keeps them equal).
-
-    Not imported from there: ``router.config`` imports this module for its ``flowControl``
-    field, and importing it back would be a cycle that fails in either import order.
-    """
-
-    model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
-    )
+from router.core.strict import Strict
 
 FairnessPolicyName = Literal["round-robin", "fcfs", "program-aware"]
 

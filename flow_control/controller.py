@@ -38,9 +38,9 @@ from flow_control.saturation import (
     ThresholdSaturationDetector,
     default_staleness,
 )
-from router.endpoints import EndpointSnapshot
-from router.errors import NoEndpointsError, SaturatedError, SLORejectedError, TTLExpiredError
-from router.tasks import cancel_and_wait
+from router.core.endpoints import EndpointSnapshot
+from router.core.errors import NoEndpointsError, SaturatedError, SLORejectedError, TTLExpiredError
+from router.core.tasks import cancel_and_wait
 
 log = logging.getLogger("prefixgate.flow_control")
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from flow_control.config import ConcurrencyLimitConfig
-from router.endpoints import EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot
 
 # How fast the baseline (the lowest latency ratio seen) drifts up per sample taken with no queue
 # of ours, so that a baseline set by one lucky sample, or by a replica that has since slowed,

@@ -11,24 +11,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
 
 from flow_control.config import FairnessPolicyName, ProgramAwareConfig
-from flow_control.queues import FlowQueue
-from router.hashing import estimate_tokens
-
-
-@runtime_checkable
-class FairnessPolicy(Protocol):
-    name: str
-
-    def select(self, flows: OrderedDict[str, FlowQueue]) -> FlowQueue:
-        """The flow whose head request goes next; ``flows`` is non-empty."""
-        ...
-
-    def dispatched(self, flows: OrderedDict[str, FlowQueue], flow: FlowQueue) -> None:
-        """Called after ``flow`` (still non-empty) gave up its head request."""
-        ...
+from flow_control.queues import FairnessPolicy, FlowQueue
+from router.core.hashing import estimate_tokens
 
 
 class RoundRobinPolicy:

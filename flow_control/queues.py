@@ -11,7 +11,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from flow_control.request import FlowRequest, Ticket
 
@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from prometheus_client.metrics import Counter, Gauge, Histogram
 
     from flow_control.config import BandConfig
-    from flow_control.policies import FairnessPolicy
 
 
 @dataclass(slots=True, eq=False)
@@ -54,6 +53,21 @@ class FlowQueue:
 
     def head(self) -> QueueItem:
         return next(iter(self.items.values()))
+
+
+@runtime_checkable
+class FairnessPolicy(Protocol):
+    """Chooses which flow of a level goes next (implementations: flow_control/policies.py)."""
+
+    name: str
+
+    def select(self, flows: OrderedDict[str, FlowQueue]) -> FlowQueue:
+        """The flow whose head request goes next; ``flows`` is non-empty."""
+        ...
+
+    def dispatched(self, flows: OrderedDict[str, FlowQueue], flow: FlowQueue) -> None:
+        """Called after ``flow`` (still non-empty) gave up its head request."""
+        ...
 
 
 @dataclass(slots=True, eq=False)

@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from flow_control.config import SaturationDetectorConfig
-from router.endpoints import EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot
 
 # The gateway's scrape defaults (pool.metricsScrape; a test keeps them equal). Not imported:
-# router.config imports this package's config, so importing it back would be a cycle.
+# router.config.model imports this package's config, so importing it back would be a cycle.
 DEFAULT_SCRAPE_INTERVAL = 0.1
 DEFAULT_SCRAPE_TIMEOUT = 0.5
 MIN_STALENESS_SECONDS = 1.0

@@ -21,34 +21,40 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from flow_control.controller import FlowController
-from router import __version__, anthropic
-from router.answer_cache import AnswerCache
-from router.asgi import JSON, GatewayApp, error_response, internal_error
-from router.calibration import Calibrator
-from router.config import GatewayConfig, PluginConfig, ProfileConfig
-from router.disagg import Disaggregator, build_disagg_profiles
-from router.discovery import KubernetesDiscovery, LivePool, api_client
-from router.endpoints import Endpoint, EndpointPool, OutlierSettings
-from router.errors import BadRequestError, GatewayError
-from router.index_sizing import IndexSizer
-from router.live_sessions import LiveSessions
-from router.loop_lag import LoopLagMonitor
-from router.metrics import GatewayMetrics
-from router.parsing import openapi_extra
-from router.plugins import PluginContext, PluginRegistry, build_profile, default_registry
-from router.precise_routing import PreciseRouter, PreciseRuntime, precise_enabled
-from router.prediction import PredictionTracker
-from router.producers import AffinityTracker, PrefixTracker
-from router.proxy import Proxy
-from router.request_body import BodyParser
-from router.routing import Router
-from router.scheduling import PickObserver, Producer, Scheduler, SchedulingProfile
-from router.scraper import EndpointMonitor, MonitorSettings
-from router.stored_responses import StoredResponses, make_probe
-from router.stores import Stores, build_stores
-from router.strategies import Strategy, strategy
-from router.token_density import TokenDensity
-from router.upstream import UpstreamClient
+from router import __version__
+from router.api.asgi import JSON, GatewayApp, error_response, internal_error
+from router.api.loop_lag import LoopLagMonitor
+from router.api.prediction import PredictionTracker
+from router.api.proxy import Proxy
+from router.api.request_body import BodyParser
+from router.api.stored_responses import StoredResponses, make_probe
+from router.config.model import (
+    GatewayConfig,
+    PluginConfig,
+    ProfileConfig,
+    Strategy,
+    builtin_strategy,
+)
+from router.core.endpoints import Endpoint, EndpointPool, OutlierSettings
+from router.core.errors import BadRequestError, GatewayError
+from router.core.framework import PickObserver, Producer, Scheduler, SchedulingProfile
+from router.estimators.answer_cache import AnswerCache
+from router.estimators.calibration import Calibrator
+from router.estimators.live_sessions import LiveSessions
+from router.estimators.token_density import TokenDensity
+from router.index.sizing import IndexSizer
+from router.index.stores import Stores, build_stores
+from router.pool.discovery import KubernetesDiscovery, LivePool, api_client
+from router.pool.metrics import GatewayMetrics
+from router.pool.scraper import EndpointMonitor, MonitorSettings
+from router.precise.routing import PreciseRouter, PreciseRuntime, precise_enabled
+from router.protocol import anthropic
+from router.protocol.parsing import openapi_extra
+from router.scheduling.disagg import Disaggregator, build_disagg_profiles
+from router.scheduling.plugins import PluginContext, PluginRegistry, build_profile, default_registry
+from router.scheduling.producers import AffinityTracker, PrefixTracker
+from router.scheduling.routing import Router
+from router.upstream.client import UpstreamClient
 
 log = logging.getLogger("prefixgate.app")
 
@@ -94,7 +100,7 @@ def _build_pool(config: GatewayConfig) -> EndpointPool:
 def _plugins(config: GatewayConfig) -> Strategy:
     """The configured plugins and first profile, or the named strategy's."""
     if config.plugins is None:
-        return strategy(config.strategy)
+        return builtin_strategy(config.strategy)
     assert config.scheduling_profiles  # enforced by the config model
     return config.plugins, config.scheduling_profiles[0]
 
@@ -344,7 +350,7 @@ def _add_error_handlers(app: GatewayApp) -> None:
 
 
 def _add_inference_routes(app: GatewayApp, gateway: Gateway) -> None:
-    """The hot routes: served outside FastAPI's stack (router/asgi.py)."""
+    """The hot routes: served outside FastAPI's stack (router/api/asgi.py)."""
     proxy = gateway.proxy
 
     async def chat_completions(request: Request) -> Response:

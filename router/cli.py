@@ -8,10 +8,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from router.config import GatewayConfig, load_config, parse_config
-from router.endpoints import endpoint_id_from_url
-from router.errors import ConfigError
-from router.logs import make_formatter
+from router.api.logs import make_formatter
+from router.config.model import GatewayConfig, load_config, parse_config
+from router.core.endpoints import endpoint_id_from_url
+from router.core.errors import ConfigError
 
 
 def _serve_config(args: argparse.Namespace) -> GatewayConfig:
@@ -54,11 +54,11 @@ def _add_backends(data: dict[str, Any], backends: Sequence[str]) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from router.server import serve
+    from router.serve.server import serve
 
     config = _serve_config(args)
     if config.server.workers > 1:
-        from router.supervisor import supervise
+        from router.serve.supervisor import supervise
 
         return supervise(config, args.log_level, args.log_format)
     serve(config, args.log_level, args.log_format)
@@ -79,7 +79,7 @@ def _epp_config(args: argparse.Namespace) -> GatewayConfig:
 
 
 def _cmd_epp(args: argparse.Namespace) -> int:
-    from router.extproc_server import serve_epp
+    from router.extproc.server import serve_epp
 
     serve_epp(_epp_config(args))
     return 0

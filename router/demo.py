@@ -17,8 +17,8 @@ from benchmarks.driver import cache_stats, drive
 from benchmarks.sim.cli import start_replicas
 from benchmarks.sim.config import SimConfig
 from benchmarks.workloads import multi_session_chat
-from router.config import parse_config
-from router.server import running_gateway
+from router.config.model import parse_config
+from router.serve.server import running_gateway
 
 _COMMANDS = """\
   curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.endpoints import EndpointSnapshot
-from router.scheduling import RoutingRequest
+from router.core.endpoints import EndpointSnapshot
+from router.core.framework import RoutingRequest
 from scorers.scale import inverted_min_max
 
 

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from router.config import Strict
-from router.endpoints import EndpointSnapshot
-from router.scheduling import RoutingRequest
+from router.core.endpoints import EndpointSnapshot
+from router.core.framework import RoutingRequest
+from router.core.strict import Strict
 
 
 class NoHitLRUParameters(Strict):

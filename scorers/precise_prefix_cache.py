@@ -1,6 +1,6 @@
 """Precise prefix-cache scorer: the share of the request's token blocks each replica holds.
 
-The blocks come from the replicas' own KV events (router.precise_index), matched as the longest
+The blocks come from the replicas' own KV events (router.precise.index), matched as the longest
 consecutive run of the request's block keys, speculative entries of recent picks included. An
 endpoint whose event stream is not trusted, or a request that could not be tokenized, is scored
 exactly like ``prefix-cache-scorer`` (the approximate index), so the scorer degrades, never fails.
@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from router.endpoints import EndpointSnapshot
-from router.scheduling import RoutingRequest
+from router.core.endpoints import EndpointSnapshot
+from router.core.framework import RoutingRequest
 
 
 class PreciseScores(Protocol):
-    """What the scorers read (router.precise_routing.PreciseTracker provides it)."""
+    """What the scorers read (router.precise.routing.PreciseTracker provides it)."""
 
     def scores(
         self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import xxhash
 
-from router.endpoints import EndpointSnapshot
-from router.scheduling import RoutingRequest
+from router.core.endpoints import EndpointSnapshot
+from router.core.framework import RoutingRequest
 
 # How far above the average load an endpoint may go before its sessions spill to the next one.
 DEFAULT_EPSILON = 0.25

@@ -15,10 +15,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from router.calibration import Calibrator
-from router.config import Strict
-from router.endpoints import EndpointSnapshot
-from router.scheduling import RoutingRequest
+from router.core.endpoints import EndpointSnapshot
+from router.core.framework import RoutingRequest
+from router.core.strict import Strict
+from router.estimators.calibration import Calibrator
 from scorers.precise_prefix_cache import PreciseScores
 
 
@@ -50,7 +50,8 @@ class TTFTCostParameters(Strict):
     # second ago but momentarily empty is not an idle one.
     recent_queue_weight: float = Field(1.0, ge=0.0, le=1.0)
     # A session's first request also places the session: its later requests (as many as
-    # sessions have sent on average, router/session_lengths.py) will meet the queue its home
+    # sessions have sent on average, router/estimators/session_lengths.py) will meet the queue its
+    # home
     # keeps. So the first request is charged, on each endpoint, that many times the queue the
     # endpoint kept over the last seconds, times this weight. Recomputing a shared system prompt
     # once on a replica with room is then cheaper than queueing a whole session behind the
@@ -63,7 +64,8 @@ class TTFTCostParameters(Strict):
     # have room.
     eviction_weight: float = Field(1.0, ge=0.0, le=4.0)
     # The room an endpoint's cache has for new blocks: "live-sessions" counts only the contexts
-    # of live sessions homed there as worth keeping (router/live_sessions.py: a cache full of
+    # of live sessions homed there as worth keeping (router/estimators/live_sessions.py: a cache
+    # full of
     # ended sessions' contexts has room), falling back to "index" where the endpoint does not
     # report its capacity; "index" counts every entry of the prefix index.
     eviction_room: Literal["live-sessions", "index"] = "live-sessions"

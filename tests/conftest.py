@@ -6,6 +6,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from benchmarks.sim.cli import Replica, start_replicas
+from benchmarks.sim.config import SimConfig
+from router.serve.server import RunningGateway, running_gateway
+from tests.gateways import gateway_config
 from tests.redis_cluster import redis_cluster_url as cluster_url
 from tests.redis_server import namespace_for, redis_server_url
 
@@ -29,3 +33,17 @@ async def redis_namespace(redis_url: str) -> AsyncIterator[str]:
     """A namespace unique to the test; its keys are deleted afterwards."""
     async with namespace_for(redis_url) as namespace:
         yield namespace
+
+
+@pytest.fixture
+async def replicas() -> AsyncIterator[list[Replica]]:
+    """Four simulated replicas on loopback sockets."""
+    async with start_replicas(4, SimConfig(speed=20.0)) as reps:
+        yield reps
+
+
+@pytest.fixture
+async def gateway(replicas: list[Replica]) -> AsyncIterator[RunningGateway]:
+    """A gateway in front of ``replicas``, on a loopback socket."""
+    async with running_gateway(gateway_config([r.url for r in replicas])) as gw:
+        yield gw

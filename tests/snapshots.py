@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from router.endpoints import EndpointSnapshot
-from router.scheduling import RoutingRequest
+from router.core.endpoints import EndpointSnapshot
+from router.core.framework import RoutingRequest
 
 
 def snap(eid: str, **kw: Any) -> EndpointSnapshot:

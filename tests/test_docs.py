@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from router.config import parse_config
+from router.config.model import parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]

@@ -135,7 +135,7 @@ def _list(settings: Any) -> int:
         peer_dirs,
     )
     from benchmarks.workloads import WORKLOADS
-    from router.strategies import STRATEGIES
+    from router.config.strategies import STRATEGIES
 
     print("strategies:", ", ".join([*STRATEGIES, *VARIANTS, REDIS_VARIANT]),
           f"(each also as <strategy>{SPLIT_SUFFIX}: two gateways sharing nothing)")
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     from benchmarks.bench.settings import BenchSettings
     from benchmarks.bench.targets import PEERS, REDIS_VARIANT, make_targets, peer_dirs
     from benchmarks.workloads import build_workload
-    from router.strategies import STRATEGIES
+    from router.config.strategies import STRATEGIES
 
     settings = BenchSettings(
         out=args.out, replicas=args.replicas, speed=args.speed,

@@ -74,7 +74,7 @@ def _ready_all(url: str, n: int) -> Probe:
 
 def _workers_ready(url: str, n: int, workers: int) -> Probe:
     """Every worker of a ``--workers`` gateway up, each with every replica healthy (a scrape
-    answers for all workers: router/worker_metrics.py)."""
+    answers for all workers: router/serve/worker_metrics.py)."""
 
     async def probe(http: aiohttp.ClientSession) -> bool:
         from prometheus_client.parser import text_string_to_metric_families
@@ -343,7 +343,7 @@ def make_targets(
     sharing nothing), ``<strategy>-2w`` (one gateway, two workers), ``VARIANTS``
     (``default-nofc``: flow control off), ``default-redis-2gw``, ``label=config.yaml``, and
     peer names (``PEERS``). Unknown names fail before anything starts."""
-    from router.strategies import STRATEGIES
+    from router.config.strategies import STRATEGIES
 
     out: list[Target] = []
     for name in strategies:

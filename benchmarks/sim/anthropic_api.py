@@ -32,7 +32,7 @@ from .request import Status
 from .responses import JSON, GenerationResponse, json_response, send_bytes, start_event_stream
 
 if TYPE_CHECKING:
-    from .server import SimServer
+    from .host import SimHost
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -337,7 +337,7 @@ class MessagesResponse(GenerationResponse):
         )
 
 
-async def handle(sim: SimServer, request: Request) -> Response:
+async def handle(sim: SimHost, request: Request) -> Response:
     """``POST /v1/messages``."""
     fault = await sim.injected_fault()
     if fault is not None:

@@ -19,22 +19,10 @@ from typing import Any
 from .clock import SimClock
 from .config import SimConfig
 from .kv_cache import KVCache, extend_block_hashes
-from .observers import KVEventSink, LatencyObserver
+from .observers import EngineStats, KVEventSink, LatencyObserver
 from .request import SimRequest, Status
 from .tokenizer import Tokenizer
 from .zero_latency import complete_instantly
-
-
-@dataclass
-class EngineStats:
-    """Monotonic counters of one engine."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    requests_succeeded: int = 0
-    requests_aborted: int = 0
-    preemptions: int = 0
-    steps: int = 0
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from .kv_events import KVEvent
@@ -24,3 +25,15 @@ class LatencyObserver(Protocol):
     def on_token(self, seconds: float) -> None: ...
 
     def on_finished(self, seconds: float) -> None: ...
+
+
+@dataclass
+class EngineStats:
+    """Monotonic counters of one engine."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_succeeded: int = 0
+    requests_aborted: int = 0
+    preemptions: int = 0
+    steps: int = 0

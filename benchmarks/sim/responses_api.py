@@ -28,7 +28,7 @@ from .responses import error_response, json_response
 from .responses_output import ResponsesResponse, ResponseStore, Stored
 
 if TYPE_CHECKING:
-    from .server import SimServer
+    from .host import SimHost
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -159,7 +159,7 @@ def to_chat_body(body: Mapping[str, Any], store: ResponseStore) -> dict[str, Any
     return chat
 
 
-async def create(sim: SimServer, request: Request) -> Response:
+async def create(sim: SimHost, request: Request) -> Response:
     """``POST /v1/responses``."""
     fault = await sim.injected_fault()
     if fault is not None:
@@ -183,7 +183,7 @@ async def create(sim: SimServer, request: Request) -> Response:
     )
 
 
-def retrieve(sim: SimServer, response_id: str) -> Response:
+def retrieve(sim: SimHost, response_id: str) -> Response:
     """``GET /v1/responses/{id}``."""
     stored = sim.responses.get(response_id)
     if stored is None:
@@ -191,7 +191,7 @@ def retrieve(sim: SimServer, response_id: str) -> Response:
     return json_response(stored.body)
 
 
-def delete(sim: SimServer, response_id: str) -> Response:
+def delete(sim: SimHost, response_id: str) -> Response:
     """``DELETE /v1/responses/{id}``."""
     if not sim.responses.delete(response_id):
         return error_response(not_found(response_id))

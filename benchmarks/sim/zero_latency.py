@@ -6,13 +6,21 @@ events stay true, so routing sees the same hits it would with latencies on.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from .kv_cache import extend_block_hashes
+from .kv_cache import KVCache, extend_block_hashes
+from .observers import EngineStats, LatencyObserver
 from .request import SimRequest, Status
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class Engine(Protocol):
+    """What completing a request touches of its engine (the engine passes itself)."""
+
+    kv: KVCache
+    stats: EngineStats
+    observer: LatencyObserver | None
+
+    def publish_events(self) -> None: ...
 
 
 def complete_instantly(engine: Engine, req: SimRequest) -> None:

@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry
 from flow_control.config import FlowControlConfig
 from flow_control.controller import FlowController
 from flow_control.request import FlowRequest, Ticket
-from router.endpoints import EndpointSnapshot
-from router.errors import NoEndpointsError, SaturatedError, TTLExpiredError
+from router.core.endpoints import EndpointSnapshot
+from router.core.errors import NoEndpointsError, SaturatedError, TTLExpiredError
 
 
 class Clock:

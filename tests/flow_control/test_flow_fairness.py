@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from flow_control.config import FlowControlConfig
 from flow_control.controller import FlowController
 from flow_control.request import FlowRequest, Ticket
-from router.endpoints import EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot
 
 SERVICE_TIME = 1.0
 

@@ -12,7 +12,7 @@ from flow_control.config import ConcurrencyLimitConfig, FlowControlConfig, Satur
 from flow_control.controller import FlowController
 from flow_control.limits import ConcurrencyLimits, ConcurrencySaturationDetector
 from flow_control.request import FlowRequest
-from router.endpoints import EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot
 from tests.snapshots import snap as base_snap
 
 CFG = ConcurrencyLimitConfig(initial_limit=8, min_limit=1, max_limit=32, tolerance=2.0)

@@ -9,7 +9,7 @@ import pytest
 
 from flow_control.queues import pick_victim
 from flow_control.request import FlowRequest, Ticket
-from router.errors import SaturatedError
+from router.core.errors import SaturatedError
 from tests.flow_control.test_flow_controller import (
     make,
     queue_all,

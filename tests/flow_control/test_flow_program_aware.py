@@ -17,7 +17,7 @@ from flow_control.config import FlowControlConfig, ProgramAwareConfig
 from flow_control.controller import FlowController
 from flow_control.policies import ProgramAwarePolicy, make_policy
 from flow_control.request import FlowRequest, Ticket
-from router.endpoints import EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot
 
 
 class Clock:

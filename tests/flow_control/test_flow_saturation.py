@@ -14,8 +14,8 @@ from flow_control.saturation import (
     ThresholdSaturationDetector,
     default_staleness,
 )
-from router.config import MetricsScrapeConfig
-from router.endpoints import EndpointSnapshot
+from router.config.model import MetricsScrapeConfig
+from router.core.endpoints import EndpointSnapshot
 
 INF = math.inf
 

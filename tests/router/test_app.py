@@ -13,8 +13,8 @@ import orjson
 import pytest
 
 from benchmarks.sim.cli import Replica
-from router.server import RunningGateway, running_gateway
-from tests.router.conftest import MODEL, gateway_config
+from router.serve.server import RunningGateway, running_gateway
+from tests.gateways import MODEL, gateway_config
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from router.cli import _serve_config, build_parser
-from router.errors import ConfigError
+from router.core.errors import ConfigError
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
+from router.api.logs import ACCESS_LOGGER, AccessLog
 from router.cli import main
-from router.logs import ACCESS_LOGGER, AccessLog
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.scheduling import RoutingRequest
+from router.core.framework import RoutingRequest
 from scorers.load_aware import LoadAwareParameters, LoadAwareScorer
 from tests.snapshots import snap
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.scheduling import RoutingRequest
+from router.core.framework import RoutingRequest
 from scorers.no_hit_lru import NoHitLRUParameters, NoHitLRUScorer
 from tests.snapshots import snap
 

@@ -16,18 +16,18 @@ from prometheus_client import CollectorRegistry
 from benchmarks.sim.cli import Replica, start_replicas
 from benchmarks.sim.config import SimConfig
 from benchmarks.sim.engine import Engine
+from router.api.prediction import PredictionTracker, find_usage
 from router.app import build_gateway
-from router.config import parse_config
-from router.endpoints import endpoint_id_from_url
-from router.errors import ConfigError
-from router.parsing import parse_request
-from router.precise_routing import PreciseRouter
-from router.prediction import PredictionTracker, find_usage
-from router.scheduling import RoutingRequest
-from router.server import RunningGateway, running_gateway
+from router.config.model import parse_config
+from router.core.endpoints import endpoint_id_from_url
+from router.core.errors import ConfigError
+from router.core.framework import RoutingRequest
+from router.precise.routing import PreciseRouter
+from router.protocol.parsing import parse_request
+from router.serve.server import RunningGateway, running_gateway
 from scorers.precise_prefix_cache import PrecisePrefixCacheScorer
-from tests.router.conftest import MODEL, gateway_config
-from tests.router.test_kv_events import wait_for
+from tests.gateways import MODEL, gateway_config
+from tests.router.precise.test_kv_events import wait_for
 from tests.snapshots import FixedScores, snap
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from router.scheduling import RoutingRequest
+from router.core.framework import RoutingRequest
 from scorers.inflight import InFlightScorer
 from scorers.kv_cache_utilization import KVCacheUtilizationScorer
 from scorers.prefix_cache import PrefixCacheScorer

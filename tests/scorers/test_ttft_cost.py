@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from router.calibration import Calibrator
-from router.config import parse_config
-from router.endpoints import EndpointSnapshot
-from router.precise_routing import precise_enabled
-from router.scheduling import RoutingRequest
+from router.config.model import parse_config
+from router.core.endpoints import EndpointSnapshot
+from router.core.framework import RoutingRequest
+from router.estimators.calibration import Calibrator
+from router.precise.routing import precise_enabled
 from scorers.ttft_cost import TTFTCostParameters, TTFTCostScorer
 from tests.snapshots import FixedScores
 from tests.snapshots import snap as base_snap

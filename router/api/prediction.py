@@ -1,0 +1,297 @@
+"""How right is each prefix index? Predicted vs actual cached tokens, per request.
+
+When a response's usage carries ``prompt_tokens_details.cached_tokens`` (vLLM with
+``--enable-prompt-tokens-details``; the simulator always), the prediction each index made for the
+chosen endpoint at pick time is compared with it:
+
+- ``approximate``: the approximate index's matched share of the rendered prompt (run on over
+  the previous turn's answer where the endpoint served that turn), applied to the real prompt
+  length and rounded down to whole engine blocks;
+- ``precise``: the leading blocks the endpoint holds at the pick, for endpoints whose stream
+  is trusted: announced by its events, or about to be computed there by a request the gateway
+  sent earlier (speculative entries). vLLM v1 makes a block findable as soon as the step that
+  computes it is scheduled, and admits requests in order, so a request sent after another with
+  the same prefix hits what that one is computing, even within the same step;
+- ``precise_confirmed``: events and finished prefills only (requests whose first byte came
+  back; their events may still be on the way): what the replica certainly holds at the pick,
+  a lower bound. The gap between the two is the share of hits that depend on requests in
+  flight (bursts of sub-agents on one prefix).
+
+Both are capped like vLLM's lookup (at most ``prompt_tokens - 1`` tokens, whole blocks). The
+signed error (predicted - actual; positive = over-prediction) goes to histograms in tokens and
+in blocks, and a gauge gives the share of the last ``window`` predictions within one block.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from router.core.framework import RoutingRequest
+from router.estimators.answer_cache import AnswerCache
+
+
+class PreciseFacts(Protocol):
+    """What precise routing predicted for one request, per endpoint (leading blocks)."""
+
+    @property
+    def expected(self) -> Mapping[str, int]: ...
+
+    @property
+    def confirmed(self) -> Mapping[str, int]: ...
+
+    @property
+    def keys(self) -> Sequence[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def trusted(self) -> AbstractSet[str]: ...
+
+    @property
+    def picked_at(self) -> float | None: ...
+
+
+class PreciseStates(Protocol):
+    """Precise routing's per-request facts (router.precise.routing.PreciseTracker): typed
+    here so the always-on proxy does not import the precise stack (and zmq) for a hint."""
+
+    def finish(self, request_id: str) -> PreciseFacts | None: ...
+
+
+# Another reader of each answer's usage (the index sizer): endpoint, request, usage.
+UsageObserver = Callable[[str, RoutingRequest, Mapping[str, Any] | None], None]
+
+MODES = ("approximate", "precise", "precise_confirmed")
+_TOKEN_BUCKETS = tuple(
+    [-float(4**i) for i in range(8, 0, -1)] + [-1.0, 0.0, 1.0] + [float(4**i) for i in range(1, 9)]
+)
+_BLOCK_BUCKETS = (-256.0, -64.0, -16.0, -4.0, -2.0, -1.0, 0.0, 1.0, 2.0, 4.0, 16.0, 64.0, 256.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def parse_usage(usage: Mapping[str, Any] | None) -> Usage | None:
+    """``usage`` of an OpenAI response, if it reports cached tokens."""
+    if not isinstance(usage, Mapping):
+        return None
+    prompt = usage.get("prompt_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    if not isinstance(prompt, int) or not isinstance(cached, int):
+        return None
+    return Usage(prompt, cached)
+
+
+def find_usage(data: bytes) -> Mapping[str, Any] | None:
+    """The ``usage`` object in a JSON body, or in the last SSE ``data:`` event carrying one."""
+    text = data.strip()
+    if text.startswith(b"{"):
+        try:
+            body = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            return None
+        usage = body.get("usage") if isinstance(body, dict) else None
+        return usage if isinstance(usage, dict) else None
+    for line in reversed(text.split(b"\n")):
+        if line.startswith(b"data:") and b'"usage"' in line:
+            found = find_usage(line[5:])
+            if found is not None:
+                return found
+    return None
+
+
+@dataclass(slots=True)
+class ModeSummary:
+    count: int = 0
+    within_one_block: int = 0
+    abs_error_tokens: int = 0
+    over: int = 0
+    under: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        n = max(self.count, 1)
+        return {
+            "count": self.count,
+            "within_one_block_ratio": self.within_one_block / n,
+            "mean_abs_error_tokens": self.abs_error_tokens / n,
+            "over": self.over,
+            "under": self.under,
+        }
+
+
+class PredictionTracker:
+    """Exports each index's prediction error; see the module doc."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        block_size: int = 16,
+        precise: PreciseStates | None = None,
+        expect_events: Callable[[str, float], None] | None = None,
+        window: int = 1000,
+        answers: AnswerCache | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self._precise = precise
+        self._expect_events = expect_events
+        self._answers = answers
+        r = registry
+        self.error_tokens = Histogram(
+            "prefixgate_prefix_prediction_error_tokens",
+            "Predicted minus actual cached prompt tokens on the chosen endpoint, by index mode.",
+            ["mode"], buckets=_TOKEN_BUCKETS, registry=r,
+        )
+        self.error_blocks = Histogram(
+            "prefixgate_prefix_prediction_error_blocks",
+            "Predicted minus actual cached prompt tokens, in engine blocks, by index mode.",
+            ["mode"], buckets=_BLOCK_BUCKETS, registry=r,
+        )
+        self.within_ratio = Gauge(
+            "prefixgate_prefix_prediction_within_one_block_ratio",
+            "Share of recent predictions within one block of the actual cached tokens.",
+            ["mode"], registry=r,
+        )
+        self.skipped = Counter(
+            "prefixgate_prefix_prediction_skipped",
+            "Responses not compared, by reason (no_usage, untrusted, untokenized).",
+            ["reason"], registry=r,
+        )
+        self.skips: dict[str, int] = {}  # the skipped counter's values, by reason
+        self._recent = {m: deque[bool](maxlen=max(1, window)) for m in MODES}
+        self._within = dict.fromkeys(MODES, 0)
+        self.summary = {m: ModeSummary() for m in MODES}
+
+    def _cap(self, tokens: float, prompt_tokens: int) -> int:
+        bs = self.block_size
+        limit = max(prompt_tokens - 1, 0) // bs * bs
+        return min(int(tokens) // bs * bs, limit)
+
+    def observe(
+        self, endpoint_id: str, routing: RoutingRequest, usage: Mapping[str, Any] | None
+    ) -> None:
+        """Compare both indexes' predictions for ``endpoint_id`` with the response's usage.
+
+        Call once per answered request, with the ``usage`` object of the non-streaming body
+        or of the final SSE chunk (``find_usage`` extracts it). Never raises on odd input.
+        """
+        state = self._precise.finish(routing.request_id) if self._precise is not None else None
+        actual = parse_usage(usage)
+        if actual is None:
+            self._skip("no_usage")
+            return
+        if routing.block_hashes and routing.prompt_bytes:
+            share = routing.cached_bytes(endpoint_id) / routing.prompt_bytes
+            predicted = self._cap(share * actual.prompt_tokens, actual.prompt_tokens)
+            self._record("approximate", predicted, actual)
+            self._learn_answer(endpoint_id, routing, actual)
+        elif routing.prompt_bytes:
+            self._record("approximate", 0, actual)
+        if self._precise is None:
+            return
+        if state is None or (not state.keys and not state.num_tokens):
+            self._skip("untokenized")
+            return
+        if endpoint_id not in state.trusted:
+            self._skip("untrusted")
+            return
+        for mode, held in (
+            ("precise", state.expected.get(endpoint_id, 0)),
+            ("precise_confirmed", state.confirmed.get(endpoint_id, 0)),
+        ):
+            self._record(mode, self._cap(held * self.block_size, actual.prompt_tokens), actual)
+        # A replica that computed two or more new blocks must have announced at least one.
+        uncached = actual.prompt_tokens - actual.cached_tokens
+        expect = self._expect_events
+        if expect is not None and state.picked_at is not None and uncached >= 2 * self.block_size:
+            expect(endpoint_id, state.picked_at)
+
+    def _learn_answer(self, endpoint_id: str, routing: RoutingRequest, actual: Usage) -> None:
+        """How much of the previous answer, counted as cached, the replica really held."""
+        answers = self._answers
+        beyond = routing.answer_bytes_beyond(endpoint_id)
+        if answers is None or not beyond:
+            return
+        tokens_per_byte = actual.prompt_tokens / routing.prompt_bytes
+        matched = routing.matched_bytes(endpoint_id) * tokens_per_byte
+        if actual.cached_tokens < matched - self.block_size:
+            return  # the matched prefix itself was not all there (evicted): says nothing
+        # The replica counts whole blocks: half a block of the answer's end is lost on average.
+        credited = beyond * tokens_per_byte - self.block_size / 2
+        answers.observe(routing.model, credited, actual.cached_tokens - matched)
+
+    def _skip(self, reason: str) -> None:
+        self.skipped.labels(reason).inc()
+        self.skips[reason] = self.skips.get(reason, 0) + 1
+
+    def _record(self, mode: str, predicted: int, actual: Usage) -> None:
+        error = predicted - actual.cached_tokens
+        blocks = error / self.block_size
+        within = abs(error) <= self.block_size
+        self.error_tokens.labels(mode).observe(error)
+        self.error_blocks.labels(mode).observe(blocks)
+        recent = self._recent[mode]
+        # A running count: summing the window on every request cost more than the rest here.
+        if len(recent) == recent.maxlen:
+            self._within[mode] -= recent[0]
+        recent.append(within)
+        self._within[mode] += within
+        self.within_ratio.labels(mode).set(self._within[mode] / len(recent))
+        s = self.summary[mode]
+        s.count += 1
+        s.within_one_block += within
+        s.abs_error_tokens += abs(error)
+        s.over += error > self.block_size
+        s.under += error < -self.block_size
+
+
+class UsageTap:
+    """Keeps the tail of a relayed answer, where its ``usage`` is (the non-streaming body, or
+    the last SSE events), and hands it to the tracker when the answer ends."""
+
+    __slots__ = ("_also", "_endpoint_id", "_parts", "_routing", "_size", "_tracker")
+    TAIL_BYTES = 16384
+
+    def __init__(
+        self,
+        tracker: PredictionTracker,
+        endpoint_id: str,
+        routing: RoutingRequest,
+        also: UsageObserver | None = None,
+    ) -> None:
+        self._tracker = tracker
+        self._also = also
+        self._endpoint_id = endpoint_id
+        self._routing = routing
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def __call__(self, chunk: bytes) -> None:
+        # Called for every relayed chunk: append, and cut back to the tail only once twice
+        # its size has piled up (copying the tail on every token cost more than relaying it).
+        self._parts.append(chunk)
+        self._size += len(chunk)
+        if self._size > 2 * self.TAIL_BYTES:
+            tail = self.tail()
+            self._parts, self._size = [tail], len(tail)
+
+    def tail(self) -> bytes:
+        """The last ``TAIL_BYTES`` relayed."""
+        return b"".join(self._parts)[-self.TAIL_BYTES :]
+
+    def finish(self) -> None:
+        usage = find_usage(self.tail())
+        self._tracker.observe(self._endpoint_id, self._routing, usage)
+        if self._also is not None:
+            self._also(self._endpoint_id, self._routing, usage)

@@ -1,0 +1,397 @@
+"""The request path: authenticate, parse, route, forward, relay, log.
+
+Attempts go to the ranked endpoints in order: a connect error, a timeout or a 5xx before the
+first byte moves on to the next (bounded); a 4xx is the client's and is passed through as is.
+Once a byte has been relayed the answer is committed to that endpoint. Connect errors, timeouts
+and 5xx (never 4xx) count towards the endpoint's outlier ejection.
+
+The gateway only ever connects to endpoints of its pool: the URL of an attempt comes from the
+pool's snapshot, and every header a client could use to steer a request is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge
+from starlette.requests import Request
+from starlette.responses import Response
+
+from flow_control.request import Ticket
+from router.api.logs import AccessLog
+from router.api.prediction import PredictionTracker, UsageTap
+from router.api.request_body import BodyParser, read_body
+from router.api.streaming import DisconnectWatch, ErrorEvent, UpstreamResponse, sse_error_event
+from router.config.model import GatewayConfig
+from router.core.endpoints import EndpointSnapshot, Lease
+from router.core.errors import (
+    GatewayError,
+    ShuttingDownError,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
+from router.core.framework import RoutingRequest
+from router.index.sizing import IndexSizer
+from router.pool.metrics import GatewayMetrics
+from router.protocol import anthropic, responses_api
+from router.protocol.auth import TenantHeaders, build_authenticator, build_upstream_keys
+from router.protocol.exchange import Exchange, ExchangeFields
+from router.protocol.headers import ForwardedHeaders, RequestIds, request_id_of, response_headers
+from router.protocol.parsing import UPSTREAM_PATHS, Api, ParsedRequest
+from router.scheduling.disagg import Disaggregator
+from router.scheduling.routing import Prepared, Router
+from router.upstream.client import UPSTREAM_ERRORS, UpstreamClient, UpstreamReply
+
+log = logging.getLogger("prefixgate.proxy")
+
+# Mid-stream errors in each API's own event shape (chat and completions: OpenAI's data event).
+_ERROR_EVENTS: dict[str, ErrorEvent] = {
+    "messages": anthropic.stream_error_event,
+    "responses": responses_api.stream_error_event,
+}
+
+
+@dataclass(slots=True)
+class Attempt:
+    reply: UpstreamReply
+    first_chunk: bytes
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        router: Router,
+        metrics: GatewayMetrics,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        environ = os.environ if environ is None else environ
+        self._config = config
+        self._router = router
+        self._metrics = metrics
+        self.client: UpstreamClient | None = None
+        # Prefill/decode disaggregation, set by build_gateway when it is enabled.
+        self.disagg: Disaggregator | None = None
+        # Large bodies' parser (its processes live as long as the gateway runs).
+        self.parser: BodyParser | None = None
+        self.prediction: PredictionTracker | None = None
+        # Learns bytes per token from each answer's usage and sizes the index from it.
+        self.sizer: IndexSizer | None = None
+        self.auth = build_authenticator(config.auth, environ)
+        self.upstream_keys = build_upstream_keys(config.pool, environ)
+        self._headers = ForwardedHeaders(
+            self.upstream_keys, self.auth is not None, config.auth.forward_client_key
+        )
+        server = config.server
+        self._access = AccessLog(server.access_log, server.access_log_sample_rate)
+        self._ids = RequestIds()
+        # Set on SIGTERM: /ready answers 503, and requests cut by the drain deadline end cleanly.
+        self.draining = False
+        self.active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._in_flight = Gauge(
+            "prefixgate_requests_in_flight",
+            "Requests inside the gateway: queued, waiting for a first byte or streaming.",
+            registry=metrics.registry,
+        )
+        self._in_flight.set_function(lambda: self.active)
+        self._ejections = Counter(
+            "prefixgate_endpoint_ejections",
+            "Times an endpoint was ejected after consecutive failures (passive health).",
+            ["endpoint"],
+            registry=metrics.registry,
+        )
+
+    async def read_body(self, request: Request) -> bytes:
+        server = self._config.server
+        return await read_body(request, server.max_body_bytes, server.body_timeout_seconds)
+
+    async def handle(self, request: Request, api: Api) -> Response:
+        ex = Exchange(api, request_id_of(request.headers, self._ids), time.perf_counter())
+        self.active += 1
+        self._idle.clear()
+        try:
+            response = await self._serve(request, ex)
+        except GatewayError as exc:
+            ex.status, ex.outcome = exc.status_code, "rejected"
+            self._finish(ex)
+            raise
+        except BaseException:
+            ex.status, ex.outcome = 500, "crashed"
+            self._finish(ex)
+            raise
+        if not isinstance(response, UpstreamResponse):
+            self._finish(ex)
+        return response
+
+    async def _serve(self, request: Request, ex: Exchange) -> Response:
+        headers: Mapping[str, str] = request.headers
+        # Before the body: an unauthenticated client must not make the gateway buffer 32 MB.
+        if self.auth is not None:
+            ex.tenant = self.auth.authenticate(headers)
+            headers = TenantHeaders(headers, ex.tenant)
+        body = await self.read_body(request)
+        prepared = await self._prepare(ex.api, body)
+        parsed = prepared.parsed
+        ex.model, ex.stream = parsed.model, parsed.stream
+        routing = self._router.routing_request(parsed, headers, ex.request_id, prepared)
+        # Watch from here on: a client leaving while queued or waiting for the first byte
+        # must leave its queue or cancel the upstream request at once.
+        watch = DisconnectWatch(request.receive)
+        watch.start()
+        ticket: Ticket | None = None
+        handed_over = False
+        try:
+            ticket = await self._router.admit(routing, headers, len(body))
+            ranked = await self._router.rank(routing)
+            self._metrics.gateway_delay.observe(time.perf_counter() - ex.started)
+            # The prefill step speaks chat and completions (router/scheduling/disagg.py); a
+            # Responses
+            # follow-up's history lives on its pinned endpoint alone.
+            split = self.disagg is not None and parsed.api in ("chat", "completions")
+            forward = self._disaggregated if split else self._forward
+            response = await forward(parsed, routing, ranked, request, watch, ticket, ex)
+            handed_over = True
+            return response
+        except asyncio.CancelledError:
+            if watch.absorb_cancel():
+                ex.status, ex.outcome = 499, "client_disconnect"
+                self._metrics.client_disconnects.inc()
+                return Response(status_code=499)
+            task = asyncio.current_task()
+            if not self.draining or task is None:
+                raise
+            # The drain deadline passed: answer instead of dropping the connection.
+            task.uncancel()
+            raise ShuttingDownError("the gateway is shutting down; retry") from None
+        finally:
+            if not handed_over:
+                watch.stop()
+                if ticket is not None:
+                    ticket.release()
+
+    async def _prepare(self, api: Api, body: bytes) -> Prepared:
+        """Parse and hash here when the body is small (cheaper than handing it over), else in
+        the body parser's process; in a worker thread when the path reads the decoded body
+        (precise routing, disaggregation) or there is no parser."""
+        if len(body) < self._config.server.offload_body_bytes:
+            return self._router.prepare(api, body)
+        if self.parser is not None and self.disagg is None and not self._router.reads_payload:
+            index = self._config.prefix_index
+            digest = await self.parser.digest(
+                api, body, index.block_bytes, index.max_blocks_per_request
+            )
+            return Prepared(digest.parsed(api, body), digest.prompt_bytes, digest.block_hashes)
+        return await asyncio.to_thread(self._router.prepare, api, body)
+
+    def upstream_headers(
+        self, request: Request, request_id: str, tenant: str | None, endpoint_id: str
+    ) -> list[tuple[str, str]]:
+        """What a request forwarded to ``endpoint_id`` carries (requests outside the proxy's
+        own path, such as those naming a stored response)."""
+        headers = self._headers.base(request.headers.raw, request_id, tenant)
+        return self._headers.keyed(headers, endpoint_id)
+
+    async def _forward(
+        self,
+        parsed: ParsedRequest,
+        routing: RoutingRequest,
+        ranked: list[EndpointSnapshot],
+        request: Request,
+        watch: DisconnectWatch,
+        ticket: Ticket,
+        ex: Exchange,
+        extra_headers: Sequence[tuple[str, str]] = (),
+    ) -> Response:
+        headers = self._headers.base(request.headers.raw, routing.request_id, ex.tenant)
+        headers.extend(extra_headers)
+        path = UPSTREAM_PATHS[parsed.api]
+        last_error: BaseException | None = None
+        attempts = ranked[: self._config.proxy.max_attempts]
+        for n, endpoint in enumerate(attempts):
+            try:
+                lease = self._router.lease(routing, endpoint.id)
+            except KeyError:
+                continue  # the endpoint left the pool since it was ranked
+            ex.attempts += 1
+            if ex.attempts > 1:
+                self._metrics.retries.inc()
+            else:
+                self._router.picked(routing, endpoint.id)
+            try:
+                attempt = await self._attempt(
+                    endpoint, path, self._headers.keyed(headers, endpoint.id), parsed.body
+                )
+            except UPSTREAM_ERRORS as exc:
+                lease.release()
+                kind = "timeout" if isinstance(exc, TimeoutError) else "transport"
+                self._upstream_failed(lease, endpoint.id, kind)
+                log.warning("request %s: %s on %s: %r", routing.request_id, kind, endpoint.id, exc)
+                last_error = exc
+                continue
+            except BaseException:
+                lease.release()
+                raise
+            if attempt.reply.status < 500:
+                lease.upstream_ok()
+            else:
+                self._upstream_failed(lease, endpoint.id, "5xx")
+                if n + 1 < len(attempts):
+                    lease.release()
+                    attempt.reply.close()
+                    continue
+            if ex.attempts > 1:
+                self._router.picked(routing, endpoint.id)
+            lease.first_byte()
+            self._note_pick(ex, routing, endpoint.id)
+            return self._relay(attempt, endpoint, lease, watch, ticket, ex, routing)
+        if isinstance(last_error, TimeoutError):
+            raise UpstreamTimeoutError("no endpoint answered within the first-byte timeout")
+        reason = type(last_error).__name__ if last_error is not None else "none left"
+        raise UpstreamError(f"no endpoint could be reached ({reason})")
+
+    async def _disaggregated(
+        self,
+        parsed: ParsedRequest,
+        routing: RoutingRequest,
+        ranked: list[EndpointSnapshot],
+        request: Request,
+        watch: DisconnectWatch,
+        ticket: Ticket,
+        ex: Exchange,
+    ) -> Response:
+        """The prefill step first when the decider asks for one (router/scheduling/disagg.py)."""
+        assert self.disagg is not None and self.client is not None
+        client = self.client
+        headers = self._headers.base(request.headers.raw, routing.request_id, ex.tenant)
+
+        async def post(endpoint: EndpointSnapshot, path: str, body: bytes) -> UpstreamReply:
+            keyed = self._headers.keyed(headers, endpoint.id)
+            return await client.post(endpoint.url + path, keyed, body)
+
+        step = await self.disagg.prepare(parsed, routing, ranked, post)
+        if step.response is not None:  # a prefill 4xx is the client's
+            ex.status, ex.endpoint = step.response.status_code, step.prefill_endpoint
+            return step.response
+        try:
+            return await self._forward(
+                step.parsed, routing, ranked, request, watch, ticket, ex, step.headers
+            )
+        finally:
+            step.release()
+
+    def _upstream_failed(self, lease: Lease, endpoint_id: str, kind: str) -> None:
+        self._metrics.upstream_failures.labels(endpoint_id, kind).inc()
+        if lease.upstream_failed():
+            self._ejections.labels(endpoint_id).inc()
+
+    def _note_pick(self, ex: Exchange, routing: RoutingRequest, endpoint_id: str) -> None:
+        ex.endpoint = endpoint_id
+        ex.ttfb = time.perf_counter() - ex.started
+        self._metrics.first_byte.observe(ex.ttfb)
+        if routing.block_hashes:
+            hits = routing.prefix_hits.get(endpoint_id, 0)
+            ex.prefix_match = hits / len(routing.block_hashes)
+
+    async def _attempt(
+        self, endpoint: EndpointSnapshot, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> Attempt:
+        assert self.client is not None, "the lifespan owns the client"
+        reply: UpstreamReply | None = None
+        try:
+            async with asyncio.timeout(self._config.proxy.first_byte_timeout_seconds):
+                reply = await self.client.post(endpoint.url + path, headers, body)
+                first = await reply.next_chunk()
+        except BaseException:
+            if reply is not None:
+                reply.close()
+            raise
+        return Attempt(reply, first)
+
+    def _relay(
+        self,
+        attempt: Attempt,
+        endpoint: EndpointSnapshot,
+        lease: Lease,
+        watch: DisconnectWatch,
+        ticket: Ticket,
+        ex: Exchange,
+        routing: RoutingRequest,
+    ) -> Response:
+        upstream = attempt.reply
+        ex.status = upstream.status
+        explained = routing.explanation if routing.explain_to_client else None
+        headers = response_headers(upstream.raw_headers, endpoint.id, ex.request_id, explained)
+        observe, usage = self._taps(ex.api, upstream.status, endpoint.id, routing)
+
+        def finish(outcome: str) -> None:
+            ticket.release()
+            ex.outcome = outcome
+            if usage is not None and outcome == "ok":
+                usage.finish()
+            if outcome == "client_disconnect":
+                self._metrics.client_disconnects.inc()
+            elif outcome == "stream_error":
+                self._metrics.stream_errors.labels(endpoint.id).inc()
+                self._upstream_failed(lease, endpoint.id, "stream")
+            self._finish(ex)
+
+        return UpstreamResponse(
+            upstream,
+            attempt.first_chunk,
+            headers,
+            lease=lease,
+            watch=watch,
+            idle_timeout=self._config.proxy.idle_timeout_seconds,
+            on_finish=finish,
+            draining=lambda: self.draining,
+            error_event=_ERROR_EVENTS.get(ex.api, sse_error_event),
+            observe=observe,
+        )
+
+    def _taps(
+        self, api: str, status: int, endpoint_id: str, routing: RoutingRequest
+    ) -> tuple[Callable[[bytes], None] | None, UsageTap | None]:
+        """What reads the relayed answer: the usage (how right the prefix index was) and,
+        for the Responses API, which endpoint stores the answer."""
+        if status != 200:
+            return None, None
+        usage = None
+        if self.prediction is not None:
+            also = self.sizer.observe if self.sizer is not None else None
+            usage = UsageTap(self.prediction, endpoint_id, routing, also)
+        responses = self._router.responses
+        stored = None
+        if api == "responses" and responses is not None:
+            stored = responses.tap(endpoint_id)  # learn which endpoint stores the answer
+        if stored is None or usage is None:
+            return (stored or usage), usage
+
+        def both(chunk: bytes) -> None:
+            usage(chunk)
+            stored(chunk)
+
+        return both, usage
+
+    def _finish(self, ex: Exchange) -> None:
+        self.active -= 1
+        if not self.active:
+            self._idle.set()
+        self._metrics.requests.labels(ex.endpoint or "none", str(ex.status), ex.api).inc()
+        access = self._access
+        if access.active and access.sampled(ex.status >= 400 or ex.outcome != "ok"):
+            access.emit(ExchangeFields(ex, time.perf_counter()))
+
+    async def wait_idle(self, seconds: float) -> bool:
+        """Wait (bounded) until no request is inside the gateway; True if none is."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._idle.wait()
+        return self.active == 0

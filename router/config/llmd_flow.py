@@ -1,0 +1,108 @@
+"""llm-d's flow-control and request-side plugins, as rules of router/config/llmd_plugins.py.
+
+Fairness policies become a band's ``fairnessPolicy`` (``program-aware-fairness`` is the
+``program-aware`` policy with llm-d's parameters), saturation detectors become
+``flowControl.saturationDetector`` (utilization-detector: the queue-depth, KV and staleness
+thresholds; concurrency-detector: the in-flight threshold), ``agent-identity`` adds session
+headers, ``metrics-data-source`` sets the scrape interval.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.config.llmd_params import Params, Rule, State, duration_seconds
+from router.core.errors import ConfigError
+
+
+def _program_aware(state: State, name: str, p: Params) -> None:
+    strategy = p.get("strategy", str, "las")
+    if strategy != "las":
+        raise ConfigError(f"{p.at('strategy')}: only 'las' (least attained service) exists here")
+    params = {
+        "serviceWeight": p.get("lasWeightService", float, 0.8),
+        "headWaitWeight": p.get("lasWeightHeadWait", float, 0.2),
+        "halfLifeSeconds": p.get("lasHalfLifeSeconds", float, 60.0),
+    }
+    p.ignore("idle programs are forgotten by count (programAware.maxPrograms), not by age",
+             "evictionTtlSeconds", "evictionSweepSeconds")
+    p.done()
+    state.fairness[name] = {"fairnessPolicy": "program-aware", "programAware": params}
+
+
+def _fairness(policy: str) -> Rule:
+    def rule(state: State, name: str, p: Params) -> None:
+        p.done()
+        state.fairness[name] = {"fairnessPolicy": policy}
+
+    return rule
+
+
+def _fcfs_ordering(state: State, name: str, p: Params) -> None:
+    p.done()
+    state.orderings.add(name)
+
+
+def _utilization_detector(state: State, name: str, p: Params) -> None:
+    detector: dict[str, Any] = {}
+    if p.has("queueDepthThreshold"):
+        detector["queueDepthThreshold"] = p.get("queueDepthThreshold", int, 5)
+    if p.has("kvCacheUtilThreshold"):
+        detector["kvCacheUtilThreshold"] = p.get("kvCacheUtilThreshold", float, 0.8)
+    if p.has("metricsStalenessThreshold"):
+        raw = p.get("metricsStalenessThreshold", str, "")
+        detector["metricsStalenessThreshold"] = duration_seconds(
+            raw, p.at("metricsStalenessThreshold")
+        )
+    p.ignore("routing does not filter endpoints on the detector's limits", "headroom")
+    p.done()
+    state.detectors[name] = detector
+
+
+def _concurrency_detector(state: State, name: str, p: Params) -> None:
+    detector: dict[str, Any] = {}
+    mode = p.get("concurrencyMode", str, "requests")
+    if mode != "requests":
+        raise ConfigError(f"{p.at('concurrencyMode')}: only 'requests' is supported "
+                          "(the gateway counts requests in flight, not tokens)")
+    if p.has("maxConcurrency"):
+        detector["inFlightThreshold"] = p.get("maxConcurrency", int, 256)
+    p.ignore("routing does not filter endpoints on the detector's limits", "headroom")
+    p.ignore("the gateway counts requests in flight, not tokens",
+             "maxTokenConcurrency", "inFlightLoadProducerName")
+    p.done()
+    state.detectors[name] = detector
+
+
+def _agent_identity(state: State, name: str, p: Params) -> None:
+    headers = p.get("additionalSessionHeaders", list, [])
+    if not all(isinstance(h, str) for h in headers):
+        raise ConfigError(f"{p.at('additionalSessionHeaders')}: a list of header names")
+    p.done()
+    state.section("sessionAffinity")["headers"] = headers
+
+
+def _metrics_source(state: State, name: str, p: Params) -> None:
+    if p.has("interval"):
+        interval = p.get("interval", str, "")
+        scrape = state.section("pool", "metricsScrape")
+        scrape["intervalSeconds"] = duration_seconds(interval, p.at("interval"))
+    path = p.get("path", str, "/metrics")
+    if path != "/metrics":
+        raise ConfigError(f"{p.at('path')}: metrics are read from /metrics only")
+    p.ignore("metrics are read over the endpoint's own URL (pool.endpoints[].url)",
+             "scheme", "port", "insecureSkipVerify", "caCertPath", "clientCertPath",
+             "clientKeyPath")
+    p.done()
+
+
+FLOW_RULES: dict[str, Rule] = {
+    "program-aware-fairness": _program_aware,
+    "round-robin-fairness-policy": _fairness("round-robin"),
+    "global-strict-fairness-policy": _fairness("fcfs"),
+    "fcfs-ordering-policy": _fcfs_ordering,
+    "utilization-detector": _utilization_detector,
+    "concurrency-detector": _concurrency_detector,
+    "agent-identity": _agent_identity,
+    "metrics-data-source": _metrics_source,
+}

@@ -1,0 +1,312 @@
+"""llm-d plugin types and what each becomes here (docs/llm-d-compatibility.md lists them all).
+
+Three outcomes per type:
+
+- *implemented*: the same plugin, same name and parameters (``decode-filter``,
+  ``queue-scorer``, ``load-aware-scorer``, ``no-hit-lru-scorer``, ...);
+- *mapped*: the concept exists under another shape, usually a section of the gateway config
+  (``approx-prefix-cache-producer`` sizes ``prefixIndex``, ``disagg-profile-handler`` turns on
+  ``disaggregation``, ``program-aware-fairness`` is a flow-control fairness policy);
+- *refused*: no counterpart; start-up fails naming the plugin and what to use instead.
+
+Each rule reads its plugin's parameters through :class:`~router.config.llmd_params.Params`, so an
+unknown key fails and a known but meaningless one is logged once.
+"""
+
+from __future__ import annotations
+
+import math
+
+from router.config.llmd_flow import FLOW_RULES
+from router.config.llmd_params import Params, Rule, State, duration_seconds
+from router.config.llmd_refused import REFUSED
+from router.core.errors import ConfigError
+from router.core.hashing import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
+
+
+def _same(native_type: str) -> Rule:
+    """A plugin implemented here under its llm-d name, without parameters."""
+
+    def rule(state: State, name: str, p: Params) -> None:
+        p.done()
+        state.add(name, native_type)
+
+    return rule
+
+
+def _picker(native_type: str) -> Rule:
+    def rule(state: State, name: str, p: Params) -> None:
+        p.ignore("the picker ranks every candidate; the ones after the first are fallbacks "
+                 "for a retry", "maxNumOfEndpoints")
+        p.done()
+        state.add(name, native_type)
+
+    return rule
+
+
+def _load_aware(state: State, name: str, p: Params) -> None:
+    threshold = p.get("threshold", int, 128)
+    p.done()
+    # llm-d falls back to its default for a threshold <= 0.
+    state.add(name, "load-aware-scorer", {"threshold": threshold if threshold > 0 else 128})
+
+
+def _no_hit_lru(state: State, name: str, p: Params) -> None:
+    size = p.get("lruSize", int, 1024)
+    p.ignore("cold requests are those no endpoint holds any block of, on the prefix index",
+             "prefixPluginType", "prefixPluginName", "prefixMatchInfoProducerName")
+    p.done()
+    state.add(name, "no-hit-lru-scorer", {"lruSize": size if size > 0 else 1024})
+
+
+def _prefix_scorer(state: State, name: str, p: Params) -> None:
+    producer = p.get("prefixMatchInfoProducerName", str, "")
+    if p.get("matchLengthWeight", float, 0.0) > 0:
+        state.notes.ignore(f"{p.at('matchLengthWeight')} (prefix-cache-scorer)",
+                           "the score is the share of the prompt held, without a length bonus")
+    p.ignore("the score is the share of the prompt held", "matchLengthScaleTokens")
+    p.done()
+    if producer and producer not in state.producers:
+        raise ConfigError(f"{p.at('prefixMatchInfoProducerName')}: no producer named "
+                          f"{producer!r} among the plugins")
+    precise = state.producers.get(producer) == "precise-prefix-cache-producer"
+    state.add(name, "precise-prefix-cache-scorer" if precise else "prefix-cache-scorer")
+
+
+def _precise_scorer(state: State, name: str, p: Params) -> None:
+    """llm-d's older all-in-one precise scorer: producer parameters, then a scorer."""
+    _precise_parameters(state, p)
+    state.add(name, "precise-prefix-cache-scorer")
+
+
+def _inflight(why: str) -> Rule:
+    def rule(state: State, name: str, p: Params) -> None:
+        p.ignore(why, "requestTimeout", "idleThreshold", "maxBusyScore",
+                 "inFlightLoadProducerName")
+        p.done()
+        state.add(name, "inflight-scorer")
+
+    return rule
+
+
+def _session_affinity(state: State, name: str, p: Params) -> None:
+    p.ignore("the session is the request's session header (x-session-id or an agent's); "
+             "its home is the endpoint that served it last",
+             "strategy", "encodedEndpointHeaderConfig", "sessionIdConfig", "profileName")
+    p.done()
+    state.add(name, "session-affinity-scorer")
+
+
+# -- producers ------------------------------------------------------------------------------
+
+
+def _approx_producer(state: State, name: str, p: Params) -> None:
+    state.producers[name] = "approx-prefix-cache-producer"
+    auto = p.get("autoTune", bool, True)
+    tokens = p.get("blockSizeTokens", int, 0) or p.get("blockSize", int, 0)
+    index = state.section("prefixIndex")
+    if tokens > 0:
+        index["blockBytes"] = max(16, round(tokens * BYTES_PER_TOKEN))
+    block_tokens = index.get("blockBytes", DEFAULT_BLOCK_BYTES) / BYTES_PER_TOKEN
+    max_tokens = p.get("maxPrefixTokensToMatch", int, 0)
+    max_blocks = p.get("maxPrefixBlocksToMatch", int, 0)
+    if max_tokens > 0:
+        index["maxBlocksPerRequest"] = max(1, math.ceil(max_tokens / block_tokens))
+    elif max_blocks > 0:
+        index["maxBlocksPerRequest"] = max_blocks
+    capacity = p.get("lruCapacityPerServer", int, 0)
+    if capacity > 0 and not auto:
+        llmd_block = tokens if tokens > 0 else 16
+        index["capacityBlocks"] = max(1, round(capacity * llmd_block / block_tokens))
+    elif capacity > 0:
+        state.notes.ignore(f"{p.at('lruCapacityPerServer')} ({p.type})",
+                           "with autoTune (llm-d's default) each endpoint's index is sized by "
+                           "the KV capacity it reports; set autoTune: false to fix it")
+    p.done()
+
+
+def _burst_producer(state: State, name: str, p: Params) -> None:
+    state.producers[name] = "burst-prefix-cache-producer"
+    p.ignore("the prefix index records each pick at once, so the later requests of a burst "
+             "already find the first one's prefix where it went",
+             "windowDurationMs", "maxPerReplica", "minColocateBlocks")
+    p.done()
+
+
+def _precise_producer(state: State, name: str, p: Params) -> None:
+    state.producers[name] = "precise-prefix-cache-producer"
+    _precise_parameters(state, p)
+    state.section("precisePrefix")["enabled"] = True
+
+
+def _precise_parameters(state: State, p: Params) -> None:
+    precise = state.section("precisePrefix")
+    tokens = p.sub("tokenProcessorConfig")
+    size = tokens.get("blockSizeTokens", int, 0) or tokens.get("blockSize", int, 0)
+    if size > 0:
+        precise["blockSize"] = size
+    tokens.ignore("block keys are prefixgate's own, computed from token ids; the engine's "
+                  "hash settings are not needed", "hashSeed", "hashAlgorithm")
+    tokens.done()
+    events = p.sub("kvEventsConfig")
+    kv = state.section("precisePrefix", "kvEvents")
+    if events.has("topicFilter"):
+        kv["topic"] = events.get("topicFilter", str, "")
+    pods = events.sub("podDiscoveryConfig")
+    for key, native in (("socketPort", "port"), ("replaySocketPort", "replayPort")):
+        port = pods.get(key, int, 0)
+        if port:
+            kv[native] = port
+    pods.ignore("endpoints come from pool.endpoints, --backend or discovery",
+                "podLabelSelector", "podNamespace")
+    pods.done()
+    events.ignore("prefixgate subscribes to each endpoint's publisher (set "
+                  "precisePrefix.kvEvents.port), it does not bind one socket for all",
+                  "zmqEndpoint")
+    events.ignore("events are read on the event loop, per endpoint", "concurrency",
+                  "discoverPods", "engineType")
+    events.done()
+    indexer = p.sub("indexerConfig")
+    indexer.ignore("the index always exports its Prometheus metrics", "kvBlockIndexConfig")
+    indexer.ignore("the index lives in memory or in Redis (precisePrefix.index)",
+                   "tokenizersPoolConfig", "prefixStoreConfig", "backendConfigs")
+    indexer.done()
+    p.ignore("picks are always recorded speculatively until the events confirm them",
+             "speculativeIndexing")
+    if p.has("speculativeTTL"):
+        ttl = p.get("speculativeTTL", str, "")
+        precise["speculativeTtlSeconds"] = duration_seconds(ttl, p.at("speculativeTTL"))
+    p.done()
+
+
+def _token_producer(state: State, name: str, p: Params) -> None:
+    tokenizer = state.section("precisePrefix", "tokenizer")
+    tokenizer["type"] = "remote"
+    vllm = p.sub("vllm")
+    if vllm.has("timeout"):
+        timeout = duration_seconds(vllm.get("timeout", str, ""), vllm.at("timeout"))
+        tokenizer["timeoutMs"] = timeout * 1000.0
+    vllm.ignore("the prompt is tokenized by the endpoints' own POST /tokenize",
+                "url", "mmTimeout")
+    vllm.done()
+    p.ignore("the request's model is tokenized", "modelName")
+    p.ignore("the prompt is tokenized by the endpoints' own POST /tokenize",
+             "udsTokenizerConfig", "estimate")
+    p.done()
+
+
+def _noop(why: str) -> Rule:
+    """Accepted with nothing to build (the gateway always does this); parameters logged."""
+
+    def rule(state: State, name: str, p: Params) -> None:
+        p.ignore_all(why)
+
+    return rule
+
+
+# -- profile handlers and deciders ----------------------------------------------------------
+
+
+def _single_handler(state: State, name: str, p: Params) -> None:
+    p.done()
+    state.handler = "single-profile-handler"
+
+
+def _data_parallel_handler(state: State, name: str, p: Params) -> None:
+    p.ignore("each endpoint is addressed on its own port: list every data-parallel rank "
+             "as an endpoint", "primaryPort")
+    p.done()
+    state.handler = "single-profile-handler"
+
+
+def _disagg_handler(state: State, name: str, p: Params) -> None:
+    profiles = p.sub("profiles")
+    names = {k: profiles.get(k, str, k) for k in ("decode", "prefill")}
+    if profiles.has("encode"):
+        raise ConfigError(f"{profiles.at('encode')}: prefixgate has no encode stage; "
+                          "remove it (prefill/decode disaggregation is supported)")
+    profiles.done()
+    deciders = p.sub("deciders")
+    decider = deciders.get("prefill", str, "")
+    if deciders.has("encode"):
+        raise ConfigError(f"{deciders.at('encode')}: prefixgate has no encode stage")
+    deciders.done()
+    p.ignore("prefill always runs before decode", "stageOrder")
+    p.done()
+    state.handler = "disagg-profile-handler"
+    state.handler_params = {"profiles": names, "decider": decider, "where": p.where}
+
+
+def _prefix_decider(state: State, name: str, p: Params) -> None:
+    state.deciders[name] = p.get("nonCachedTokens", int, 0)
+    if p.get("promptTokens", int, 0) > 0:
+        state.notes.ignore(f"{p.at('promptTokens')} (prefix-based-pd-decider)",
+                           "the decision is on the uncached tokens alone (nonCachedTokens)")
+    p.done()
+    if state.deciders[name] < 0:
+        raise ConfigError(f"{p.at('nonCachedTokens')}: cannot be negative")
+
+
+def _always_decider(state: State, name: str, p: Params) -> None:
+    p.done()
+    state.deciders[name] = -1  # always: prefill runs on the prefill pool for every request
+
+
+PD_TYPES = ("prefix-based-pd-decider", "always-disagg-pd-decider")
+# Rules by llm-d type. Scorers that name a producer run after every other plugin.
+RULES: dict[str, Rule] = {
+    "decode-filter": _same("decode-filter"),
+    "prefill-filter": _same("prefill-filter"),
+    "queue-scorer": _same("queue-scorer"),
+    "kv-cache-utilization-scorer": _same("kv-cache-utilization-scorer"),
+    "load-aware-scorer": _load_aware,
+    "no-hit-lru-scorer": _no_hit_lru,
+    "prefix-cache-scorer": _prefix_scorer,
+    "precise-prefix-cache-scorer": _precise_scorer,
+    "session-affinity-scorer": _session_affinity,
+    "active-request-scorer": _inflight("scored on the gateway's own count of requests in "
+                                       "flight per endpoint (inflight-scorer)"),
+    "running-requests-size-scorer": _inflight("scored on the gateway's own count of requests "
+                                              "in flight per endpoint (inflight-scorer)"),
+    "max-score-picker": _picker("max-score-picker"),
+    "random-picker": _picker("random-picker"),
+    "approx-prefix-cache-producer": _approx_producer,
+    "burst-prefix-cache-producer": _burst_producer,
+    "precise-prefix-cache-producer": _precise_producer,
+    "token-producer": _token_producer,
+    "tokenizer": _token_producer,
+    "inflight-load-producer": _noop("the gateway always counts requests in flight"),
+    "session-id-producer": _noop("the session id is read from the request's headers"),
+    "single-profile-handler": _single_handler,
+    "data-parallel-profile-handler": _data_parallel_handler,
+    "disagg-profile-handler": _disagg_handler,
+    "prefix-based-pd-decider": _prefix_decider,
+    "always-disagg-pd-decider": _always_decider,
+    "core-metrics-extractor": _noop("vLLM's metric names are built in"),
+    "endpoint-notification-source": _noop("endpoints come from pool.endpoints, --backend or "
+                                          "discovery, and precise routing follows them"),
+    "k8s-notification-source": _noop("endpoints come from pool.endpoints, --backend or "
+                                     "discovery"),
+    "models-data-source": _noop("each endpoint's models are read from its /v1/models"),
+    "models-data-extractor": _noop("each endpoint's models are read from its /v1/models"),
+    "openai-parser": _noop("OpenAI chat, completions and Responses are always served"),
+    "anthropic-parser": _noop("Anthropic Messages is always served"),
+    "vllmhttp-parser": _noop("vLLM's OpenAI-compatible API is always served"),
+    "passthrough-parser": _noop("a body that is not parsed is refused with a 400"),
+    **FLOW_RULES,
+}
+LATE = frozenset({"prefix-cache-scorer", "no-hit-lru-scorer"})
+
+
+def apply(state: State, name: str, plugin_type: str, p: Params) -> None:
+    """Run the rule for ``plugin_type``; a refused or unknown type fails, naming it."""
+    refused = REFUSED.get(plugin_type)
+    if refused is not None:
+        raise ConfigError(f"{p.where.rsplit('.', 1)[0]}.type: llm-d plugin {plugin_type!r} "
+                          f"has no counterpart in prefixgate; {refused}")
+    rule = RULES.get(plugin_type)
+    if rule is None:
+        known = ", ".join(sorted(RULES))
+        raise ConfigError(f"{p.where.rsplit('.', 1)[0]}.type: unknown plugin type "
+                          f"{plugin_type!r} (llm-d types accepted here: {known})")
+    rule(state, name, p)

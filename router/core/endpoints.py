@@ -1,0 +1,361 @@
+"""The endpoint pool: replicas, what is known of their load, and the gateway's own counts.
+
+Scorers never see mutable state: the scheduler takes an immutable :class:`EndpointSnapshot` of
+each candidate per request. The gateway counts its in-flight requests and the prefill work it
+has sent that has not produced a first byte yet *at pick time*, so that a burst arriving between
+two metric scrapes spreads out instead of herding onto the endpoint that looked idlest.
+
+Passive health (outlier ejection, as Envoy does it): an endpoint whose requests fail N times in
+a row (connect errors, timeouts, 5xx; never a client's 4xx) leaves the candidates for an
+ejection time that grows with each ejection, and comes back only after the monitor's health
+probe succeeds. At most a share of the pool is ejected at once, and never the last endpoint
+left, so a fleet-wide blip cannot empty the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import urlsplit
+
+log = logging.getLogger("prefixgate.endpoints")
+
+Role = Literal["both", "prefill", "decode"]
+
+# Time constant of the queue average: about one agent turn (an answer plus a think gap), so the
+# average remembers the queue a session's replica kept while the session was away.
+QUEUE_AVERAGE_S = 5.0
+
+
+def endpoint_id_from_url(url: str) -> str:
+    """``host:port`` as llm-d names endpoints in ``x-gateway-destination-endpoint``."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"endpoint url must be http(s)://host:port, got {url!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    id: str
+    url: str
+    role: Role = "both"
+    models: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_url(cls, url: str, role: Role = "both", models: Iterable[str] = ()) -> Endpoint:
+        return cls(endpoint_id_from_url(url), url.rstrip("/"), role, frozenset(models))
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """The vLLM gauges a router scrapes; ``scraped_at`` is monotonic, 0 = never."""
+
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    prefix_hits: float = 0.0
+    prefix_queries: float = 0.0
+    scraped_at: float = 0.0
+    # The gateways' requests in flight to the endpoint while the scrape ran (the most seen: this
+    # replica's, plus the others' shared through Redis): the engine counted them in ``waiting``
+    # or ``running``, even if they have finished since.
+    gateway_in_flight: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSnapshot:
+    """What a scorer knows of one candidate endpoint for one request."""
+
+    id: str
+    url: str
+    role: Role
+    in_flight: int
+    pending_prefill_tokens: int
+    waiting: float
+    running: float
+    kv_usage: float
+    metrics_age: float
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    # Requests this gateway sent that have not produced a first byte: the queue length that
+    # pending_prefill_tokens is the work of.
+    pending_prefill_requests: int = 0
+    # pending_prefill_tokens averaged over the last QUEUE_AVERAGE_S (exponentially).
+    recent_prefill_tokens: float = 0.0
+    # The gateway's in-flight requests when ``waiting`` was scraped (EngineMetrics).
+    scraped_in_flight: int = 0
+
+    @property
+    def foreign_waiting(self) -> float:
+        """Requests waiting in the engine that no gateway request accounts for.
+
+        Gateway requests may be among the scraped ``waiting``: those in flight now, and those in
+        flight at the scrape that have finished since (a scrape is up to an interval stale).
+        """
+        return max(0.0, self.waiting - max(self.in_flight, self.scraped_in_flight))
+
+
+@dataclass(slots=True)
+class EndpointState:
+    endpoint: Endpoint
+    models: set[str] = field(default_factory=set)
+    healthy: bool = False
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    in_flight: int = 0
+    pending_prefill_tokens: int = 0
+    pending_prefill_requests: int = 0
+    queue_average: float = 0.0
+    queue_average_at: float = 0.0
+    consecutive_failures: int = 0
+    # Passive health: failures in a row of real requests, and the ejection they caused.
+    failure_streak: int = 0
+    ejected: bool = False
+    ejected_until: float = 0.0
+    times_ejected: int = 0
+    readmitted_at: float = 0.0
+
+    def serves(self, model: str) -> bool:
+        return model in self.models or model in self.endpoint.models
+
+    @property
+    def eligible(self) -> bool:
+        return self.healthy and not self.ejected
+
+    def recent_prefill_tokens(self, now: float) -> float:
+        # pending_prefill_tokens is a step function, so this is the exact continuous average.
+        pending = self.pending_prefill_tokens
+        elapsed = now - self.queue_average_at
+        if elapsed <= 0:
+            return self.queue_average
+        return pending + (self.queue_average - pending) * math.exp(-elapsed / QUEUE_AVERAGE_S)
+
+    def add_pending(self, tokens: int, requests: int, now: float) -> None:
+        self.queue_average = self.recent_prefill_tokens(now)
+        self.queue_average_at = now
+        self.pending_prefill_tokens += tokens
+        self.pending_prefill_requests += requests
+
+    def snapshot(self, now: float) -> EndpointSnapshot:
+        m = self.metrics
+        age = now - m.scraped_at if m.scraped_at else float("inf")
+        return EndpointSnapshot(
+            id=self.endpoint.id,
+            url=self.endpoint.url,
+            role=self.endpoint.role,
+            in_flight=self.in_flight,
+            pending_prefill_tokens=self.pending_prefill_tokens,
+            waiting=m.waiting,
+            running=m.running,
+            kv_usage=m.kv_usage,
+            metrics_age=age,
+            block_size=m.block_size,
+            num_gpu_blocks=m.num_gpu_blocks,
+            pending_prefill_requests=self.pending_prefill_requests,
+            recent_prefill_tokens=self.recent_prefill_tokens(now),
+            scraped_in_flight=m.gateway_in_flight,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierSettings:
+    """Envoy's outlier detection knobs, from ``pool.outlierDetection`` (the config holds the
+    defaults; core cannot import the config models)."""
+
+    consecutive_failures: int
+    base_ejection: float
+    max_ejection: float
+    max_ejection_percent: float
+
+
+class Lease:
+    """One request's claim on an endpoint: counted in-flight until released, exactly once.
+
+    Its uncached prompt tokens count as prefill queued on the endpoint until the first byte
+    (or until presumed done: a non-streaming answer's first byte is its last, and decode time
+    must not pass for queued prefill). ``on_first_byte`` learns the time to first byte.
+    """
+
+    __slots__ = (
+        "_clock", "_first_byte_seen", "_on_first_byte", "_pool", "_released", "_started",
+        "prefill_tokens", "state",
+    )
+
+    def __init__(
+        self,
+        state: EndpointState,
+        prefill_tokens: int,
+        pool: EndpointPool | None = None,
+        on_first_byte: Callable[[float], None] | None = None,
+    ) -> None:
+        self.state = state
+        self._pool = pool
+        self.prefill_tokens = prefill_tokens
+        self._first_byte_seen = False
+        self._released = False
+        self._on_first_byte = on_first_byte
+        self._started = time.monotonic() if on_first_byte is not None else 0.0
+        # The pool's clock: the queue average is read with it (EndpointPool.candidates).
+        self._clock = pool.clock if pool is not None else time.monotonic
+        state.in_flight += 1
+        state.add_pending(prefill_tokens, 1, self._clock())
+
+    def first_byte(self) -> None:
+        if not self._first_byte_seen:
+            self._settle()
+            if self._on_first_byte is not None:
+                self._on_first_byte(time.monotonic() - self._started)
+
+    def presume_prefilled(self) -> None:
+        """The prefill is surely done by now, though no byte has come back yet."""
+        if not self._first_byte_seen:
+            self._settle()
+
+    def _settle(self) -> None:
+        self._first_byte_seen = True
+        self.state.add_pending(-self.prefill_tokens, -1, self._clock())
+
+    def release(self) -> None:
+        if self._released:
+            return
+        if not self._first_byte_seen:
+            self._settle()
+        self._released = True
+        self.state.in_flight -= 1
+
+    def upstream_ok(self) -> None:
+        """The endpoint answered (any status below 500): its failure streak ends."""
+        self.state.failure_streak = 0
+
+    def upstream_failed(self) -> bool:
+        """A connect error, timeout or 5xx; True if it got the endpoint ejected."""
+        return self._pool.record_failure(self.state) if self._pool is not None else False
+
+
+class EndpointPool:
+    """All endpoints by id. Mutated only from the event loop, so no locks are needed."""
+
+    def __init__(
+        self,
+        endpoints: Iterable[Endpoint] = (),
+        clock: Callable[[], float] = time.monotonic,
+        outliers: OutlierSettings | None = None,
+    ) -> None:
+        self.clock = clock
+        self._outliers = outliers
+        self._states: dict[str, EndpointState] = {}
+        for endpoint in endpoints:
+            self.add(endpoint)
+
+    def add(self, endpoint: Endpoint) -> EndpointState:
+        state = self._states.get(endpoint.id)
+        if state is None:
+            state = EndpointState(endpoint, models=set(endpoint.models))
+            self._states[endpoint.id] = state
+        return state
+
+    def remove(self, endpoint_id: str) -> EndpointState | None:
+        return self._states.pop(endpoint_id, None)
+
+    def __iter__(self) -> Iterator[EndpointState]:
+        return iter(list(self._states.values()))
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def get(self, endpoint_id: str) -> EndpointState | None:
+        return self._states.get(endpoint_id)
+
+    def models(self) -> set[str]:
+        out: set[str] = set()
+        for state in self._states.values():
+            out |= state.models
+            out |= state.endpoint.models
+        return out
+
+    def knows_model(self, model: str) -> bool:
+        return any(s.serves(model) for s in self._states.values())
+
+    def any_healthy(self) -> bool:
+        return any(s.healthy for s in self._states.values())
+
+    def candidates(self, model: str) -> list[EndpointSnapshot]:
+        """Healthy, not ejected endpoints serving ``model``, as snapshots."""
+        now = self.clock()
+        return [
+            s.snapshot(now)
+            for s in self._states.values()
+            if s.healthy and not s.ejected and s.serves(model)
+        ]
+
+    def lease(
+        self,
+        endpoint_id: str,
+        prefill_tokens: int = 0,
+        on_first_byte: Callable[[float], None] | None = None,
+    ) -> Lease:
+        state = self._states.get(endpoint_id)
+        if state is None:
+            raise KeyError(endpoint_id)
+        return Lease(state, prefill_tokens, self, on_first_byte)
+
+    # -- passive health ------------------------------------------------------------------------
+
+    def record_failure(self, state: EndpointState) -> bool:
+        """Count a failed request; eject the endpoint at the threshold when the cap allows."""
+        settings = self._outliers
+        if settings is None or state.ejected:
+            return False
+        state.failure_streak += 1
+        if state.failure_streak < settings.consecutive_failures or not self._may_eject(settings):
+            return False
+        now = self.clock()
+        # The multiplier decays by one for every base ejection time served without ejection.
+        if state.times_ejected and state.readmitted_at:
+            served = int((now - state.readmitted_at) / settings.base_ejection)
+            state.times_ejected = max(0, state.times_ejected - served)
+        state.times_ejected += 1
+        duration = min(settings.base_ejection * state.times_ejected, settings.max_ejection)
+        state.ejected = True
+        state.ejected_until = now + duration
+        log.warning(
+            "endpoint %s ejected for %.1fs after %d consecutive failures",
+            state.endpoint.id, duration, state.failure_streak,
+        )
+        return True
+
+    def _may_eject(self, settings: OutlierSettings) -> bool:
+        states = self._states.values()
+        ejected = sum(1 for s in states if s.ejected)
+        cap = math.floor(len(self._states) * settings.max_ejection_percent / 100)
+        if settings.max_ejection_percent > 0:
+            cap = max(1, cap)  # as Envoy: one endpoint can always be ejected
+        # Never the last eligible endpoint: a failing answer beats a certain 503.
+        others = sum(1 for s in states if s.healthy and not s.ejected) - 1
+        return ejected < cap and others > 0
+
+    def ejection_expired(self, state: EndpointState) -> bool:
+        return state.ejected and self.clock() >= state.ejected_until
+
+    def readmit(self, state: EndpointState) -> None:
+        """Back in after a successful probe; one more failure ejects it again (half-open)."""
+        if not state.ejected:
+            return
+        state.ejected = False
+        state.readmitted_at = self.clock()
+        threshold = self._outliers.consecutive_failures if self._outliers else 1
+        state.failure_streak = threshold - 1
+        log.info("endpoint %s readmitted after its ejection", state.endpoint.id)
+
+    def extend_ejection(self, state: EndpointState) -> None:
+        """The probe failed: stay out for another base ejection time."""
+        base = self._outliers.base_ejection if self._outliers else 1.0
+        state.ejected_until = self.clock() + base

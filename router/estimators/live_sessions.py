@@ -1,0 +1,171 @@
+"""Live sessions: how much context each endpoint's cache must keep for sessions still running.
+
+A replica's KV cache is usually full of something; what matters is whether it is full of
+context someone will come back for. An agent session returns to its endpoint turn after turn,
+so the contexts of the sessions homed on an endpoint, and still live, are what new blocks
+there would evict. The contexts of sessions that ended or moved away cost nothing to evict.
+
+A session counts once it has come back (a second request: single-turn traffic never does),
+and stays live while it keeps to its own pace: it expires when it has been quiet for
+``HORIZON_GAPS`` times the typical gap between a session's requests, learned from the traffic
+(between ``MIN_HORIZON_S`` and ``MAX_HORIZON_S``). Its context is its last prompt. Contexts of
+sessions sharing a system prompt are summed as if distinct, which overstates a crowded
+endpoint a little, never an idle one.
+
+Each gateway replica counts the sessions it served (with several gateways behind a balancer, a
+session's turns spread over them, and each sees its share).
+
+The producer also hands the first request of each new session the requests the session is
+expected to send after it (``RoutingRequest.later_requests``, router/estimators/session_lengths.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from router.core.endpoints import EndpointSnapshot
+from router.core.framework import RoutingRequest
+from router.estimators.session_lengths import SessionLengths
+
+HORIZON_GAPS = 3.0
+MIN_HORIZON_S = 1.0
+MAX_HORIZON_S = 600.0
+# Requests of one session closer than this are a parallel burst (sub-agents), not a pace.
+BURST_GAP_S = 0.05
+GAP_AVERAGE_WEIGHT = 0.05
+INITIAL_GAP_S = 10.0
+
+
+@dataclass(slots=True)
+class _Session:
+    endpoint_id: str
+    tokens: int
+    last_seen: float
+    requests: int
+
+
+class LiveSessions:
+    """Producer (``request.live_tokens``) and pick observer of the sessions' contexts."""
+
+    def __init__(
+        self,
+        max_sessions: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self._max = max_sessions
+        self._clock = clock
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        # The live ones, oldest last_seen first: expiry pops from the front.
+        self._live: OrderedDict[str, _Session] = OrderedDict()
+        self._tokens: dict[str, int] = {}
+        self.typical_gap = INITIAL_GAP_S
+        self._gaps = 0
+        self.lengths = SessionLengths(max_sessions)
+        if registry is not None:
+            registry.register(self)
+
+    @property
+    def horizon(self) -> float:
+        return min(MAX_HORIZON_S, max(MIN_HORIZON_S, HORIZON_GAPS * self.typical_gap))
+
+    def live_tokens(self, endpoint_id: str) -> int:
+        self._expire(self._clock())
+        return self._tokens.get(endpoint_id, 0)
+
+    async def produce(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> None:
+        self._expire(self._clock())
+        tokens = {e.id: self._tokens.get(e.id, 0) for e in endpoints}
+        session_id = request.session_id
+        own = self._live.get(session_id) if session_id else None
+        if own is not None and own.endpoint_id in tokens:
+            # Its own context is extended by this request, not evicted.
+            tokens[own.endpoint_id] -= own.tokens
+        request.live_tokens = tokens
+        if session_id and self.lengths.is_new(session_id):
+            request.later_requests = self.lengths.later_requests
+
+    def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
+        session_id = request.session_id
+        if not session_id:
+            return
+        now = self._clock()
+        self.lengths.on_request(session_id, now)
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = self._sessions[session_id] = _Session(endpoint_id, 0, now, 0)
+            while len(self._sessions) > self._max:
+                self._retire(self._sessions.popitem(last=False)[0])
+        else:
+            self._sessions.move_to_end(session_id)
+            self._learn_gap(now - session.last_seen)
+            self._retire(session_id)
+        session.endpoint_id, session.tokens = endpoint_id, request.prompt_tokens
+        session.last_seen = now
+        session.requests += 1
+        if session.requests >= 2:
+            self._live[session_id] = session
+            self._tokens[endpoint_id] = self._tokens.get(endpoint_id, 0) + session.tokens
+
+    def _learn_gap(self, gap: float) -> None:
+        """The mean of the first gaps, then an exponential average (the traffic's pace drifts)."""
+        if gap < BURST_GAP_S:
+            return
+        self._gaps += 1
+        weight = max(1.0 / self._gaps, GAP_AVERAGE_WEIGHT)
+        self.typical_gap += weight * (min(gap, MAX_HORIZON_S) - self.typical_gap)
+
+    def _retire(self, session_id: str) -> None:
+        """Takes a live session's context out of its endpoint's sum (before an update, on
+        expiry or when the table drops it)."""
+        session = self._live.pop(session_id, None)
+        if session is None:
+            return
+        left = self._tokens.get(session.endpoint_id, 0) - session.tokens
+        if left > 0:
+            self._tokens[session.endpoint_id] = left
+        else:
+            self._tokens.pop(session.endpoint_id, None)
+
+    def _expire(self, now: float) -> None:
+        cutoff = now - self.horizon
+        self.lengths.expire(cutoff)
+        live = self._live
+        while live:
+            session_id, session = next(iter(live.items()))
+            if session.last_seen >= cutoff:
+                return
+            self._retire(session_id)
+
+    def collect(self) -> Iterator[Metric]:
+        """Read at scrape time (on the event loop, as every other access)."""
+        self._expire(self._clock())
+        tokens = GaugeMetricFamily(
+            "prefixgate_live_session_context_tokens",
+            "Context tokens of the live sessions homed on each endpoint (what new blocks there "
+            "would evict)",
+            labels=["endpoint"],
+        )
+        for endpoint_id, count in sorted(self._tokens.items()):
+            tokens.add_metric([endpoint_id], count)
+        yield tokens
+        yield GaugeMetricFamily(
+            "prefixgate_live_sessions", "Sessions counted as live", value=len(self._live)
+        )
+        yield GaugeMetricFamily(
+            "prefixgate_session_later_requests",
+            "Requests a new session is expected to send after its first (learned from the "
+            "sessions seen; router/estimators/session_lengths.py)",
+            value=self.lengths.later_requests,
+        )
+        yield GaugeMetricFamily(
+            "prefixgate_live_session_horizon_seconds",
+            "Quiet time after which a session no longer counts as live",
+            value=self.horizon,
+        )

@@ -1,0 +1,349 @@
+"""The Envoy ext_proc endpoint picker: Envoy asks, over one gRPC stream per HTTP request, where
+the request should go; prefixgate answers through the same
+:class:`~router.scheduling.routing.Router` as
+its HTTP front door (flow control, prefix index, affinity), so both shapes route alike.
+
+Request phase: headers, then the body (FULL_DUPLEX_STREAMED: chunks that Envoy forwards only
+once streamed back; BUFFERED: one message, answered after the headers were let through). The
+pick is sent once the body is complete. Response phase: the lease (in-flight count) and the
+flow-control ticket are released at the response's end of stream or when the stream closes,
+whichever comes first, exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from flow_control.request import Ticket
+from router.app import Gateway
+from router.config.model import ExtProcConfig
+from router.core.endpoints import EndpointSnapshot, Lease
+from router.core.errors import GatewayError, NoEndpointsError, PayloadTooLargeError
+from router.core.framework import RoutingRequest
+from router.extproc.messages import (
+    continue_body,
+    continue_request_headers,
+    continue_response_headers,
+    header_map,
+    immediate,
+    in_subset,
+    routed_body,
+    routed_headers,
+    streamed_body,
+    streamed_chunks,
+    subset_hint,
+    trailers,
+)
+from router.protocol.headers import DESTINATION_HEADER
+from router.protocol.parsing import Api, parse_request
+from router.scheduling.disagg import PREFILLER_HEADER
+
+log = logging.getLogger("prefixgate.extproc")
+
+_MODE = processing_mode_pb2.ProcessingMode
+Candidates = Callable[[str], list[EndpointSnapshot]]
+_ROUTABLE_MODES = (_MODE.FULL_DUPLEX_STREAMED, _MODE.BUFFERED)
+
+
+class ExtProcMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.decisions = Counter(
+            "prefixgate_extproc_decisions",
+            "Endpoint picker answers: routed, routed without a body, rejected (shed or no "
+            "endpoint), invalid (4xx) or error.",
+            ["outcome"],
+            registry=registry,
+        )
+        self.streams = Gauge(
+            "prefixgate_extproc_streams",
+            "Open ext_proc streams (HTTP requests in flight).",
+            registry=registry,
+        )
+
+
+# GET/DELETE /v1/responses/{id} and POST /v1/responses/{id}/cancel: the endpoint holding it.
+_STORED_RESPONSE = re.compile(r".*/responses/([^/]+)(?:/cancel)?")
+
+
+def api_for(path: str) -> Api | None:
+    """The API whose body a path carries; None for paths routed without reading the body."""
+    path = path.split("?", 1)[0].rstrip("/")
+    if path.endswith("/chat/completions"):
+        return "chat"
+    if path.endswith("/completions"):
+        return "completions"
+    if path.endswith("/messages"):
+        return "messages"
+    if path.endswith("/responses"):
+        return "responses"
+    return None
+
+
+def stored_response_id(path: str) -> str | None:
+    """The response a ``/v1/responses/{id}`` path names (None for any other path)."""
+    found = _STORED_RESPONSE.fullmatch(path.split("?", 1)[0].rstrip("/"))
+    return found.group(1) if found else None
+
+
+class Exchange:
+    """One HTTP request as Envoy shows it: route on the request, release on the response."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        settings: ExtProcConfig,
+        candidates: Candidates,
+        metrics: ExtProcMetrics,
+    ) -> None:
+        self._gw = gateway
+        self._settings = settings
+        self._candidates = candidates
+        self._metrics = metrics
+        duplex = settings.default_body_mode == "FULL_DUPLEX_STREAMED"
+        self._request_mode = _MODE.FULL_DUPLEX_STREAMED if duplex else _MODE.BUFFERED
+        self._response_mode = self._request_mode
+        self._headers: dict[str, str] = {}
+        self._body = bytearray()
+        self._subset: frozenset[str] | None = None
+        self._destination: str | None = None
+        self._api = "none"
+        self._status = "none"
+        self._ticket: Ticket | None = None
+        self._lease: Lease | None = None
+        self._prefill_lease: Lease | None = None
+        self._extra: dict[str, str] = {}
+        self._closed = False
+        self.done = False
+
+    @property
+    def _duplex(self) -> bool:
+        return bool(self._request_mode == _MODE.FULL_DUPLEX_STREAMED)
+
+    async def handle(self, message: Any) -> list[Any]:
+        """The answers to one message from Envoy (none while a duplex body is still arriving)."""
+        if message.HasField("protocol_config"):
+            self._request_mode = message.protocol_config.request_body_mode
+            self._response_mode = message.protocol_config.response_body_mode
+        if message.HasField("metadata_context"):
+            hint = subset_hint(message.metadata_context)
+            if hint is not None:
+                self._subset = hint
+        kind = message.WhichOneof("request")
+        if kind is None:
+            return []
+        try:
+            return await self._dispatch(kind, getattr(message, kind))
+        except GatewayError as exc:
+            return self._reject(exc)
+        except Exception:  # a bug must cost one request, not the picker
+            log.exception("ext_proc: failed on %s", kind)
+            return self._reject(GatewayError("the endpoint picker failed on this request"))
+
+    async def _dispatch(self, kind: str, part: Any) -> list[Any]:
+        if kind == "request_headers":
+            return await self._request_headers(part)
+        if kind == "request_body":
+            return await self._request_body(part)
+        if kind == "request_trailers":
+            answers = [] if self._destination else await self._route(end_of_stream=False)
+            return [*answers, trailers("request")]
+        if kind == "response_headers":
+            return self._response_headers(part)
+        if kind == "response_body":
+            return self._response_body(part)
+        if kind == "response_trailers":
+            self.close()
+            return [trailers("response")]
+        return []
+
+    async def _request_headers(self, part: Any) -> list[Any]:
+        self._headers = header_map(part)
+        if part.end_of_stream or self._request_mode == _MODE.NONE:
+            stored = stored_response_id(self._headers.get(":path", ""))
+            if stored is not None:
+                return [routed_headers(await self._pick_stored(stored))]
+            return [routed_headers(self._pick_any())]
+        if self._request_mode not in _ROUTABLE_MODES:
+            # Envoy has chosen the upstream before such a body arrives: say so loudly.
+            name = _MODE.BodySendMode.Name(self._request_mode)
+            raise GatewayError(
+                f"ext_proc request_body_mode {name} cannot carry a routing decision; "
+                "configure FULL_DUPLEX_STREAMED or BUFFERED"
+            )
+        return [] if self._duplex else [continue_request_headers()]
+
+    async def _request_body(self, part: Any) -> list[Any]:
+        if self._destination is not None:  # late chunks: pass them through
+            if self._duplex:
+                return [streamed_body(part.body, part.end_of_stream, "request")]
+            return [continue_body("request")]
+        self._body += part.body
+        limit = self._gw.config.server.max_body_bytes
+        if len(self._body) > limit:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+        if part.end_of_stream or part.end_of_stream_without_message:
+            return await self._route(end_of_stream=True)
+        return [] if self._duplex else [continue_body("request")]
+
+    async def _route(self, end_of_stream: bool) -> list[Any]:
+        path = self._headers.get(":path", "")
+        api = api_for(path)
+        body = bytes(self._body)
+        self._body = bytearray()
+        stored = stored_response_id(path)
+        if api is not None:
+            destination = await self._pick(api, body)
+        elif stored is not None:
+            destination = await self._pick_stored(stored)
+        else:
+            destination = self._pick_any()
+        if not self._duplex:
+            return [routed_body(destination, self._extra)]
+        chunks = streamed_chunks(body, self._settings.body_chunk_bytes, end_of_stream)
+        return [routed_headers(destination, self._extra), *chunks]
+
+    def _allowed(self) -> Callable[[EndpointSnapshot], bool] | None:
+        """Envoy's subset hint, as a filter on the candidates (None: every endpoint)."""
+        subset = self._subset
+        if subset is None:
+            return None
+        return lambda candidate: in_subset(candidate.id, subset)
+
+    async def _pick(self, api: Api, body: bytes) -> str:
+        """The full routing path of the HTTP gateway: admit, rank, lease, learn."""
+        parsed = parse_request(api, body)
+        self._api = api
+        router = self._gw.router
+        request_id = self._headers.get("x-request-id") or uuid.uuid4().hex
+        routing = router.routing_request(parsed, self._headers, request_id)
+        self._ticket = await router.admit(routing, self._headers, len(body))
+        ranked = await router.rank(routing, self._allowed())
+        picked = ranked[0].id
+        self._lease = router.lease(routing, picked)
+        router.picked(routing, picked)
+        await self._choose_prefiller(routing, ranked[0])
+        destination = ",".join(e.id for e in ranked[: 1 + self._settings.fallback_endpoints])
+        return self._routed(destination, "routed")
+
+    async def _choose_prefiller(self, routing: RoutingRequest, decode: EndpointSnapshot) -> None:
+        """With disaggregation, Envoy reaches one destination: the decode endpoint, whose
+        routing sidecar runs the prefill step on the endpoint named in x-prefiller-host-port
+        (llm-d's sidecar mode, whatever ``disaggregation.mode`` says for the HTTP gateway)."""
+        disagg = self._gw.proxy.disagg
+        if disagg is None:
+            return
+        choice = await disagg.choose_prefiller(routing, decode)
+        if choice is None:
+            return
+        prefill_routing, prefill = choice
+        router = self._gw.router
+        self._prefill_lease = router.lease(prefill_routing, prefill.id)
+        router.picked(prefill_routing, prefill.id)
+        self._extra = {PREFILLER_HEADER: prefill.id}
+
+    def _eligible_any(self) -> list[EndpointSnapshot]:
+        found = {c.id: c for m in self._gw.pool.models() for c in self._candidates(m)}
+        eligible = [
+            c for c in found.values() if self._subset is None or in_subset(c.id, self._subset)
+        ]
+        if not eligible:
+            raise NoEndpointsError("no healthy endpoint to route to")
+        return eligible
+
+    async def _pick_stored(self, response_id: str) -> str:
+        """A stored response lives on one endpoint: that one, or the 4xx saying why not."""
+        routes = self._gw.router.responses
+        if routes is None:
+            return self._pick_any()
+        eligible = self._eligible_any()
+        endpoint = await routes.resolve(response_id, self._gw.pool, eligible)
+        self._lease = self._gw.pool.lease(endpoint)
+        return self._routed(endpoint, "routed-stored-response")
+
+    def _pick_any(self) -> str:
+        """No body to read (GET, or a path the gateway does not parse): the least loaded."""
+        pool = self._gw.pool
+        eligible = self._eligible_any()
+        ranked = sorted(eligible, key=lambda c: (c.in_flight, c.id))
+        self._lease = pool.lease(ranked[0].id)
+        destination = ",".join(e.id for e in ranked[: 1 + self._settings.fallback_endpoints])
+        return self._routed(destination, "routed-without-body")
+
+    def _routed(self, destination: str, outcome: str) -> str:
+        self._destination = destination
+        self._metrics.decisions.labels(outcome).inc()
+        return destination
+
+    def _reject(self, error: GatewayError) -> list[Any]:
+        if error.dropped_reason is not None:
+            outcome = "rejected"
+        else:
+            outcome = "invalid" if error.status_code < 500 else "error"
+        self._metrics.decisions.labels(outcome).inc()
+        self._status = str(error.status_code)
+        self.close()
+        self.done = True
+        messages = api_for(self._headers.get(":path", "")) == "messages"
+        return [immediate(error, anthropic_shape=messages)]
+
+    def _response_headers(self, part: Any) -> list[Any]:
+        self._status = header_map(part).get(":status", "none")
+        if self._lease is not None:
+            self._lease.first_byte()
+        if part.end_of_stream:
+            self.close()
+        picked = (self._destination or "").split(",")[0]
+        return [continue_response_headers({DESTINATION_HEADER: picked} if picked else {})]
+
+    def _response_body(self, part: Any) -> list[Any]:
+        if part.end_of_stream:
+            self.close()
+        if self._response_mode == _MODE.FULL_DUPLEX_STREAMED:
+            return [streamed_body(part.body, part.end_of_stream, "response")]
+        return [continue_body("response")]
+
+    def close(self) -> None:
+        """The request is over (response end, stream closed, or rejected): release once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._lease is not None:
+            self._lease.release()
+        if self._prefill_lease is not None:
+            self._prefill_lease.release()
+        if self._ticket is not None:
+            self._ticket.release()
+        if self._destination is not None:
+            endpoint = self._destination.split(",")[0]
+            self._gw.metrics.requests.labels(endpoint, self._status, self._api).inc()
+
+
+class ExtProcService:
+    """``envoy.service.ext_proc.v3.ExternalProcessor``, registered by its generated adder."""
+
+    def __init__(self, gateway: Gateway, settings: ExtProcConfig) -> None:
+        self._gateway = gateway
+        self._settings = settings
+        self._candidates = gateway.stores.candidates(gateway.pool)
+        self.metrics = ExtProcMetrics(gateway.metrics.registry)
+
+    async def Process(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        exchange = Exchange(self._gateway, self._settings, self._candidates, self.metrics)
+        self.metrics.streams.inc()
+        try:
+            async for message in requests:
+                for answer in await exchange.handle(message):
+                    yield answer
+                if exchange.done:
+                    return
+        finally:
+            # Envoy closes the stream when the HTTP request ends or is reset: release now.
+            exchange.close()
+            self.metrics.streams.dec()

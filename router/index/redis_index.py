@@ -1,0 +1,230 @@
+"""The prefix index shared through Redis, so that several gateway replicas route as one.
+
+Every replica keeps an :class:`InMemoryPrefixIndex` warm and answers from it whenever Redis is
+slow or down (fail-open); Redis only ever adds what the other replicas learned. A lookup is one
+round trip (a Lua script binary-searches the chain server-side); a record is at most one,
+shipped after the pick by a background task. All keys share one hash tag so every script runs
+on one Redis Cluster slot. Key layout: docs/redis.md; memory per block:
+docs/benchmarks/redis-index.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from router.index.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex, capped
+from router.index.redis_index_scripts import FORGET as _FORGET
+from router.index.redis_index_scripts import MATCH as _MATCH
+from router.index.redis_index_scripts import RECORD as _RECORD
+from router.index.redis_link import (
+    CircuitBreaker,
+    RedisLink,
+    RedisMetrics,
+    ScriptCall,
+    Unavailable,
+    default_metrics,
+    eval_script,
+    key_tag,
+    pipeline_scripts,
+)
+from router.index.update_queue import UpdateQueue
+
+DEFAULT_KEY_TTL_SECONDS = 86_400.0
+DEFAULT_MAX_BLOCKS_PER_WRITE = 256  # ~1.5 ms of Redis time, evictions included
+
+_Op = tuple[str, str, bytes]  # (kind: record | trim | forget, endpoint id, packed hashes)
+_MASK64 = (1 << 64) - 1
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    """Block hashes as 8 little-endian bytes each: one compact argument, not one per block."""
+    try:
+        return struct.pack(f"<{len(hashes)}Q", *hashes)
+    except struct.error:
+        return struct.pack(f"<{len(hashes)}Q", *(h & _MASK64 for h in hashes))
+
+
+async def _yield_or_cancel(task: asyncio.Future[Any]) -> None:
+    try:
+        await asyncio.sleep(0)
+    except BaseException:
+        task.cancel()
+        raise
+
+
+class RedisPrefixIndex:
+    """A :class:`PrefixIndex` shared through Redis, fail-open to a local in-memory index."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "prefixgate",
+        partition: str | None = None,
+        default_capacity: int = DEFAULT_CAPACITY_BLOCKS,
+        timeout_ms: float = 5.0,
+        write_timeout_ms: float = 100.0,
+        key_ttl_seconds: float = DEFAULT_KEY_TTL_SECONDS,
+        metrics: RedisMetrics | None = None,
+        registry: CollectorRegistry | None = None,
+        breaker: CircuitBreaker | None = None,
+        cluster: bool = False,
+        max_pending: int = 1024,
+        max_pending_bytes: int = 16 << 20,
+        forget_chunk: int = 1000,
+        flush_timeout: float = 0.5,
+        max_blocks_per_write: int = DEFAULT_MAX_BLOCKS_PER_WRITE,
+    ) -> None:
+        tag = key_tag(namespace, partition)
+        self.local = InMemoryPrefixIndex(default_capacity)
+        self._holders, self._slots, self._lru_prefix = tag + ":h", tag + ":s", tag + ":l:"
+        self._clocks = tag + ":c"
+        if metrics is None and registry is not None:
+            metrics = RedisMetrics(registry)
+        self.metrics = default_metrics(metrics)
+        self._link = RedisLink(
+            url, component="index", metrics=self.metrics, timeout_ms=timeout_ms, breaker=breaker,
+            cluster=cluster,
+        )
+        self._write_budget = write_timeout_ms / 1000.0
+        self._ttl_ms = max(1, int(key_ttl_seconds * 1000))
+        self._refresh_every = key_ttl_seconds / 10
+        self._refreshed_at = -float("inf")
+        self._forget_chunk = max(1, forget_chunk)
+        self._max_touch = max(0, max_blocks_per_write)
+        self._flush_timeout = flush_timeout
+        # Value: the capacity at enqueue time, so a later set_capacity cannot rewrite history.
+        self._queue: UpdateQueue[_Op, int] = UpdateQueue(
+            self._ship, op="index_update", link=self._link, max_items=max_pending,
+            max_cost=max_pending_bytes, max_batch=16, max_batch_cost=32 << 10,
+            cost=lambda op, _: len(op[2]) + 64,
+        )
+
+    @property
+    def link(self) -> RedisLink:
+        return self._link
+
+    async def match(self, hashes: Sequence[int], endpoint_ids: Collection[str]) -> dict[str, int]:
+        start = time.perf_counter()
+        ids = list(endpoint_ids)
+        remote_task = None
+        if hashes and ids:
+            if self._link.breaker.retry_in() > 0:
+                self.metrics.fallbacks.labels("index_match", "circuit_open").inc()
+            else:
+                remote_task = asyncio.ensure_future(self._match_remote(hashes, ids))
+                # Let it put the request on the wire, then walk locally while Redis works.
+                await _yield_or_cancel(remote_task)
+        result = self.local.match_now(hashes, ids)
+        if remote_task is not None:
+            remote = await remote_task
+            if remote is not None:
+                for endpoint_id, length in zip(ids, remote, strict=True):
+                    # Our own records may still be on their way; never report less than we know.
+                    result[endpoint_id] = max(result[endpoint_id], int(length))
+        self.metrics.lookups.inc()
+        if any(result.values()):
+            self.metrics.lookup_hits.inc()
+        self.metrics.lookup_seconds.observe(time.perf_counter() - start)
+        return result
+
+    async def _match_remote(self, hashes: Sequence[int], ids: list[str]) -> list[Any] | None:
+        keys = [self._holders, self._slots]
+        args: list[Any] = [pack_hashes(hashes), *ids]
+        remote: list[Any] | None = await self._link.eval_or_none("index_match", _MATCH, keys, args)
+        return remote
+
+    def record(self, endpoint_id: str, hashes: Sequence[int]) -> None:
+        if not hashes:
+            return
+        hashes = capped(hashes, self.local.capacity(endpoint_id))
+        self.local.record(endpoint_id, hashes)
+        op = ("record", endpoint_id, pack_hashes(hashes))
+        self._queue.put(op, self.local.capacity(endpoint_id))
+
+    async def forget_endpoint(self, endpoint_id: str) -> None:
+        self.local.forget_now(endpoint_id)
+        self._queue.discard_if(lambda op: op[1] == endpoint_id)
+        self._queue.put(("forget", endpoint_id, b""), 0)
+
+    def room(self, endpoint_id: str) -> int:
+        # The local view, no round trip: it fills with this gateway's share of the traffic, so
+        # with several gateways it reports room a while longer than the shared index would.
+        return self.local.room(endpoint_id)
+
+    def set_capacity(self, endpoint_id: str, blocks: int) -> None:
+        self.local.set_capacity(endpoint_id, blocks)
+        self._queue.put(("trim", endpoint_id, b""), self.local.capacity(endpoint_id))
+
+    async def flush(self) -> None:
+        """Wait until the updates queued so far are in Redis (or given up on)."""
+        await self._queue.flush()
+
+    async def aclose(self) -> None:
+        await self._queue.aclose(self._flush_timeout)
+        await self._link.aclose()
+
+    def _script_args(
+        self, op: _Op, capacity: int, refresh: bool, most: int = 0, bound: int | None = None
+    ) -> ScriptCall:
+        kind, endpoint_id, blob = op
+        keys = [self._holders, self._slots, self._lru_prefix + endpoint_id, self._clocks]
+        if kind == "forget":
+            return _FORGET, keys, [endpoint_id, self._forget_chunk]
+        flag = "1" if refresh else "0"
+        piece_of = "" if bound is None else bound
+        args = [endpoint_id, capacity, self._ttl_ms, flag, self._lru_prefix, blob, most, piece_of]
+        return _RECORD, keys, args
+
+    async def _ship(self, batch: list[tuple[_Op, int]]) -> None:
+        """One pipelined round trip for a batch of updates; purges continue chunk by chunk."""
+        refresh = time.monotonic() - self._refreshed_at > self._refresh_every
+        calls = [
+            self._script_args(op, capacity, refresh, self._max_touch) for op, capacity in batch
+        ]
+
+        results = await self._link.call(
+            "index_update", lambda c: pipeline_scripts(c, calls), self._write_budget
+        )
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            self.metrics.errors.labels("index_update", "error").inc(len(failed))
+            self.metrics.dropped.labels("index_update", "error").inc(len(failed))
+        if refresh and not failed:
+            self._refreshed_at = time.monotonic()
+        for (op, capacity), result in zip(batch, results, strict=True):
+            if op[0] == "forget" and isinstance(result, int) and result > 0:
+                self._queue.put(op, capacity)  # bounded work per call: the rest in a later batch
+            elif op[0] == "record" and isinstance(result, list) and len(result) == 2:
+                await self._record_in_pieces(op, capacity, int(result[0]) - 1, int(result[1]))
+
+    async def _record_in_pieces(self, op: _Op, capacity: int, fresh: int, bound: int) -> None:
+        """Touch a long chain as growing prefixes, one round trip each.
+
+        One script runs alone on the Redis server: a cold 200K-token prompt touched at once
+        would hold it for 10 ms or more, and every gateway's lookups would time out meanwhile.
+        Recorded piece by piece, each piece is the next turn of the one before, judged fresh
+        or not against the bound the record began with (``bound``), as the in-memory index's
+        pieces are: a chain longer than the fresh window costs its new blocks, not itself per
+        piece.
+        """
+        blob, step = op[2], self._max_touch
+        ends = range(fresh + step, len(blob) // 8 + step, step)
+        for end in ends:
+            piece = (op[0], op[1], blob[: min(end * 8, len(blob))])
+            _, keys, args = self._script_args(piece, capacity, False, 0, bound)
+
+            async def run(client: Any, keys: list[str] = keys, args: list[Any] = args) -> Any:
+                return await eval_script(client, _RECORD, keys, args)
+
+            try:
+                await self._link.call("index_update", run, self._write_budget)
+            except Unavailable as exc:
+                self.metrics.dropped.labels("index_update", exc.reason).inc()
+                return

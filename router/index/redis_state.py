@@ -1,0 +1,256 @@
+"""State shared by gateway replicas through Redis (every call goes through
+:class:`router.index.redis_link.RedisLink`, so a sick Redis means local fallback, never a wait).
+
+- :class:`RedisAffinityStore`: the session affinity store (``AffinityStore``) shared by replicas.
+- :class:`SharedInFlight`: each replica publishes its own load per endpoint (requests in flight,
+  and the prefill it has queued there: uncached tokens and requests not at their first byte
+  yet, and the tokens' recent average) and reads the sum of the others', so that replicas do
+  not herd onto the endpoint each thinks is idle, and the cost scorer prices the whole queue,
+  not this replica's share of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from router.core.endpoints import EndpointPool
+from router.core.tasks import cancel_and_wait
+from router.index.affinity import InMemoryAffinityStore
+from router.index.redis_link import (
+    CircuitBreaker,
+    Clock,
+    LuaScript,
+    RedisClient,
+    RedisLink,
+    RedisMetrics,
+    Unavailable,
+    as_text,
+    default_metrics,
+    eval_script,
+    key_tag,
+)
+from router.index.update_queue import UpdateQueue
+
+
+class RedisAffinityStore:
+    """Session -> endpoint shared by replicas (``AffinityStore``), expiring by Redis TTL.
+
+    ``set`` lands in the local store at once and ships in the background; ``get`` asks Redis
+    within the budget and falls back to the local store. Sessions are keyed without a hash tag
+    (``pg:<namespace>:sess:<id>``) so that on a Cluster they spread over all slots.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "prefixgate",
+        ttl_seconds: float = 600.0,
+        max_sessions: int = 100_000,
+        timeout_ms: float = 5.0,
+        write_timeout_ms: float = 50.0,
+        metrics: RedisMetrics | None = None,
+        breaker: CircuitBreaker | None = None,
+        cluster: bool = False,
+        max_pending: int = 4096,
+    ) -> None:
+        key_tag(namespace)
+        self.local = InMemoryAffinityStore(ttl_seconds, max_sessions)
+        self._prefix = f"pg:{namespace}:sess:"
+        self._ttl_ms = max(1, int(ttl_seconds * 1000))
+        self._write_budget = write_timeout_ms / 1000.0
+        self._link = RedisLink(
+            url, component="affinity", metrics=default_metrics(metrics),
+            timeout_ms=timeout_ms, breaker=breaker, cluster=cluster,
+        )
+        self._queue: UpdateQueue[str, str] = UpdateQueue(
+            self._ship, op="affinity_set", link=self._link, max_items=max_pending, max_batch=256
+        )
+
+    async def get(self, session_id: str) -> str | None:
+        local = self.local.get_now(session_id)
+        if session_id in self._queue:
+            return local  # our own newer answer has not reached Redis yet
+        endpoint = await self._link.get_text("affinity_get", self._prefix + session_id)
+        if endpoint is None:
+            return local
+        if endpoint != local:
+            self.local.set(session_id, endpoint)  # so a Redis outage falls back to the latest
+        return endpoint
+
+    def set(self, session_id: str, endpoint_id: str) -> None:
+        self.local.set(session_id, endpoint_id)
+        self._queue.put(session_id, endpoint_id)
+
+    async def forget_endpoint(self, endpoint_id: str) -> None:
+        # Remote entries are left to their TTL: scorers only credit an affinity endpoint that is
+        # a live candidate, and finding them would mean scanning the keyspace.
+        await self.local.forget_endpoint(endpoint_id)
+
+    async def _ship(self, batch: list[tuple[str, str]]) -> None:
+        async def run(client: RedisClient) -> None:
+            pipe = client.pipeline(transaction=False)
+            for session_id, endpoint_id in batch:
+                pipe.set(self._prefix + session_id, endpoint_id, px=self._ttl_ms)
+            await pipe.execute()
+
+        await self._link.call("affinity_set", run, self._write_budget)
+
+    async def flush(self) -> None:
+        await self._queue.flush()
+
+    async def aclose(self, grace: float = 0.5) -> None:
+        """Ship what is pending (for at most ``grace`` seconds), then close the pool."""
+        await self._queue.aclose(grace)
+        await self._link.aclose()
+
+
+_INFLIGHT = LuaScript(
+    """
+local gid, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('DEL', KEYS[2])
+if #ARGV > 3 then
+  redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+redis.call('ZADD', KEYS[1], now, gid)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
+redis.call('PEXPIRE', KEYS[1], ttl * 4)
+local totals, out = {}, {}
+for _, other in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if other ~= gid then
+    local kv = redis.call('HGETALL', prefix .. other)
+    for i = 1, #kv, 2 do totals[kv[i]] = (totals[kv[i]] or 0) + tonumber(kv[i + 1]) end
+  end
+end
+for k, v in pairs(totals) do out[#out + 1] = k; out[#out + 1] = v end
+return out
+"""
+)
+
+
+# Field suffixes of the published load (endpoint ids never hold a space): the bare id counts
+# requests in flight. A gateway of an older release sums these fields too, under names that
+# match no endpoint, so mixed releases during a rolling upgrade still read each other's counts.
+PENDING_TOKENS = " pending_tokens"
+PENDING_REQUESTS = " pending_requests"
+RECENT_TOKENS = " recent_tokens"
+
+
+def gateway_load(pool: EndpointPool) -> dict[str, int]:
+    """This replica's load per endpoint, as :class:`SharedInFlight` publishes it: in flight,
+    the prefill queued (tokens, requests) and the queue's recent average in tokens."""
+    now = pool.clock()
+    load: dict[str, int] = {}
+    for state in pool:
+        eid = state.endpoint.id
+        load[eid] = state.in_flight
+        load[eid + PENDING_TOKENS] = state.pending_prefill_tokens
+        load[eid + PENDING_REQUESTS] = state.pending_prefill_requests
+        load[eid + RECENT_TOKENS] = round(state.recent_prefill_tokens(now))
+    return load
+
+
+class SharedInFlight:
+    """Load per endpoint summed over the other gateway replicas (see :func:`gateway_load`).
+
+    Every ``interval`` one script call publishes this replica's counts (a hash that expires after
+    ``expiry`` seconds, so a crashed replica's counts vanish) and reads the others' sums.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        counts: Callable[[], Mapping[str, int]],
+        *,
+        namespace: str = "prefixgate",
+        gateway_id: str | None = None,
+        interval: float = 0.075,
+        expiry: float = 1.5,
+        timeout_ms: float = 5.0,
+        metrics: RedisMetrics | None = None,
+        breaker: CircuitBreaker | None = None,
+        cluster: bool = False,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        tag = key_tag(namespace)
+        self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
+        self._counts = counts
+        self._interval = interval
+        self._expiry = expiry
+        self._clock = clock
+        self._members_key = tag + ":gw"
+        self._prefix = tag + ":if:"
+        self._link = RedisLink(
+            url, component="inflight", metrics=default_metrics(metrics),
+            timeout_ms=timeout_ms, breaker=breaker, cluster=cluster,
+        )
+        self._remote: dict[str, int] = {}
+        self._read_at = -float("inf")
+        self._task: asyncio.Task[None] | None = None
+
+    def remote_in_flight(self, endpoint_id: str) -> int:
+        """The other replicas' in-flight count for ``endpoint_id`` (0 once the read is stale)."""
+        if self._clock() - self._read_at > self._expiry:
+            return 0
+        return self._remote.get(endpoint_id, 0)
+
+    def remote_pending(self, endpoint_id: str) -> tuple[int, int, int]:
+        """The other replicas' queued prefill on ``endpoint_id``: (tokens, requests, recent
+        average of the tokens)."""
+        return (
+            self.remote_in_flight(endpoint_id + PENDING_TOKENS),
+            self.remote_in_flight(endpoint_id + PENDING_REQUESTS),
+            self.remote_in_flight(endpoint_id + RECENT_TOKENS),
+        )
+
+    def remote_counts(self) -> dict[str, int]:
+        if self._clock() - self._read_at > self._expiry:
+            return {}
+        return dict(self._remote)
+
+    async def sync_once(self) -> bool:
+        """Publish our counts and read the others' in one round trip; False on failure."""
+        args: list[Any] = [self.gateway_id, max(1, int(self._expiry * 1000)), self._prefix]
+        for endpoint_id, count in self._counts().items():
+            if count > 0:
+                args += [endpoint_id, int(count)]
+        keys = [self._members_key, self._prefix + self.gateway_id]
+        try:
+            flat = await self._link.call(
+                "inflight_sync", lambda c: eval_script(c, _INFLIGHT, keys, args)
+            )
+        except Unavailable as exc:
+            self._link.metrics.fallbacks.labels("inflight_sync", exc.reason).inc()
+            return False
+        it = iter(flat)
+        self._remote = {as_text(k): int(v) for k, v in zip(it, it, strict=True)}
+        self._read_at = self._clock()
+        return True
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._loop(), name="prefixgate-inflight"
+            )
+
+    async def _loop(self) -> None:
+        while True:
+            await self.sync_once()
+            await asyncio.sleep(self._interval)
+
+    async def aclose(self) -> None:
+        await cancel_and_wait(self._task)  # still set meanwhile: nothing starts another
+        self._task = None
+        own = self._prefix + self.gateway_id
+        with contextlib.suppress(Unavailable):
+            # Leaving cleanly: the others stop counting us now rather than at expiry.
+            await self._link.call("inflight_sync", lambda c: c.delete(own))
+        await self._link.aclose()

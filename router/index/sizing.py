@@ -1,0 +1,130 @@
+"""Each endpoint's approximate-index capacity, in blocks of bytes, from its KV size in tokens.
+
+A replica reports how many tokens its KV cache holds (``vllm:cache_config_info``: blocks x
+block size). The index should forget a prefix about when the replica does, so its capacity is
+those tokens at the endpoint's model's learned bytes per token
+(:mod:`router.estimators.token_density`),
+divided by the index's block size in bytes. The capacity is re-derived only when the ratio has
+moved materially since it was last applied, so a resize (which may evict) is rare. An explicit
+``prefixIndex.capacityBlocks`` overrides all of this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from router.core.framework import RoutingRequest
+from router.estimators.token_density import TokenDensity, prompt_tokens
+from router.index.prefix_index import PrefixIndex
+
+# Re-derive an endpoint's capacity when its ratio has moved by more than this share.
+DEFAULT_RESIZE_THRESHOLD = 0.1
+
+
+class IndexSizer:
+    """Learns bytes per token from answers and sizes the index per endpoint from it."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        density: TokenDensity,
+        block_bytes: int,
+        *,
+        fixed_blocks: int | None = None,
+        models: Mapping[str, str] | None = None,
+        registry: CollectorRegistry | None = None,
+        threshold: float = DEFAULT_RESIZE_THRESHOLD,
+    ) -> None:
+        self._index = index
+        self.density = density
+        self._block_bytes = block_bytes
+        self._fixed = fixed_blocks
+        self._threshold = threshold
+        # The model each endpoint serves: configured, else the last one answered there, else
+        # (an endpoint that has answered nothing yet) the last model answered anywhere.
+        self._models: dict[str, str] = dict(models or {})
+        self._last_model: str | None = None
+        self._kv_tokens: dict[str, int] = {}
+        self._applied: dict[str, float] = {}  # per endpoint, the ratio its capacity is at
+        self._checked: dict[str, float] = {}  # per model, its ratio at the last resize check
+        self._capacity = Gauge(
+            "prefixgate_prefix_index_capacity_blocks",
+            "Blocks the approximate prefix index keeps per endpoint: its KV tokens at the "
+            "learned bytes per token (or prefixIndex.capacityBlocks).",
+            ["endpoint"],
+            registry=registry,
+        )
+
+    def kv_capacity(self, endpoint_id: str, kv_tokens: int) -> None:
+        """The endpoint reported (or changed) its KV size in tokens."""
+        if kv_tokens <= 0:
+            return
+        self._kv_tokens[endpoint_id] = kv_tokens
+        self._resize(endpoint_id, self._ratio(endpoint_id))
+
+    def observe(
+        self, endpoint_id: str, routing: RoutingRequest, usage: Mapping[str, Any] | None
+    ) -> None:
+        """One answer's usage (after the response; never raises on odd input)."""
+        tokens = prompt_tokens(usage)
+        if tokens is None or not routing.prompt_bytes or not routing.model:
+            return
+        if routing.previous_response_id:
+            return  # the replica counted stored turns the gateway never saw
+        model = routing.model
+        self._models[endpoint_id] = self._last_model = model
+        if not self.density.observe(model, routing.prompt_bytes, tokens):
+            return
+        ratio = self.density.ratio(model)
+        if self._moved(ratio, self._checked.get(model, self.density.prior)):
+            self._checked[model] = ratio
+            self._resize_moved()
+        elif self._moved(self._ratio(endpoint_id), self._applied.get(endpoint_id)):
+            self._resize(endpoint_id, self._ratio(endpoint_id))  # it just changed model
+
+    def capacity_blocks(self, endpoint_id: str) -> int | None:
+        """The capacity last applied to ``endpoint_id`` (None: never sized)."""
+        if self._fixed is not None:
+            return self._fixed
+        ratio = self._applied.get(endpoint_id)
+        kv = self._kv_tokens.get(endpoint_id)
+        return None if ratio is None or kv is None else self._blocks(kv, ratio)
+
+    async def forget_endpoint(self, endpoint_id: str) -> None:
+        """Drop an endpoint that left the pool (async, like the other stores' forget)."""
+        for table in (self._models, self._kv_tokens, self._applied):
+            table.pop(endpoint_id, None)
+        with contextlib.suppress(KeyError):  # never sized
+            self._capacity.remove(endpoint_id)
+
+    def _moved(self, ratio: float, applied: float | None) -> bool:
+        return applied is not None and abs(ratio / applied - 1.0) > self._threshold
+
+    def _resize_moved(self) -> None:
+        """Every endpoint whose ratio moved materially (rare: the loop is over the pool)."""
+        for endpoint_id in list(self._kv_tokens):
+            ratio = self._ratio(endpoint_id)
+            if self._moved(ratio, self._applied.get(endpoint_id)):
+                self._resize(endpoint_id, ratio)
+
+    def _ratio(self, endpoint_id: str) -> float:
+        model = self._models.get(endpoint_id, self._last_model)
+        return self.density.prior if model is None else self.density.ratio(model)
+
+    def _blocks(self, kv_tokens: int, ratio: float) -> int:
+        return max(1, int(kv_tokens * ratio // self._block_bytes))
+
+    def _resize(self, endpoint_id: str, ratio: float) -> None:
+        kv = self._kv_tokens.get(endpoint_id)
+        if kv is None:
+            return
+        self._applied[endpoint_id] = ratio
+        if self._fixed is not None:
+            return
+        blocks = self._blocks(kv, ratio)
+        self._index.set_capacity(endpoint_id, blocks)
+        self._capacity.labels(endpoint_id).set(blocks)

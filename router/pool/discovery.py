@@ -1,0 +1,394 @@
+"""Endpoints from Kubernetes: the pods of an ``InferencePool`` or of a plain label selector.
+
+Talks to the API server with plain httpx (list, then watch from the list's resourceVersion,
+relist when the watch expires), the way client-go's informers do, without a client library:
+the surface needed is three GETs. Each pod IP x target port is one endpoint (``ip:port``, as
+GIE names them); its role comes from the ``llm-d.ai/role`` label and its readiness from the
+pod's ``Ready`` condition. Changes reach the running gateway through an :class:`EndpointSink`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+import orjson
+
+from router.config.model import DiscoveryConfig
+from router.core.endpoints import Endpoint, EndpointPool, Role
+from router.core.errors import ConfigError
+from router.core.tasks import cancel_and_wait
+from router.pool.scraper import EndpointMonitor
+
+log = logging.getLogger("prefixgate.discovery")
+
+POOL_GROUP = "inference.networking.k8s.io"
+POOL_VERSION = "v1"
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+MAX_BACKOFF_SECONDS = 30.0
+_ROLES: dict[str, Role] = {
+    "prefill": "prefill",
+    "decode": "decode",
+    "prefill-decode": "both",
+    "both": "both",
+}
+
+# Endpoint id -> (endpoint, ready).
+Discovered = Mapping[str, tuple[Endpoint, bool]]
+
+
+class EndpointSink(Protocol):
+    """Where discovery sends the complete set of endpoints it currently sees."""
+
+    async def apply(self, endpoints: Discovered) -> None: ...
+
+
+class WatchExpired(Exception):
+    """The watch's resourceVersion is too old (410 Gone): list again."""
+
+
+class PoolMissing(Exception):
+    """The InferencePool does not exist (yet)."""
+
+
+def role_of(labels: Mapping[str, str], key: str) -> Role:
+    value = labels.get(key)
+    if value is None:
+        return "both"
+    role = _ROLES.get(value)
+    if role is None:
+        log.warning("unknown %s=%r: treated as prefill-decode", key, value)
+        return "both"
+    return role
+
+
+def _ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    if pod.get("metadata", {}).get("deletionTimestamp") or status.get("phase") != "Running":
+        return False
+    conditions = status.get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def pod_endpoints(
+    pod: Mapping[str, Any], ports: Sequence[int], config: DiscoveryConfig
+) -> list[tuple[Endpoint, bool]]:
+    """One endpoint per target port of a pod that has an IP."""
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return []
+    labels = pod.get("metadata", {}).get("labels") or {}
+    role = role_of(labels, config.role_label)
+    host = f"[{ip}]" if ":" in ip else ip
+    ready = _ready(pod)
+    return [
+        (Endpoint.from_url(f"{config.scheme}://{host}:{port}", role, config.models), ready)
+        for port in ports
+    ]
+
+
+def selector_string(match_labels: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
+
+
+def pool_spec(pool: Mapping[str, Any]) -> tuple[str, list[int]]:
+    """(label selector, target ports) of an ``inference.networking.k8s.io/v1`` InferencePool."""
+    spec = pool.get("spec") or {}
+    match_labels = (spec.get("selector") or {}).get("matchLabels") or {}
+    ports = [int(p["number"]) for p in spec.get("targetPorts") or [] if "number" in p]
+    if not ports:
+        raise ValueError("InferencePool has no spec.targetPorts")
+    return selector_string(match_labels), ports
+
+
+class KubeApi:
+    """The few API server calls discovery needs; the token is re-read on every request."""
+
+    def __init__(self, client: httpx.AsyncClient, token_file: str | None) -> None:
+        self._client = client
+        self._token_file = token_file
+
+    async def _headers(self) -> dict[str, str]:
+        if not self._token_file:
+            return {}
+        path = Path(self._token_file)
+        try:
+            # Bound service account tokens rotate: read the current one each time.
+            token = (await asyncio.to_thread(path.read_text)).strip()
+        except OSError:
+            return {}
+        return {"authorization": f"Bearer {token}"} if token else {}
+
+    async def get(self, path: str, params: Mapping[str, str] | None = None) -> dict[str, Any]:
+        resp = await self._client.get(path, params=params, headers=await self._headers())
+        if resp.status_code == 404:
+            raise PoolMissing(path)
+        resp.raise_for_status()
+        data: dict[str, Any] = orjson.loads(resp.content)
+        return data
+
+    async def watch(
+        self, path: str, params: Mapping[str, str], server_timeout: float
+    ) -> AsyncIterator[dict[str, Any]]:
+        query = {**params, "watch": "true", "allowWatchBookmarks": "true"}
+        query["timeoutSeconds"] = str(int(server_timeout))
+        read_timeout = httpx.Timeout(10.0, read=server_timeout + 30.0)
+        headers = await self._headers()
+        async with self._client.stream(
+            "GET", path, params=query, headers=headers, timeout=read_timeout
+        ) as resp:
+            if resp.status_code == 410:
+                raise WatchExpired(path)
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if line.strip():
+                    event: dict[str, Any] = orjson.loads(line)
+                    yield event
+
+
+def _resource_version(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
+
+
+def apply_event(objects: dict[str, dict[str, Any]], event: Mapping[str, Any]) -> str:
+    """Fold one watch event into ``objects`` (by name); returns the new resourceVersion."""
+    kind = event.get("type")
+    obj = event.get("object") or {}
+    if kind == "ERROR":
+        if obj.get("code") == 410:
+            raise WatchExpired(str(obj.get("message", "")))
+        raise RuntimeError(f"watch error: {obj.get('message', obj)}")
+    name = str((obj.get("metadata") or {}).get("name", ""))
+    if kind in ("ADDED", "MODIFIED"):
+        objects[name] = dict(obj)
+    elif kind == "DELETED":
+        objects.pop(name, None)
+    return _resource_version(obj)
+
+
+class KubernetesDiscovery:
+    """Keeps an :class:`EndpointSink` in step with the pods Kubernetes reports."""
+
+    def __init__(
+        self,
+        config: DiscoveryConfig,
+        sink: EndpointSink,
+        client: httpx.AsyncClient,
+        namespace: str | None = None,
+    ) -> None:
+        self._config = config
+        self._sink = sink
+        self._api = KubeApi(client, config.token_file)
+        self._namespace = namespace or config.namespace or "default"
+        self._published: dict[str, tuple[Endpoint, bool]] | None = None
+        self._synced = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def synced(self) -> bool:
+        """True once the pods were listed (the picker is ready to answer)."""
+        return self._synced.is_set()
+
+    async def wait_synced(self) -> None:
+        await self._synced.wait()
+
+    async def start(self) -> None:
+        """Start watching; wait (bounded) for the first listing so start-up sees endpoints."""
+        self._task = asyncio.create_task(self._run(), name="k8s-discovery")
+        try:
+            async with asyncio.timeout(self._config.initial_sync_timeout_seconds):
+                await self._synced.wait()
+        except TimeoutError:
+            log.warning("discovery: no pod listing yet; serving while it keeps trying")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
+
+    async def _run(self) -> None:
+        backoff = self._config.retry_seconds
+        while True:
+            try:
+                await self._cycle()
+                backoff = self._config.retry_seconds
+            except asyncio.CancelledError:
+                raise
+            except PoolMissing:
+                log.warning("discovery: InferencePool %r not found", self._config.inference_pool)
+                await self._publish({})
+            except Exception as exc:  # the API server may be briefly away: keep what we have
+                log.warning("discovery: %s; retrying in %.1fs", exc, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(MAX_BACKOFF_SECONDS, backoff * 2)
+
+    async def _cycle(self) -> None:
+        """One pass: returns when the pool's spec changed or it went away; raises on errors."""
+        cfg = self._config
+        if cfg.label_selector is not None:
+            await self._pods(selector_string(cfg.label_selector), cfg.target_ports)
+            return
+        path = f"/apis/{POOL_GROUP}/{POOL_VERSION}/namespaces/{self._namespace}/inferencepools"
+        pool = await self._api.get(f"{path}/{cfg.inference_pool}")
+        spec = pool_spec(pool)
+        pods = asyncio.create_task(self._pods(*spec))
+        watch = asyncio.create_task(self._pool_changed(path, _resource_version(pool), spec))
+        try:
+            done, _ = await asyncio.wait({pods, watch}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        finally:
+            for task in (pods, watch):
+                task.cancel()
+            await asyncio.gather(pods, watch, return_exceptions=True)
+
+    async def _pool_changed(self, path: str, rv: str, spec: tuple[str, list[int]]) -> None:
+        """Return when the InferencePool's selector or ports change, or it is deleted."""
+        params = {"fieldSelector": f"metadata.name={self._config.inference_pool}"}
+        pools: dict[str, dict[str, Any]] = {}
+        while True:
+            stream = self._api.watch(
+                path, {**params, "resourceVersion": rv}, self._config.watch_timeout_seconds
+            )
+            async for event in stream:
+                rv = apply_event(pools, event) or rv
+                if event.get("type") == "DELETED":
+                    return
+                current = pools.get(str(self._config.inference_pool))
+                if current is not None and pool_spec(current) != spec:
+                    log.info("discovery: InferencePool changed: %s", pool_spec(current))
+                    return
+
+    async def _pods(self, selector: str, ports: list[int]) -> None:
+        """List the pods, then follow their changes; relist when the watch expires."""
+        path = f"/api/v1/namespaces/{self._namespace}/pods"
+        params = {"labelSelector": selector}
+        while True:
+            listing = await self._api.get(path, params)
+            pods = {
+                str(p.get("metadata", {}).get("name", "")): p for p in listing.get("items") or []
+            }
+            rv = _resource_version(listing)
+            await self._publish(self._endpoints(pods, ports))
+            self._synced.set()
+            try:
+                while True:
+                    stream = self._api.watch(
+                        path, {**params, "resourceVersion": rv}, self._config.watch_timeout_seconds
+                    )
+                    async for event in stream:
+                        rv = apply_event(pods, event) or rv
+                        if event.get("type") != "BOOKMARK":
+                            await self._publish(self._endpoints(pods, ports))
+            except WatchExpired:
+                log.info("discovery: watch expired, listing pods again")
+
+    def _endpoints(
+        self, pods: Mapping[str, Mapping[str, Any]], ports: Sequence[int]
+    ) -> dict[str, tuple[Endpoint, bool]]:
+        found: dict[str, tuple[Endpoint, bool]] = {}
+        for pod in pods.values():
+            for endpoint, ready in pod_endpoints(pod, ports, self._config):
+                # Two pods can briefly share an IP (one leaving, one arriving): ready wins.
+                if ready or endpoint.id not in found:
+                    found[endpoint.id] = (endpoint, ready)
+        return found
+
+    async def _publish(self, endpoints: dict[str, tuple[Endpoint, bool]]) -> None:
+        if endpoints == self._published:
+            return
+        self._published = endpoints
+        ready = sum(1 for _, r in endpoints.values() if r)
+        log.info("discovery: %d endpoints, %d ready", len(endpoints), ready)
+        await self._sink.apply(endpoints)
+
+
+Forget = Callable[[str], Awaitable[None]]
+Join = Callable[[Endpoint], None]
+
+
+class LivePool:
+    """The sink of a running gateway: pool membership, health polling, index and affinity.
+
+    A pod that turns unready leaves the pool but keeps its prefix-index entries (its cache
+    survives a readiness blip); one that disappears is forgotten everywhere. ``joined`` hears
+    of each endpoint discovery starts managing, ready or not (KV event subscribers follow a
+    pod from its creation, so its cache is known once it turns ready). Endpoints from the
+    static config are never touched.
+    """
+
+    def __init__(
+        self,
+        pool: EndpointPool,
+        monitor: EndpointMonitor | None = None,
+        forget: Sequence[Forget] = (),
+        joined: Sequence[Join] = (),
+    ) -> None:
+        self._pool = pool
+        self._monitor = monitor
+        self._forget = list(forget)
+        self._joined = list(joined)
+        self._managed: dict[str, Endpoint] = {}
+
+    def _leave(self, endpoint_id: str) -> None:
+        self._pool.remove(endpoint_id)
+        if self._monitor is not None:
+            self._monitor.unwatch(endpoint_id)
+
+    async def apply(self, endpoints: Discovered) -> None:
+        for endpoint_id, known in list(self._managed.items()):
+            current = endpoints.get(endpoint_id)
+            if current is None or current[0] != known:
+                self._leave(endpoint_id)
+                del self._managed[endpoint_id]
+            if current is None:
+                for forget in self._forget:
+                    await forget(endpoint_id)
+        added = False
+        for endpoint_id, (endpoint, ready) in endpoints.items():
+            present = self._pool.get(endpoint_id) is not None
+            if endpoint_id not in self._managed and present:
+                continue  # a static endpoint of the config
+            if endpoint_id not in self._managed:
+                for join in self._joined:
+                    join(endpoint)
+            self._managed[endpoint_id] = endpoint
+            if ready and not present:
+                state = self._pool.add(endpoint)
+                state.healthy = True  # the kubelet's readiness probe just passed
+                if self._monitor is not None:
+                    self._monitor.watch(state)
+                added = True
+            elif not ready and present:
+                self._leave(endpoint_id)
+        if added and self._monitor is not None:
+            # Learns the new endpoints' models (/v1/models) now instead of a health tick later.
+            await self._monitor.check_all()
+
+
+def api_client(config: DiscoveryConfig) -> tuple[httpx.AsyncClient, str]:
+    """An httpx client for the API server, and the namespace to watch.
+
+    Reads the service account files: call it through ``asyncio.to_thread``.
+    """
+    namespace = config.namespace
+    ns_file = SERVICE_ACCOUNT_DIR / "namespace"
+    if namespace is None and ns_file.is_file():
+        namespace = ns_file.read_text(encoding="utf-8").strip()
+    server = config.api_server
+    if server is None:
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise ConfigError("discovery.apiServer: not set and not running in a cluster")
+        server = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+    verify: ssl.SSLContext | bool = True
+    if server.startswith("https://") and config.ca_file and Path(config.ca_file).is_file():
+        verify = ssl.create_default_context(cafile=config.ca_file)
+    client = httpx.AsyncClient(base_url=server.rstrip("/"), verify=verify, timeout=10.0)
+    return client, namespace or "default"

@@ -1,0 +1,123 @@
+"""The gateway's own Prometheus metrics, on a registry owned by the app (never the global one)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from router.core.endpoints import EndpointPool
+
+_DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+_RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+# From milliseconds (a warm cache, an idle replica) to a long prompt queued behind others.
+_FIRST_BYTE_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0
+)
+_GATEWAY_DELAY_BUCKETS = (*_DECISION_BUCKETS, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class GatewayMetrics:
+    def __init__(self, pool: EndpointPool) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._pool = pool
+        self._add_traffic(self.registry)
+        self._add_failures(self.registry)
+        self._add_endpoint_gauges(self.registry)
+
+    def _add_traffic(self, r: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "prefixgate_requests",
+            "Requests answered, by endpoint (or 'none') and HTTP status.",
+            ["endpoint", "status", "api"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "prefixgate_routing_decision_seconds",
+            "Time to pick an endpoint: index lookup, scoring and picking.",
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        # Split a client's time to first token into the gateway's part and the endpoint's:
+        # the first is gateway_delay, the second first_byte minus it.
+        self.gateway_delay = Histogram(
+            "prefixgate_request_gateway_delay_seconds",
+            "From a request's arrival to its routing: body read, flow-control queueing and "
+            "the routing decision.",
+            buckets=_GATEWAY_DELAY_BUCKETS,
+            registry=r,
+        )
+        self.first_byte = Histogram(
+            "prefixgate_time_to_first_byte_seconds",
+            "From a request's arrival to the first byte of the endpoint's answer, retries "
+            "included.",
+            buckets=_FIRST_BYTE_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "prefixgate_event_loop_lag_seconds",
+            "How late the gateway's event loop ran a timer: time every ready callback waited "
+            "for the CPU.",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+        self.prefix_match_ratio = Histogram(
+            "prefixgate_prefix_match_ratio",
+            "Share of the request's prompt blocks the chosen endpoint was estimated to hold.",
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+
+    def _add_failures(self, r: CollectorRegistry) -> None:
+        self.upstream_failures = Counter(
+            "prefixgate_upstream_failures",
+            "Attempts that failed before a response started, by endpoint and kind.",
+            ["endpoint", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "prefixgate_retries", "Requests retried on another endpoint.", registry=r
+        )
+        self.stream_errors = Counter(
+            "prefixgate_stream_errors",
+            "Responses cut short by an upstream failure after the first byte.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "prefixgate_client_disconnects",
+            "Requests whose client went away; the upstream request was cancelled.",
+            registry=r,
+        )
+
+    def _add_endpoint_gauges(self, r: CollectorRegistry) -> None:
+        self.in_flight = Gauge(
+            "prefixgate_endpoint_in_flight",
+            "Requests the gateway has in flight to each endpoint.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "prefixgate_endpoint_healthy", "1 if the endpoint is healthy.", ["endpoint"], registry=r
+        )
+        self.waiting = Gauge(
+            "prefixgate_endpoint_waiting",
+            "Last scraped vllm:num_requests_waiting.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "prefixgate_endpoint_kv_usage",
+            "Last scraped vllm:kv_cache_usage_perc.",
+            ["endpoint"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        # Per-endpoint gauges are refreshed at scrape time: cheaper than on every request.
+        for state in self._pool:
+            eid = state.endpoint.id
+            self.in_flight.labels(eid).set(state.in_flight)
+            self.healthy.labels(eid).set(1 if state.healthy else 0)
+            self.waiting.labels(eid).set(state.metrics.waiting)
+            self.kv_usage.labels(eid).set(state.metrics.kv_usage)
+        return generate_latest(self.registry)

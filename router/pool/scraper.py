@@ -1,0 +1,248 @@
+"""Background health checks and vLLM metric scraping, one task per endpoint.
+
+It polls with aiohttp, the cheaper client per scrape on the event loop that relays every stream
+(docs/benchmarks/gateway-cost.md); eight endpoints are scraped eighty times a second.
+
+Scrapes parse only the handful of vLLM series a router needs, line by line, instead of the
+whole exposition: a real vLLM ``/metrics`` page carries hundreds of histogram lines, and a full
+parser run ten times a second per endpoint would eat the event loop the proxy needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from router.core.endpoints import EndpointPool, EndpointState, EngineMetrics
+
+log = logging.getLogger("prefixgate.scraper")
+
+_WANTED = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    # Deprecated name (vLLM exported both for a while): used only when the current one is absent.
+    "vllm:gpu_cache_usage_perc": "kv_usage_deprecated",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+}
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+# A poll that failed, short of a bug: the endpoint did not answer, or not in time.
+_POLL_ERRORS = (aiohttp.ClientError, OSError, TimeoutError)
+
+
+def parse_vllm_metrics(text: str, scraped_at: float) -> EngineMetrics:
+    """Sum each wanted series over its label sets (several models or LoRA adapters)."""
+    values: dict[str, float] = {}
+    labels_of_config: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        brace = line.find("{")
+        name_end = brace if brace != -1 else line.find(" ")
+        name = line[:name_end]
+        if name == "vllm:cache_config_info" and brace != -1:
+            labels_of_config = dict(_LABEL.findall(line[brace : line.rfind("}") + 1]))
+            continue
+        field = _WANTED.get(name)
+        if field is None:
+            continue
+        value_part = line[line.rfind("}") + 1 :] if brace != -1 else line[name_end:]
+        tokens = value_part.split()
+        if not tokens:
+            continue
+        try:
+            value = float(tokens[0])
+        except ValueError:
+            continue
+        values[field] = values.get(field, 0.0) + value
+    return EngineMetrics(
+        waiting=values.get("waiting", 0.0),
+        running=values.get("running", 0.0),
+        kv_usage=min(1.0, max(0.0, values.get("kv_usage", values.get("kv_usage_deprecated", 0.0)))),
+        block_size=_int_label(labels_of_config, "block_size"),
+        num_gpu_blocks=_int_label(labels_of_config, "num_gpu_blocks"),
+        prefix_hits=values.get("prefix_hits", 0.0),
+        prefix_queries=values.get("prefix_queries", 0.0),
+        scraped_at=scraped_at,
+    )
+
+
+def _int_label(labels: dict[str, str], key: str) -> int | None:
+    raw = labels.get(key)
+    if raw is None:
+        return None
+    try:
+        return int(float(raw))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorSettings:
+    scrape_interval: float = 0.1
+    scrape_timeout: float = 0.5
+    health_interval: float = 2.0
+    health_timeout: float = 1.0
+    unhealthy_threshold: int = 3
+
+
+CapacityCallback = Callable[[str, int, int], None]
+# The headers an endpoint's own API key needs (vLLM guards /v1/* with --api-key), by endpoint id.
+AuthHeaders = Callable[[str], Mapping[str, str]]
+
+
+class EndpointMonitor:
+    """Owns one polling task per endpoint; started and stopped by the app's lifespan."""
+
+    def __init__(
+        self,
+        pool: EndpointPool,
+        client: aiohttp.ClientSession,
+        settings: MonitorSettings,
+        on_capacity: CapacityCallback | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        auth_headers: AuthHeaders | None = None,
+        remote_in_flight: Callable[[str], int] | None = None,
+        on_scrape: Callable[[], None] | None = None,
+    ) -> None:
+        self._pool = pool
+        # Called after each scrape or health change: flow control re-reads the pool at once
+        # instead of waiting for its next tick.
+        self._on_scrape = on_scrape
+        self._auth_headers = auth_headers
+        # The other gateway replicas' in-flight counts (shared through Redis), so that their
+        # requests counted in a stale scrape do not pass for a stranger's queue either.
+        self._remote_in_flight = remote_in_flight
+        self._client = client
+        self._settings = settings
+        self._on_capacity = on_capacity
+        self._clock = clock
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self) -> None:
+        for state in self._pool:
+            self.watch(state)
+
+    def watch(self, state: EndpointState) -> None:
+        if state.endpoint.id not in self._tasks:
+            task = asyncio.create_task(self._run(state), name=f"monitor:{state.endpoint.id}")
+            self._tasks[state.endpoint.id] = task
+
+    def unwatch(self, endpoint_id: str) -> None:
+        """Stop polling an endpoint that left the pool (Kubernetes discovery)."""
+        task = self._tasks.pop(endpoint_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def check_all(self) -> None:
+        """One health round for every endpoint now (start-up, so /ready is true at once)."""
+        await asyncio.gather(*(self._health(s) for s in self._pool))
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, state: EndpointState) -> None:
+        next_health = self._clock() + self._settings.health_interval
+        while True:
+            if self._clock() >= next_health:
+                await self._health(state)
+                next_health = self._clock() + self._settings.health_interval
+            if self._pool.ejection_expired(state):
+                await self._probe_ejected(state)
+            if state.healthy:
+                await self._scrape(state)
+            if self._on_scrape is not None:
+                self._on_scrape()
+            await asyncio.sleep(self._settings.scrape_interval)
+
+    async def _get(
+        self, url: str, seconds: float, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        async with asyncio.timeout(seconds), self._client.get(url, headers=headers) as resp:
+            return resp.status, await resp.read()
+
+    async def _probe(self, state: EndpointState) -> bool:
+        url = state.endpoint.url
+        try:
+            status, _ = await self._get(f"{url}/health", self._settings.health_timeout)
+            ok = status == 200
+            if ok and not state.models:
+                await self._discover_models(state)
+        except _POLL_ERRORS:
+            ok = False
+        return ok
+
+    async def _health(self, state: EndpointState) -> None:
+        self._mark(state, await self._probe(state))
+
+    async def _probe_ejected(self, state: EndpointState) -> None:
+        """An ejected endpoint's time is up: back in only if it answers its health check."""
+        if await self._probe(state):
+            self._pool.readmit(state)
+        else:
+            self._pool.extend_ejection(state)
+
+    async def _discover_models(self, state: EndpointState) -> None:
+        url = state.endpoint.url
+        headers = self._auth_headers(state.endpoint.id) if self._auth_headers else None
+        status, body = await self._get(f"{url}/v1/models", self._settings.health_timeout, headers)
+        if status != 200:
+            return
+        try:
+            data = orjson.loads(body).get("data", [])
+            state.models.update(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
+        except (orjson.JSONDecodeError, AttributeError, TypeError):
+            log.warning("endpoint %s: unreadable /v1/models", state.endpoint.id)
+
+    async def _scrape(self, state: EndpointState) -> None:
+        url = state.endpoint.url
+        in_flight = state.in_flight
+        remote = self._remote(state)
+        try:
+            status, body = await self._get(f"{url}/metrics", self._settings.scrape_timeout)
+        except _POLL_ERRORS:
+            self._mark(state, False)
+            return
+        if status != 200:
+            return  # not every backend exports metrics; health decides liveness
+        previous = state.metrics
+        state.metrics = parse_vllm_metrics(body.decode("utf-8", "replace"), self._clock())
+        # Gateway requests the scrape may have counted: the most in flight before or after it.
+        state.metrics.gateway_in_flight = max(in_flight, state.in_flight) + max(
+            remote, self._remote(state)
+        )
+        state.consecutive_failures = 0
+        m = state.metrics
+        capacity_changed = (m.block_size, m.num_gpu_blocks) != (
+            previous.block_size,
+            previous.num_gpu_blocks,
+        )
+        if capacity_changed and m.block_size and m.num_gpu_blocks and self._on_capacity:
+            self._on_capacity(state.endpoint.id, m.block_size, m.num_gpu_blocks)
+
+    def _remote(self, state: EndpointState) -> int:
+        return self._remote_in_flight(state.endpoint.id) if self._remote_in_flight else 0
+
+    def _mark(self, state: EndpointState, ok: bool) -> None:
+        if ok:
+            if not state.healthy:
+                log.info("endpoint %s is healthy", state.endpoint.id)
+            state.healthy = True
+            state.consecutive_failures = 0
+            return
+        state.consecutive_failures += 1
+        if state.healthy and state.consecutive_failures >= self._settings.unhealthy_threshold:
+            log.warning("endpoint %s is unhealthy", state.endpoint.id)
+            state.healthy = False

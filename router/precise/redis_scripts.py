@@ -1,0 +1,265 @@
+"""Lua scripts of the shared precise index (router/precise/shared_index.py describes the layout).
+
+Every key a script touches shares one hash tag, so each script runs on one Redis Cluster slot.
+Garbage maps (``<p>d:<slot>``) are named from a slot number inside the scripts; they carry the
+same tag, hence the same slot, as the keys the scripts are given.
+
+Blobs are 8-byte fields packed back to back: engine hash ids, keys. A holder bitmap is a string,
+one bit per endpoint slot, kept canonical (no trailing zero bytes).
+"""
+
+from __future__ import annotations
+
+from router.index.redis_link import HOLDER_BITMAP_LUA, LuaScript
+
+# Batches whose publish time is older than the last applied one by more than this are from an
+# earlier incarnation of the publisher (a replica restart takes far longer).
+STALE_SLACK_SECONDS = 1.0
+_GC_BUDGET = 256  # garbage entries one script call reclaims: bounds its time on the server
+
+_PRELUDE = """
+local sub, band, floor = string.sub, bit.band, math.floor
+local T = ARGV[1]
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
+end
+local function int(x) return string.format('%d', x)
+end
+""" + HOLDER_BITMAP_LUA + """
+-- Reclaim up to `budget` entries of one garbage map (an endpoint's map before a clear).
+local function gc_step(holders, slots, garbage, budget)
+  local g = redis.call('SRANDMEMBER', garbage)
+  if not g then return 0 end
+  local d = T .. 'd:' .. g
+  local s = tonumber(g)
+  local byte, mask = floor(s / 8) + 1, 2 ^ (s % 8)
+  local kv = redis.call('HSCAN', d, 0, 'COUNT', budget)[2]
+  if #kv > 0 then
+    local fields, keys = {}, {}
+    for x = 1, #kv, 2 do fields[#fields + 1] = kv[x]; keys[#keys + 1] = kv[x + 1] end
+    local vals = redis.call('HMGET', holders, unpack(keys))
+    local cur = {}  -- two engine hashes may share a key: the second sees the first's update
+    for k = 1, #keys do
+      local key = keys[k]
+      local v = cur[key]
+      if v == nil then v = vals[k] end
+      local nv = without_bit(v, byte, mask)
+      if nv == '' then redis.call('HDEL', holders, key); cur[key] = false
+      elseif nv then redis.call('HSET', holders, key, nv); cur[key] = nv end
+    end
+    redis.call('HDEL', d, unpack(fields))
+  end
+  if redis.call('EXISTS', d) == 0 then
+    redis.call('SREM', garbage, g)
+    redis.call('HDEL', slots, '#' .. g)
+  end
+  return redis.call('SCARD', garbage)
+end
+-- Forget everything an endpoint holds in O(1): its map becomes garbage of its old slot (reclaimed
+-- by gc_step), and the endpoint gets a fresh slot at its next store.
+local function clear(holders, slots, garbage, map, refs, ep, ttl)
+  local s = redis.call('HGET', slots, ep)
+  if s and redis.call('EXISTS', map) == 1 then
+    local d = T .. 'd:' .. s
+    redis.call('RENAME', map, d)
+    redis.call('PEXPIRE', d, ttl)
+    redis.call('SADD', garbage, s)
+    redis.call('HSET', slots, '#' .. s, s)
+    redis.call('HDEL', slots, ep)
+  end
+  redis.call('DEL', refs)
+end
+"""
+
+# KEYS: holders, slots, garbage, meta, map, refs.
+# ARGV: prefix, endpoint, seq, ts, capacity, ttl ms, resync ms, refresh-all flag, then ops as
+# triples: 'S' hash-ids keys | 'R' hash-ids '' | 'C' '' ''.
+# Returns {status, seq}: status is applied, fresh, restart, gap, overflow (applied after a
+# clear), dup or stale (skipped).
+APPLY = LuaScript(_PRELUDE + """
+local holders, slots, garbage = KEYS[1], KEYS[2], KEYS[3]
+local meta, map, refs = KEYS[4], KEYS[5], KEYS[6]
+local ep, seq, ts = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local cap, ttl, resync = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local now = now_ms()
+local m = redis.call('HMGET', meta, 'seq', 'ts', 'until')
+local status, untl = 'applied', tonumber(m[3] or '0')
+local function reset(why, trusted)
+  clear(holders, slots, garbage, map, refs, ep, ttl)
+  status = why
+  if trusted then untl = 0 else untl = now + resync end
+end
+if not m[1] then
+  reset('fresh', seq == 0)
+else
+  local s0, t0 = tonumber(m[1]), tonumber(m[2])
+  if seq <= s0 then
+    if ts <= t0 then return {'dup', s0} end
+    reset('restart', seq == 0)  -- an older seq published later: the publisher restarted
+  elseif ts < t0 - @SLACK@ then
+    return {'stale', s0}  -- a lagging delivery from before a restart
+  elseif seq > s0 + 1 then
+    reset('gap', false)  -- no replica delivered the batches in between
+  end
+end
+local byte, mask
+local function use_slot()
+  local s = slot_of(slots, ep, true)
+  byte, mask = floor(s / 8) + 1, 2 ^ (s % 8)
+end
+use_slot()
+local function ref(k)
+  local nv = with_bit(redis.call('HGET', holders, k), byte, mask)
+  if nv then redis.call('HSET', holders, k, nv) else redis.call('HINCRBY', refs, k, 1) end
+end
+local function unref(k)
+  local c = tonumber(redis.call('HGET', refs, k) or '0')
+  if c > 1 then redis.call('HINCRBY', refs, k, -1) return end
+  if c == 1 then redis.call('HDEL', refs, k) return end
+  local nv = without_bit(redis.call('HGET', holders, k), byte, mask)
+  if nv == '' then redis.call('HDEL', holders, k)
+  elseif nv then redis.call('HSET', holders, k, nv) end
+end
+for x = 9, #ARGV, 3 do
+  local kind, hs, ks = ARGV[x], ARGV[x + 1], ARGV[x + 2]
+  if kind == 'S' then
+    for i = 1, #hs / 8 do
+      local h, k = sub(hs, i * 8 - 7, i * 8), sub(ks, i * 8 - 7, i * 8)
+      local old = redis.call('HGET', map, h)
+      if old ~= k then
+        if old then unref(old) end
+        redis.call('HSET', map, h, k)
+        ref(k)
+      end
+    end
+  elseif kind == 'R' then
+    for i = 1, #hs / 8 do
+      local h = sub(hs, i * 8 - 7, i * 8)
+      local k = redis.call('HGET', map, h)
+      if k then redis.call('HDEL', map, h); unref(k) end
+    end
+  else
+    clear(holders, slots, garbage, map, refs, ep, ttl)
+    untl = 0  -- a cleared cache is fully known from here on
+    use_slot()
+  end
+end
+if redis.call('HLEN', map) > cap then reset('overflow', false) end
+redis.call('HSET', meta, 'seq', ARGV[3], 'ts', ARGV[4], 'until', int(untl))
+gc_step(holders, slots, garbage, @GC@)
+for _, key in ipairs({holders, slots, garbage, meta, map, refs}) do
+  redis.call('PEXPIRE', key, ttl)
+end
+if ARGV[8] == '1' then
+  for _, e in ipairs(redis.call('HKEYS', slots)) do
+    if sub(e, 1, 1) ~= '#' then
+      for _, kind in ipairs({'i:', 'm:', 'k:'}) do redis.call('PEXPIRE', T .. kind .. e, ttl) end
+    end
+  end
+end
+return {status, seq}
+""".replace("@SLACK@", repr(STALE_SLACK_SECONDS)).replace("@GC@", str(_GC_BUDGET)))
+
+# KEYS: holders, slots, garbage, meta, map, refs, speculative. ARGV: prefix, endpoint, ttl ms.
+# Purges the endpoint; returns how many garbage maps are left to reclaim (see GC).
+FORGET = LuaScript(_PRELUDE + """
+clear(KEYS[1], KEYS[2], KEYS[3], KEYS[5], KEYS[6], ARGV[2], tonumber(ARGV[3]))
+redis.call('HDEL', KEYS[2], ARGV[2])
+redis.call('DEL', KEYS[4], KEYS[6], KEYS[7])
+return gc_step(KEYS[1], KEYS[2], KEYS[3], @GC@)
+""".replace("@GC@", str(_GC_BUDGET)))
+
+# KEYS: holders, slots, garbage. ARGV: prefix. One bounded step; returns maps left.
+GC = LuaScript(_PRELUDE + """
+return gc_step(KEYS[1], KEYS[2], KEYS[3], @GC@)
+""".replace("@GC@", str(_GC_BUDGET)))
+
+# KEYS: the endpoint's speculative zset. ARGV: prefix, ttl ms, cap, packed keys.
+SPECULATE = LuaScript(_PRELUDE + """
+local z, ttl, cap, blob = KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local now = now_ms()
+local until_ms = int(now + ttl)
+local n = #blob / 8
+local i = 1
+while i <= n do
+  local args = {}
+  for k = i, math.min(n, i + 511) do
+    args[#args + 1] = until_ms; args[#args + 1] = sub(blob, k * 8 - 7, k * 8)
+  end
+  redis.call('ZADD', z, 'GT', unpack(args))
+  i = i + 512
+end
+redis.call('ZREMRANGEBYSCORE', z, '-inf', now)
+local extra = redis.call('ZCARD', z) - cap
+if extra > 0 then redis.call('ZPOPMIN', z, extra) end
+redis.call('PEXPIRE', z, ttl + 1000)
+return n
+""")
+
+# KEYS: holders, slots, then per candidate: meta, speculative. ARGV: prefix, packed keys, then
+# the candidate ids. Returns per candidate {trusted, confirmed, speculative}: the leading blocks
+# held by events (trusted endpoints only) and by live speculative entries.
+MATCH = LuaScript(_PRELUDE + """
+local holders, blob = KEYS[1], ARGV[2]
+local n, m = #blob / 8, #ARGV - 2
+local now = now_ms()
+local out, conf, spec, bytes, masks, trusted = {}, {}, {}, {}, {}, {}
+for j = 1, m do conf[j] = 0; spec[j] = 0 end
+if m == 0 or n == 0 then
+  for j = 1, m do out[#out + 1] = 0; out[#out + 1] = 0; out[#out + 1] = 0 end
+  return out
+end
+local sl = redis.call('HMGET', KEYS[2], unpack(ARGV, 3))
+local active = {}
+for j = 1, m do
+  local u = redis.call('HGET', KEYS[1 + 2 * j], 'until')
+  trusted[j] = u ~= false and tonumber(u) <= now
+  if trusted[j] and sl[j] then
+    local s = tonumber(sl[j])
+    bytes[j], masks[j] = floor(s / 8) + 1, 2 ^ (s % 8)
+    active[#active + 1] = j
+  end
+end
+local function field(k) return sub(blob, k * 8 - 7, k * 8) end
+-- Walk in growing chunks and stop at the first block no active candidate holds.
+local i, chunk = 0, 32
+while i < n and #active > 0 do
+  local hi = math.min(n, i + chunk)
+  local f = {}
+  for k = i + 1, hi do f[#f + 1] = field(k) end
+  local vals = redis.call('HMGET', holders, unpack(f))
+  for k = 1, #vals do
+    local v, still = vals[k], {}
+    for _, j in ipairs(active) do
+      local b = v and string.byte(v, bytes[j])
+      if b and band(b, masks[j]) ~= 0 then still[#still + 1] = j else conf[j] = i + k - 1 end
+    end
+    active = still
+    if #active == 0 then break end
+  end
+  i = hi
+  chunk = math.min(chunk * 2, 1024)
+end
+for _, j in ipairs(active) do conf[j] = n end
+for j = 1, m do
+  local z = KEYS[2 + 2 * j]
+  if redis.call('EXISTS', z) == 1 then
+    local done, pos, step = false, 0, 32
+    while not done and pos < n do
+      local hi = math.min(n, pos + step)
+      local f = {}
+      for k = pos + 1, hi do f[#f + 1] = field(k) end
+      local scores = redis.call('ZMSCORE', z, unpack(f))
+      for k = 1, #scores do
+        if not scores[k] or tonumber(scores[k]) <= now then done = true; break end
+        spec[j] = pos + k
+      end
+      pos = hi
+      step = math.min(step * 2, 1024)
+    end
+  end
+  out[#out + 1] = trusted[j] and 1 or 0; out[#out + 1] = conf[j]; out[#out + 1] = spec[j]
+end
+return out
+""")

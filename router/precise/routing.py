@@ -1,0 +1,391 @@
+"""Connects precise prefix routing to the scheduler: tokenize, look up, speculate, predict.
+
+:class:`PreciseTracker` is a scheduler producer and pick observer. ``RoutingRequest`` carries no
+request body, so :class:`PreciseRouter` (the :class:`Router` every front door uses) hands the
+parsed body to the tracker, which keeps per-request state in a bounded side table keyed by the
+request id: the prompt's block keys, the match per endpoint, and what was predicted at the pick
+(for :mod:`router.api.prediction`). Entries leave the table when the prediction is read, or as the
+oldest once the table is full (requests shed before they were routed).
+
+With a shared index in Redis (router/precise/shared_index.py) ``produce`` also asks Redis, once per
+request, and the scores merge both views: an endpoint this replica trusts is never scored below
+what its local index knows; one it does not trust only because it is still catching up (late
+start, gap, restart) is scored from Redis when Redis trusts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from router.config.model import GatewayConfig, PluginConfig
+from router.config.precise import PrecisePrefixConfig, TokenizerConfig
+from router.core.endpoints import Endpoint, EndpointSnapshot
+from router.core.framework import RoutingRequest
+from router.index.redis_link import RedisMetrics
+from router.precise.events import EventSource, SubscriberSettings, derive_sources
+from router.precise.events_manager import KVEventsManager
+from router.precise.hf_tokenizer import huggingface_tokenizer
+from router.precise.index import PreciseIndex, block_keys
+from router.precise.shared_index import RemoteMatch, SharedPreciseIndex
+from router.precise.tokenizers import (
+    CachingTokenizer,
+    RemoteTokenizer,
+    TokenizeInput,
+    Tokenizer,
+    sim_tokenizer,
+)
+from router.protocol import anthropic, responses_api
+from router.protocol.parsing import ParsedRequest
+from router.scheduling.routing import Prepared, Router
+
+SCORER_TYPE = "precise-prefix-cache-scorer"
+DEFAULT_MAX_REQUESTS = 4096
+log = logging.getLogger("prefixgate.precise")
+# Hashing ~2K blocks costs about a millisecond: past that it goes to a thread.
+_THREAD_ABOVE_TOKENS = 32_768
+
+
+@dataclass(slots=True)
+class PreciseState:
+    """One request's precise-routing facts (see the module doc)."""
+
+    source: TokenizeInput | None
+    num_tokens: int = 0
+    keys: list[int] = field(default_factory=list)
+    # Leading blocks per endpoint: at scoring (what routing used); at the pick, by events and
+    # finished prefills only (confirmed), and with every speculative entry too (expected: what
+    # the index predicts the replica will hit).
+    hits: dict[str, int] = field(default_factory=dict)
+    confirmed: dict[str, int] = field(default_factory=dict)
+    expected: dict[str, int] = field(default_factory=dict)
+    trusted: frozenset[str] = frozenset()
+    # Trusted through the shared index only (this replica's own stream is catching up).
+    shared_only: frozenset[str] = frozenset()
+    remote: dict[str, RemoteMatch] = field(default_factory=dict)
+    picked_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PreciseSettings:
+    """The ``precisePrefix`` config, and how many requests' states to keep (not configurable)."""
+
+    config: PrecisePrefixConfig = field(default_factory=PrecisePrefixConfig)
+    max_requests: int = DEFAULT_MAX_REQUESTS
+
+
+class PreciseTracker:
+    """Producer + pick observer for the precise index (see the module doc)."""
+
+    def __init__(
+        self,
+        index: PreciseIndex,
+        tokenizer: Tokenizer,
+        settings: PreciseSettings,
+        clock: Callable[[], float] = time.monotonic,
+        shared: SharedPreciseIndex | None = None,
+    ) -> None:
+        self.index = index
+        self.shared = shared
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self._clock = clock
+        self._states: OrderedDict[str, PreciseState] = OrderedDict()
+
+    def attach(self, request_id: str, parsed: ParsedRequest) -> None:
+        size = len(parsed.body)
+        if parsed.api == "messages" or parsed.api == "responses":
+            # Tokenized as the chat request vLLM turns it into.
+            convert = anthropic.to_chat if parsed.api == "messages" else responses_api.to_chat
+            messages, tools = convert(parsed.payload)
+            chat = {"messages": messages, "tools": tools}
+            source = TokenizeInput("chat", parsed.model, chat, size)
+        else:
+            source = TokenizeInput(parsed.api, parsed.model, parsed.payload, size)
+        self._states[request_id] = PreciseState(source)
+        self._states.move_to_end(request_id)
+        while len(self._states) > self.settings.max_requests:
+            self._states.popitem(last=False)
+
+    def state(self, request_id: str) -> PreciseState | None:
+        return self._states.get(request_id)
+
+    def finish(self, request_id: str) -> PreciseState | None:
+        """The request's state, removed from the table (read once, when its usage is known)."""
+        return self._states.pop(request_id, None)
+
+    async def _keys(self, tokens: Sequence[int]) -> list[int]:
+        s = self.settings.config
+        if len(tokens) < _THREAD_ABOVE_TOKENS:
+            return block_keys(tokens, s.block_size, max_blocks=s.max_blocks_per_request)
+        return await asyncio.to_thread(
+            block_keys, tokens, s.block_size, max_blocks=s.max_blocks_per_request
+        )
+
+    async def produce(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> None:
+        state = self._states.get(request.request_id)
+        if state is None or state.source is None or not endpoints:
+            return
+        source, state.source = state.source, None  # the body is not needed past this point
+        tokens = await self.tokenizer.tokenize(source, endpoints)
+        if tokens is None:
+            return
+        state.num_tokens = len(tokens)
+        state.keys = await self._keys(tokens)
+        state.trusted = frozenset(e.id for e in endpoints if self.index.trusted(e.id))
+        if self.shared is not None and state.keys:
+            remote = await self.shared.lookup(state.keys, [e.id for e in endpoints])
+            if remote:
+                state.remote = remote
+                state.shared_only = frozenset(
+                    eid for eid, r in remote.items()
+                    if r.trusted and eid not in state.trusted and self.index.catching_up(eid)
+                )
+                state.trusted |= state.shared_only
+
+    def _match(self, state: PreciseState, ids: Sequence[str], speculative: bool) -> dict[str, int]:
+        """Local and shared views merged (see the module doc)."""
+        local = [eid for eid in ids if eid not in state.shared_only]
+        hits = self.index.match(state.keys, local, speculative)
+        shared = [eid for eid in ids if eid in state.shared_only]
+        if shared and speculative:
+            hits.update(self.index.match(state.keys, shared, confirmed=False))
+        for eid in ids:
+            r = state.remote.get(eid)
+            if r is not None:
+                remote = r.held if speculative else (r.confirmed if r.trusted else 0)
+                hits[eid] = max(hits.get(eid, 0), remote)
+        return hits
+
+    def _match_computed(self, state: PreciseState, endpoint_id: str) -> dict[str, int]:
+        """Blocks announced by events, or computed by a prefill that has finished on the
+        endpoint (its events may still be on the way): what the replica certainly holds."""
+        if endpoint_id in state.shared_only:
+            return self._match(state, [endpoint_id], speculative=False)
+        # One walk over both kinds of local evidence (a run may start on one and end on the
+        # other); it covers the events-only walk, so only a shared view can add to it.
+        held = self.index.match(state.keys, [endpoint_id], settled_only=True)[endpoint_id]
+        remote = state.remote.get(endpoint_id)
+        if remote is not None and remote.trusted:
+            held = max(held, remote.confirmed)
+        return {endpoint_id: held}
+
+    def prefilled(self, request_id: str, endpoint_id: str) -> None:
+        """The request's first byte came back: its blocks are computed on the endpoint."""
+        state = self._states.get(request_id)
+        if state is not None and state.keys:
+            self.index.settle(endpoint_id, state.keys)
+
+    def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
+        state = self._states.get(request.request_id)
+        if state is None:
+            return
+        first_pick = state.picked_at is None
+        state.picked_at = self._clock()
+        if state.keys:
+            # What the replica should hit, before this pick's own speculation.
+            state.confirmed.update(self._match_computed(state, endpoint_id))
+            scored = state.hits.get(endpoint_id) if first_pick else None
+            if scored is not None:
+                # Matched by scores() just before this pick, with no suspension in between
+                # (a retry's pick comes later: it is matched again).
+                state.expected[endpoint_id] = scored
+            else:
+                state.expected.update(self._match(state, [endpoint_id], speculative=True))
+            ttl = self.settings.config.speculative_ttl_seconds
+            self.index.speculate(endpoint_id, state.keys, ttl)
+            if self.shared is not None:
+                self.shared.speculated(endpoint_id, state.keys, ttl)
+
+    def held_share(self, request_id: str, endpoint_id: str) -> float | None:
+        """The share of the prompt's blocks a trusted endpoint held when the request was
+        scored; None when precise scores were not computed for it."""
+        state = self._states.get(request_id)
+        if state is None or not state.keys or endpoint_id not in state.trusted:
+            return None
+        held = state.hits.get(endpoint_id)
+        return None if held is None else held / len(state.keys)
+
+    def scores(
+        self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
+    ) -> list[float] | None:
+        """Per endpoint the held share of the prompt's blocks; None without precise data.
+
+        Endpoints whose event stream is not trusted get the approximate index's share.
+        """
+        state = self._states.get(request.request_id)
+        if state is None or not state.keys:
+            return None
+        # Matched here, not in produce: scoring, picking and on_pick run without a suspension
+        # point in between, so each request of a burst sees the picks made before it.
+        trusted = [e.id for e in endpoints if e.id in state.trusted]
+        state.hits = self._match(state, trusted, speculative=True)
+        total = len(state.keys)
+        approx_total = len(request.block_hashes)
+        out = []
+        for e in endpoints:
+            if e.id in state.trusted:
+                out.append(state.hits.get(e.id, 0) / total)
+            elif approx_total:
+                out.append(request.prefix_hits.get(e.id, 0) / approx_total)
+            else:
+                out.append(0.0)
+        return out
+
+
+class PreciseRouter(Router):
+    """The shared :class:`Router`, plus handing each parsed body to the precise tracker."""
+
+    reads_payload = True
+
+    def __init__(self, *args: Any, tracker: PreciseTracker, **kwargs: Any) -> None:
+        # Router's own arguments pass through untouched, whatever they become.
+        super().__init__(*args, **kwargs)
+        self.tracker = tracker
+
+    def routing_request(
+        self,
+        parsed: ParsedRequest,
+        headers: Mapping[str, str],
+        request_id: str,
+        prepared: Prepared | None = None,
+    ) -> RoutingRequest:
+        routing = super().routing_request(parsed, headers, request_id, prepared)
+        self.tracker.attach(routing.request_id, parsed)
+        return routing
+
+    def uncached_tokens(self, routing: RoutingRequest, endpoint_id: str) -> int:
+        share = self.tracker.held_share(routing.request_id, endpoint_id)
+        if share is None:
+            return super().uncached_tokens(routing, endpoint_id)
+        return routing.uncached_at(share)
+
+    def prefilled(self, routing: RoutingRequest, endpoint_id: str) -> None:
+        self.tracker.prefilled(routing.request_id, endpoint_id)
+
+
+def precise_enabled(config: GatewayConfig, plugins: Iterable[PluginConfig]) -> bool:
+    """On when configured so, or (by default) when a scorer reads the precise index."""
+    enabled = config.precise_prefix.enabled
+    if enabled is not None:
+        return enabled
+    return any(
+        p.type == SCORER_TYPE
+        or (
+            p.type == "ttft-cost-scorer"
+            and p.parameters.get("prefixSource", p.parameters.get("prefix_source")) == "precise"
+        )
+        for p in plugins
+    )
+
+
+def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
+    inner: Tokenizer
+    if cfg.type == "sim":
+        inner = sim_tokenizer(cfg.thread_above_bytes)
+    elif cfg.type == "huggingface":
+        assert cfg.path is not None  # enforced by the config model
+        inner = huggingface_tokenizer(
+            cfg.path, cfg.chat_template, cfg.add_special_tokens, cfg.thread_above_bytes
+        )
+    else:
+        inner = RemoteTokenizer(cfg.timeout_ms / 1000.0)
+    return CachingTokenizer(inner, cfg.timeout_ms / 1000.0, cfg.cache_entries)
+
+
+class PreciseRuntime:
+    """Everything precise routing owns: index (local, and shared when so configured),
+    tokenizer, tracker, and the event subscribers, which follow the pool's joins and leaves."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        registry: CollectorRegistry,
+        redis_metrics: RedisMetrics | None = None,
+    ) -> None:
+        pp = config.precise_prefix
+        self._config = config
+        self._registry = registry
+        self.index = PreciseIndex(pp.block_size, pp.max_blocks_per_endpoint)
+        self.shared: SharedPreciseIndex | None = None
+        ic = pp.index
+        if ic.backend == "redis" and ic.url is not None:
+            self.shared = SharedPreciseIndex(
+                self.index, ic.url, namespace=ic.namespace, timeout_ms=ic.timeout_ms,
+                metrics=redis_metrics or RedisMetrics(registry),
+                resync_seconds=pp.kv_events.resync_seconds, registry=registry,
+                cluster=ic.cluster,
+            )
+        self.tracker = PreciseTracker(
+            self.index,
+            build_tokenizer(pp.tokenizer),
+            PreciseSettings(pp),
+            shared=self.shared,
+        )
+        self.events: KVEventsManager | None = None
+        self._joined: dict[str, str] = {}  # endpoints that joined before start
+
+    def sources(self, endpoint_urls: Mapping[str, str]) -> list[EventSource]:
+        ev = self._config.precise_prefix.kv_events
+        return derive_sources(
+            endpoint_urls,
+            {eid: e.address for eid, e in ev.endpoints.items()},
+            {eid: e.replay_address for eid, e in ev.endpoints.items() if e.replay_address},
+            ev.port, ev.port_offset, ev.replay_port, ev.replay_port_offset,
+        )
+
+    def start(self, endpoint_urls: Mapping[str, str]) -> None:
+        """Subscribe to every endpoint that has an events address (needs a running loop)."""
+        ev = self._config.precise_prefix.kv_events
+        settings = SubscriberSettings(ev)
+        sources = self.sources({**self._joined, **endpoint_urls})
+        self._joined.clear()
+        if not sources and self._config.discovery is None:
+            log.warning("precise prefix routing has no KV events address for any endpoint; "
+                        "every endpoint is scored from the approximate index")
+        self.events = KVEventsManager(
+            self.index, sources, settings, self._registry, mirror=self.shared
+        )
+        self.events.start()
+
+    def endpoint_joined(self, endpoint: Endpoint) -> None:
+        """A discovered endpoint: follow its events from now on (router.pool.discovery.LivePool)."""
+        if self.events is None:
+            self._joined[endpoint.id] = endpoint.url
+            return
+        for source in self.sources({endpoint.id: endpoint.url}):
+            if self.events.add(source):
+                log.info("kv events %s: subscribing to %s", source.endpoint_id, source.address)
+
+    async def forget_endpoint(self, endpoint_id: str) -> None:
+        """An endpoint left for good: stop following it and purge its entries (Redis too)."""
+        self._joined.pop(endpoint_id, None)
+        if self.events is not None:
+            await self.events.remove(endpoint_id)
+        if self.shared is not None:
+            await self.shared.forget_endpoint(endpoint_id)
+        else:
+            self.index.forget(endpoint_id)
+
+    def expect_events(self, endpoint_id: str, since: float) -> None:
+        if self.events is not None:
+            self.events.expect_events(endpoint_id, since)
+
+    def set_capacity(self, endpoint_id: str, num_gpu_blocks: int) -> None:
+        # A consistent stream never holds more than the cache's blocks; a little slack.
+        self.index.set_capacity(endpoint_id, num_gpu_blocks + 64)
+
+    async def stop(self) -> None:
+        if self.events is not None:
+            await self.events.stop()
+            self.events = None
+        if self.shared is not None:
+            await self.shared.aclose()
+        await self.tracker.tokenizer.aclose()

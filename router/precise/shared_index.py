@@ -1,0 +1,305 @@
+"""The precise index shared through Redis (``precisePrefix.index.backend: redis``).
+
+Every gateway still subscribes to every endpoint's KV events and keeps its own index warm (no
+leader, and the local index answers alone when Redis is slow or down). Redis adds what a
+late-starting replica missed and the speculative entries of every gateway's picks, so a burst
+spread over gateways follows one endpoint. Each event batch is applied once and in order,
+whichever gateway delivers it first. Design, key layout and the rules of the ``APPLY`` script:
+docs/precise-routing.md; memory and cost: docs/benchmarks/precise.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+from prometheus_client import CollectorRegistry, Counter
+
+from router.index.redis_link import (
+    CircuitBreaker,
+    RedisLink,
+    RedisMetrics,
+    ScriptCall,
+    Unavailable,
+    as_text,
+    key_tag,
+    pipeline_scripts,
+)
+from router.index.update_queue import UpdateQueue
+from router.precise.event_codec import AppliedOp, Cleared, Mapped, Removed, Stored
+from router.precise.index import EngineHash, PreciseIndex, block_keys
+from router.precise.redis_scripts import APPLY, FORGET, GC, MATCH, SPECULATE
+
+DEFAULT_KEY_TTL_SECONDS = 86_400.0
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteMatch:
+    """What Redis knows of one endpoint for one request's chain."""
+
+    trusted: bool
+    confirmed: int
+    speculative: int
+
+    @property
+    def held(self) -> int:
+        return max(self.confirmed if self.trusted else 0, self.speculative)
+
+
+@dataclass(slots=True)
+class _Events:
+    seq: int
+    ts: float
+    ops: list[AppliedOp]
+    capacity: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Speculation:
+    keys: bytes
+    ttl_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Purge:
+    pass
+
+
+_Item = _Events | _Speculation | _Purge
+_Key = tuple[str, str, int]  # (kind, endpoint id, sequence of the put or last key)
+
+
+def hash_id(engine_hash: EngineHash) -> bytes:
+    """An engine hash as 8 bytes: ints as they are (mod 2**64), bytes hashed (sha256 ones)."""
+    if isinstance(engine_hash, int):
+        return (engine_hash & _MASK64).to_bytes(8, "little")
+    return xxhash.xxh64_digest(engine_hash)
+
+
+def pack_keys(keys: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(keys)}Q", *keys)
+
+
+def _pack_ids(hashes: Sequence[EngineHash]) -> bytes:
+    return b"".join(hash_id(h) for h in hashes)
+
+
+class SharedPreciseIndex:
+    """Mirrors a local :class:`PreciseIndex` into Redis and reads the shared view back."""
+
+    def __init__(
+        self,
+        local: PreciseIndex,
+        url: str,
+        *,
+        metrics: RedisMetrics,
+        namespace: str = "prefixgate",
+        timeout_ms: float = 5.0,
+        write_timeout_ms: float = 100.0,
+        resync_seconds: float = 30.0,
+        key_ttl_seconds: float = DEFAULT_KEY_TTL_SECONDS,
+        max_speculative: int = 65_536,
+        max_pending: int = 4096,
+        breaker: CircuitBreaker | None = None,
+        cluster: bool = False,
+        flush_timeout: float = 0.5,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.local = local
+        self.metrics = metrics
+        self._p = key_tag(namespace) + ":p"
+        self._link = RedisLink(
+            url, component="precise_index", metrics=metrics, timeout_ms=timeout_ms,
+            breaker=breaker,
+            cluster=cluster,
+        )
+        self._write_budget = write_timeout_ms / 1000.0
+        self._resync_ms = max(0, int(resync_seconds * 1000))
+        self._ttl_ms = max(1, int(key_ttl_seconds * 1000))
+        self._refresh_every = key_ttl_seconds / 10
+        self._refreshed_at = -float("inf")
+        self._max_spec = max(1, max_speculative)
+        self._flush_timeout = flush_timeout
+        self._puts = itertools.count()
+        self.statuses: dict[str, int] = {}  # APPLY outcomes of this replica's deliveries
+        self._outcomes = Counter(
+            "prefixgate_precise_shared_batches",
+            "KV event batches this gateway delivered to the shared precise index, by outcome: "
+            "fresh, applied, dup, restart, gap, overflow, stale.",
+            ["outcome"],
+            registry=registry if registry is not None else CollectorRegistry(),
+        )
+        # Event batches must never be coalesced: each put gets its own key.
+        self._queue: UpdateQueue[_Key, _Item] = UpdateQueue(
+            self._ship, op="precise_update", link=self._link, max_items=max_pending,
+            max_batch=16, max_batch_cost=64 << 10, cost=_cost,
+        )
+
+    @property
+    def link(self) -> RedisLink:
+        return self._link
+
+    def _k(self, kind: str, endpoint_id: str = "") -> str:
+        return self._p + kind + endpoint_id
+
+    # -- writes (background) --------------------------------------------------------------
+
+    def batch(self, endpoint_id: str, seq: int, ts: float, ops: list[AppliedOp]) -> None:
+        """A batch the local subscriber just applied (router.precise.events.BatchMirror)."""
+        capacity = self.local.capacity(endpoint_id)
+        self._queue.put(("events", endpoint_id, next(self._puts)), _Events(seq, ts, ops, capacity))
+
+    def speculated(self, endpoint_id: str, keys: Sequence[int], ttl: float) -> None:
+        """Share the speculative entries of a pick (the local index has its own)."""
+        if not keys or ttl <= 0:
+            return
+        # A later pick of the same chain on the same endpoint supersedes this one.
+        item = _Speculation(pack_keys(keys), max(1, int(ttl * 1000)))
+        self._queue.put(("spec", endpoint_id, keys[-1]), item)
+
+    async def forget_endpoint(self, endpoint_id: str) -> None:
+        """Purge an endpoint that left the pool, here and in Redis."""
+        self.local.forget(endpoint_id)
+        self._queue.discard_if(lambda key: key[1] == endpoint_id)
+        self._queue.put(("purge", endpoint_id, 0), _Purge())
+
+    async def flush(self) -> None:
+        await self._queue.flush()
+
+    async def aclose(self) -> None:
+        await self._queue.aclose(self._flush_timeout)
+        await self._link.aclose()
+
+    def _call(self, key: _Key, item: _Item, refresh: bool) -> ScriptCall:
+        eid, p = key[1], self._p
+        if isinstance(item, _Speculation):
+            return SPECULATE, [self._k("z:", eid)], [p, item.ttl_ms, self._max_spec, item.keys]
+        base = [self._k("h"), self._k("s"), self._k("g"), self._k("i:", eid),
+                self._k("m:", eid), self._k("k:", eid)]
+        if isinstance(item, _Purge):
+            if not eid:
+                return GC, base[:3], [p]
+            return FORGET, [*base, self._k("z:", eid)], [p, eid, self._ttl_ms]
+        args: list[Any] = [
+            p, eid, item.seq, repr(item.ts), item.capacity, self._ttl_ms, self._resync_ms,
+            "1" if refresh else "0",
+        ]
+        for op in item.ops:
+            if isinstance(op, Mapped):
+                args += ["S", _pack_ids(op.block_hashes), pack_keys(op.keys)]
+            elif isinstance(op, Removed):
+                args += ["R", _pack_ids(op.block_hashes), ""]
+            elif isinstance(op, Cleared):
+                args += ["C", "", ""]
+            # A Stored left here could not be mapped even with Redis' help: skipped.
+        return APPLY, base, args
+
+    async def _ship(self, batch: list[tuple[_Key, _Item]]) -> None:
+        """One pipelined round trip (two when a late replica must learn parents first)."""
+        await self._resolve_parents(batch)
+        refresh = time.monotonic() - self._refreshed_at > self._refresh_every
+        calls = [self._call(key, item, refresh) for key, item in batch]
+
+        results = await self._link.call(
+            "precise_update", lambda c: pipeline_scripts(c, calls), self._write_budget
+        )
+        failed = 0
+        for (key, _), result in zip(batch, results, strict=True):
+            if isinstance(result, Exception):
+                failed += 1
+            elif key[0] == "events":
+                status = as_text(result[0])
+                self.statuses[status] = self.statuses.get(status, 0) + 1
+                self._outcomes.labels(status).inc()
+            elif key[0] == "purge" and isinstance(result, int) and result > 0:
+                self._queue.put(("purge", "", 0), _Purge())  # reclaim the rest, bounded steps
+        if failed:
+            self.metrics.errors.labels("precise_update", "error").inc(failed)
+            self.metrics.dropped.labels("precise_update", "error").inc(failed)
+        elif refresh:
+            self._refreshed_at = time.monotonic()
+
+    async def _resolve_parents(self, batch: list[tuple[_Key, _Item]]) -> None:
+        """Map the blocks the local index could not (unknown parent) with keys from Redis."""
+        wanted: dict[str, set[bytes]] = {}
+        for (_, eid, _), item in batch:
+            if isinstance(item, _Events):
+                for op in item.ops:
+                    if isinstance(op, Stored) and op.parent is not None:
+                        wanted.setdefault(eid, set()).add(hash_id(op.parent))
+        if not wanted:
+            return
+        order = [(eid, sorted(ids)) for eid, ids in wanted.items()]
+
+        async def fetch(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for eid, ids in order:
+                pipe.hmget(self._k("m:", eid), ids)
+            found: list[Any] = await pipe.execute()
+            return found
+
+        try:
+            found = await self._link.call("precise_parents", fetch, self._write_budget)
+        except Unavailable:
+            return  # shipped unmapped (skipped): Redis is away anyway
+        known: dict[str, dict[bytes, int]] = {
+            eid: {i: int.from_bytes(v, "little") for i, v in zip(ids, vals, strict=True) if v}
+            for (eid, ids), vals in zip(order, found, strict=True)
+        }
+        for (_, eid, _), item in batch:
+            if isinstance(item, _Events):
+                item.ops = [self._map(eid, op, known.setdefault(eid, {})) for op in item.ops]
+
+    def _map(self, eid: str, op: AppliedOp, known: dict[bytes, int]) -> AppliedOp:
+        if not isinstance(op, Stored) or op.parent is None:
+            return op
+        parent = known.get(hash_id(op.parent))
+        bs = self.local.block_size
+        if parent is None or len(op.token_ids) < len(op.block_hashes) * bs:
+            return op
+        keys = block_keys(op.token_ids, bs, parent, len(op.block_hashes))
+        for engine_hash, key in zip(op.block_hashes, keys, strict=True):
+            known[hash_id(engine_hash)] = key  # a later orphan in the same batch may need it
+            self.local.learn_parent(eid, engine_hash, key)
+        return Mapped(op.block_hashes, keys)
+
+    # -- reads ----------------------------------------------------------------------------
+
+    async def lookup(
+        self, keys: Sequence[int], endpoint_ids: Sequence[str]
+    ) -> dict[str, RemoteMatch] | None:
+        """Redis' view of ``keys`` per endpoint in one round trip; None when Redis is away."""
+        ids = list(endpoint_ids)
+        if not keys or not ids:
+            return {}
+        if self._link.breaker.retry_in() > 0:
+            self.metrics.fallbacks.labels("precise_match", "circuit_open").inc()
+            return None
+        redis_keys = [self._k("h"), self._k("s")]
+        for eid in ids:
+            redis_keys += [self._k("i:", eid), self._k("z:", eid)]
+        args: list[Any] = [self._p, pack_keys(keys), *ids]
+        raw = await self._link.eval_or_none("precise_match", MATCH, redis_keys, args)
+        if raw is None:
+            return None
+        return {
+            eid: RemoteMatch(bool(raw[3 * j]), int(raw[3 * j + 1]), int(raw[3 * j + 2]))
+            for j, eid in enumerate(ids)
+        }
+
+
+def _cost(key: _Key, item: _Item) -> int:
+    if isinstance(item, _Speculation):
+        return len(item.keys) + 64
+    if isinstance(item, _Events):
+        blocks = (op.block_hashes for op in item.ops if not isinstance(op, Cleared))
+        return 64 + sum(24 * len(b) for b in blocks)
+    return 64
+
+

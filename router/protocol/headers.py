@@ -1,0 +1,121 @@
+"""The gateway's header policy: what a client may send upstream, what comes back to it."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import orjson
+
+from router.protocol.auth import FAIRNESS_HEADER, KEY_HEADERS, UpstreamKeys
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+REQUEST_ID_HEADER = "x-request-id"
+# A client asks why its request went where it went (honoured when server.explainHeader is on);
+# the answer comes back in DECISION_HEADER.
+EXPLAIN_HEADER = "x-prefixgate-explain"
+DECISION_HEADER = "x-prefixgate-decision"
+DECISION_HEADER_ENDPOINTS = 8  # the best few: a header must stay well under proxies' limits
+# A client's request id is echoed in headers and logs: only a short, plain token is honoured.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+# Headers a client may never set for the upstream: hop-by-hop ones, and the gateway's own
+# routing headers (a client-chosen destination or prefiller would be an SSRF hole).
+DROP_REQUEST_HEADERS = frozenset(
+    h.encode()
+    for h in (
+        "host", "content-length", "connection", "keep-alive", "proxy-authenticate",
+        "proxy-authorization", "proxy-connection", "te", "trailer", "transfer-encoding",
+        "upgrade", "expect", DESTINATION_HEADER, "x-gateway-destination-endpoint-subset",
+        "x-gateway-destination-endpoint-served", "x-prefiller-host-port", "x-prefiller-url",
+        "x-decoder-host-port", "x-gateway-request-dropped-reason", REQUEST_ID_HEADER,
+        EXPLAIN_HEADER, DECISION_HEADER,
+    )
+)
+DROP_RESPONSE_HEADERS = frozenset(
+    h.encode()
+    for h in (
+        "connection", "keep-alive", "transfer-encoding", "upgrade", "trailer", "server",
+        "date", DESTINATION_HEADER, REQUEST_ID_HEADER, DECISION_HEADER,
+    )
+)
+FAIRNESS_HEADERS = frozenset(
+    h.encode() for h in ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
+)
+
+
+class RequestIds:
+    """Fresh request ids: a random per-instance prefix and a counter, 32 hex digits like a
+    uuid4's. Unique across processes and restarts (the prefix), cheaper than uuid4 per
+    request (no system entropy per id)."""
+
+    __slots__ = ("_counter", "_prefix")
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(8).hex()
+        self._counter = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self._prefix}{next(self._counter):016x}"
+
+
+def request_id_of(headers: Mapping[str, str], fresh: RequestIds | None = None) -> str:
+    """The client's id when it is a short plain token, else a fresh one."""
+    value = headers.get(REQUEST_ID_HEADER)
+    if value and _REQUEST_ID.fullmatch(value):
+        return value
+    return fresh() if fresh is not None else os.urandom(16).hex()
+
+
+def response_headers(
+    raw: Iterable[tuple[bytes, bytes]],
+    endpoint_id: str,
+    request_id: str,
+    explanation: Mapping[str, Any] | None = None,
+) -> list[tuple[bytes, bytes]]:
+    headers = [(k.lower(), v) for k, v in raw if k.lower() not in DROP_RESPONSE_HEADERS]
+    headers.append((DESTINATION_HEADER.encode(), endpoint_id.encode()))
+    headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+    if explanation is not None:
+        shown = {**explanation, "endpoints": explanation["endpoints"][:DECISION_HEADER_ENDPOINTS]}
+        headers.append((DECISION_HEADER.encode(), orjson.dumps(shown)))
+    return headers
+
+
+class ForwardedHeaders:
+    """What a request carries upstream: the client's headers minus every one that could steer
+    routing (behind authentication also the client's fairness id, and its key unless it is
+    forwarded on purpose), plus the request id, the tenant and the endpoint's own key."""
+
+    __slots__ = ("_drop", "keys")
+
+    def __init__(self, keys: UpstreamKeys, authenticated: bool, forward_client_key: bool) -> None:
+        drop = set(DROP_REQUEST_HEADERS)
+        if authenticated:
+            drop |= FAIRNESS_HEADERS  # replaced by the tenant's
+            if not forward_client_key:
+                drop |= {h.encode() for h in KEY_HEADERS}
+        self._drop = frozenset(drop)
+        self.keys = keys
+
+    def base(
+        self, raw: Iterable[tuple[bytes, bytes]], request_id: str, tenant: str | None
+    ) -> list[tuple[str, str]]:
+        drop = self._drop
+        headers = [
+            (k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.lower() not in drop
+        ]
+        headers.append((REQUEST_ID_HEADER, request_id))
+        if tenant is not None:
+            headers.append((FAIRNESS_HEADER, tenant))
+        return headers
+
+    def keyed(self, headers: list[tuple[str, str]], endpoint_id: str) -> list[tuple[str, str]]:
+        key = self.keys.header(endpoint_id) if self.keys else None
+        if key is None:
+            return headers
+        # The endpoint's own key replaces whatever the client sent.
+        return [h for h in headers if h[0].lower() not in KEY_HEADERS] + [key]

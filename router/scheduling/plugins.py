@@ -1,0 +1,174 @@
+"""The plugin registry (type name -> factory) and config-driven assembly of a profile.
+
+Weights live in the profile, outside the scorers, as in llm-d's EndpointPickerConfig. Each
+factory validates its own parameters strictly, so a typo in ``parameters`` fails at start-up
+naming the plugin and the key.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from router.config.model import PluginConfig, ProfileConfig, format_validation_error
+from router.core.errors import ConfigError
+from router.core.framework import Filter, Picker, SchedulingProfile, Scorer, WeightedScorer
+from router.core.strict import Strict
+from router.estimators.calibration import Calibrator
+from router.scheduling.filters import decode_filter, prefill_filter
+from router.scheduling.pickers import MaxScorePicker, RandomPicker, RoundRobinPicker
+from scorers.inflight import InFlightScorer
+from scorers.kv_cache_utilization import KVCacheUtilizationScorer
+from scorers.load_aware import LoadAwareParameters, LoadAwareScorer
+from scorers.no_hit_lru import NoHitLRUParameters, NoHitLRUScorer
+from scorers.precise_prefix_cache import PrecisePrefixCacheScorer, PreciseScores
+from scorers.prefix_cache import PrefixCacheScorer
+from scorers.queue import QueueScorer
+from scorers.session_affinity import SessionAffinityScorer
+from scorers.session_hash import SessionHashScorer
+from scorers.ttft_cost import TTFTCostParameters, TTFTCostScorer
+
+
+@dataclass(frozen=True, slots=True)
+class PluginContext:
+    """Shared services a factory may hand to its plugin."""
+
+    rng: random.Random
+    calibrator: Calibrator = field(default_factory=Calibrator)
+    # The precise prefix tracker, when precise routing is on (router.precise.routing).
+    precise: PreciseScores | None = None
+
+
+Factory = Callable[[Mapping[str, Any], PluginContext], object]
+
+
+class NoParameters(Strict):
+    pass
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parameters(model: type[M], raw: Mapping[str, Any]) -> M:
+    """Validate a plugin's ``parameters`` mapping against its model (used by factories)."""
+    return model.model_validate(dict(raw))
+
+
+class PluginRegistry:
+    def __init__(self) -> None:
+        self._factories: dict[str, Factory] = {}
+
+    def register(self, type_name: str, factory: Factory) -> None:
+        if type_name in self._factories:
+            raise ValueError(f"plugin type {type_name!r} is already registered")
+        self._factories[type_name] = factory
+
+    def types(self) -> list[str]:
+        return sorted(self._factories)
+
+    def create(self, config: PluginConfig, context: PluginContext, where: str) -> object:
+        factory = self._factories.get(config.type)
+        if factory is None:
+            raise ConfigError(
+                f"{where}.type: unknown plugin type {config.type!r} "
+                f"(known: {', '.join(self.types())})"
+            )
+        try:
+            return factory(config.parameters, context)
+        except ValidationError as exc:
+            raise ConfigError(
+                f"invalid config: {format_validation_error(exc, f'{where}.parameters')}"
+            ) from exc
+
+
+def _simple(cls: Callable[[], object]) -> Factory:
+    def factory(raw: Mapping[str, Any], context: PluginContext) -> object:
+        parameters(NoParameters, raw)
+        return cls()
+
+    return factory
+
+
+def _seeded(cls: Callable[[random.Random], object]) -> Factory:
+    def factory(raw: Mapping[str, Any], context: PluginContext) -> object:
+        parameters(NoParameters, raw)
+        return cls(context.rng)
+
+    return factory
+
+
+def _ttft_cost(raw: Mapping[str, Any], context: PluginContext) -> object:
+    return TTFTCostScorer(context.calibrator, parameters(TTFTCostParameters, raw), context.precise)
+
+
+def _precise(raw: Mapping[str, Any], context: PluginContext) -> object:
+    parameters(NoParameters, raw)
+    return PrecisePrefixCacheScorer(context.precise)
+
+
+def _load_aware(raw: Mapping[str, Any], context: PluginContext) -> object:
+    return LoadAwareScorer(parameters(LoadAwareParameters, raw))
+
+
+def _no_hit_lru(raw: Mapping[str, Any], context: PluginContext) -> object:
+    return NoHitLRUScorer(parameters(NoHitLRUParameters, raw))
+
+
+def default_registry() -> PluginRegistry:
+    registry = PluginRegistry()
+    registry.register("prefix-cache-scorer", _simple(PrefixCacheScorer))
+    registry.register("queue-scorer", _simple(QueueScorer))
+    registry.register("kv-cache-utilization-scorer", _simple(KVCacheUtilizationScorer))
+    registry.register("inflight-scorer", _simple(InFlightScorer))
+    registry.register("session-affinity-scorer", _simple(SessionAffinityScorer))
+    registry.register("session-hash-scorer", _simple(SessionHashScorer))
+    registry.register("ttft-cost-scorer", _ttft_cost)
+    registry.register("precise-prefix-cache-scorer", _precise)
+    registry.register("load-aware-scorer", _load_aware)
+    registry.register("no-hit-lru-scorer", _no_hit_lru)
+    registry.register("max-score-picker", _seeded(MaxScorePicker))
+    registry.register("random-picker", _seeded(RandomPicker))
+    registry.register("round-robin-picker", _simple(RoundRobinPicker))
+    registry.register("prefill-filter", _simple(prefill_filter))
+    registry.register("decode-filter", _simple(decode_filter))
+    return registry
+
+
+def build_profile(
+    plugins: list[PluginConfig],
+    profile: ProfileConfig,
+    registry: PluginRegistry,
+    context: PluginContext,
+    where: str = "schedulingProfiles[0]",
+) -> SchedulingProfile:
+    instances: dict[str, object] = {}
+    for i, plugin in enumerate(plugins):
+        if plugin.ref in instances:
+            raise ConfigError(f"plugins[{i}].name: duplicate plugin name {plugin.ref!r}")
+        instances[plugin.ref] = registry.create(plugin, context, f"plugins[{i}]")
+    picker: Picker | None = None
+    scorers: list[WeightedScorer] = []
+    filters: list[Filter] = []
+    for j, ref in enumerate(profile.plugins):
+        at = f"{where}.plugins[{j}]"
+        instance = instances.get(ref.plugin_ref)
+        if instance is None:
+            raise ConfigError(f"{at}.pluginRef: no plugin named {ref.plugin_ref!r}")
+        if isinstance(instance, Scorer):
+            weight = 1.0 if ref.weight is None else ref.weight
+            scorers.append(WeightedScorer(ref.plugin_ref, instance, weight))
+        elif ref.weight is not None:
+            raise ConfigError(f"{at}.weight: only scorers take a weight")
+        elif isinstance(instance, Picker):
+            if picker is not None:
+                raise ConfigError(f"{at}.pluginRef: a profile has one picker")
+            picker = instance
+        elif isinstance(instance, Filter):
+            filters.append(instance)
+    if picker is None:
+        picker = MaxScorePicker(context.rng)
+    return SchedulingProfile(profile.name, picker, scorers, filters)

@@ -1,0 +1,43 @@
+"""Producers and observers that connect the scheduler to the prefix index and affinity store."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from router.core.endpoints import EndpointSnapshot
+from router.core.framework import RoutingRequest
+from router.index.affinity import AffinityStore
+from router.index.prefix_index import PrefixIndex
+
+
+class PrefixTracker:
+    """Looks the request's block chain up before scoring; records it for the pick after."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+
+    async def produce(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> None:
+        if request.block_hashes and endpoints:
+            request.prefix_hits = await self.index.match(
+                request.block_hashes, [e.id for e in endpoints]
+            )
+            request.cache_room = {e.id: self.index.room(e.id) for e in endpoints}
+
+    def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
+        if request.block_hashes:
+            self.index.record(endpoint_id, request.block_hashes)
+
+
+class AffinityTracker:
+    """Remembers which endpoint served each session last (``x-session-id``)."""
+
+    def __init__(self, store: AffinityStore) -> None:
+        self.store = store
+
+    async def produce(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> None:
+        if request.session_id:
+            request.affinity_endpoint = await self.store.get(request.session_id)
+
+    def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
+        if request.session_id:
+            self.store.set(request.session_id, endpoint_id)

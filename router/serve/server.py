@@ -1,0 +1,184 @@
+"""Running the gateway under uvicorn: blocking for the CLI, or in-process for tests and demos.
+
+Graceful shutdown, on the first SIGTERM or SIGINT: /ready answers 503 at once; new connections
+are still accepted for ``server.shutdownDelaySeconds`` (load balancers take a moment to stop
+sending), then the listening socket closes and in-flight requests drain for up to
+``server.drainTimeoutSeconds``. Streams still open then end with an SSE error event, requests
+still waiting get a 503, and the process exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from dataclasses import dataclass
+
+import uvicorn
+from starlette.types import Receive, Scope, Send
+from uvicorn.config import LOGGING_CONFIG
+
+from router.api.logs import LogFormat, configure_logging
+from router.api.streaming import ServerSend
+from router.app import Gateway, create_app
+from router.config.model import GatewayConfig
+from router.core.heap import freeze_startup_heap
+
+log = logging.getLogger("prefixgate.server")
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def uvicorn_config(
+    app: ASGIApp, host: str, port: int, log_level: str = "info", own_logging: bool = False
+) -> uvicorn.Config:
+    # "auto" picks uvloop and httptools when installed (they are, via uvicorn[standard]).
+    return uvicorn.Config(
+        ServerSend(app),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        loop="auto",
+        http="auto",
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=30,
+        # Our own handlers (text or JSON, off the event loop) instead of uvicorn's.
+        log_config=None if own_logging else LOGGING_CONFIG,
+    )
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn with the gateway's drain sequence instead of an immediate stop on a signal."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self._delay = gateway.config.server.shutdown_delay_seconds
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # uvicorn re-raises the signal after its shutdown, which makes the exit code 143:
+        # handle the signals here instead, so that a drained shutdown exits 0.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGINT, signal.SIGTERM)
+        for sig in signals:
+            loop.add_signal_handler(sig, self.drain)
+        try:
+            yield
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+    def drain(self) -> None:
+        """Start the shutdown sequence; a second call exits without waiting."""
+        proxy = self.gateway.proxy
+        if proxy.draining:
+            log.warning("second signal: exiting without waiting for in-flight requests")
+            self.should_exit = self.force_exit = True
+            return
+        proxy.draining = True
+        log.info(
+            "draining: not ready; refusing connections in %.1fs; %d request(s) in flight",
+            self._delay, proxy.active,
+        )
+        loop = asyncio.get_running_loop()
+        loop.call_later(self._delay, self._stop_accepting)
+
+    def _stop_accepting(self) -> None:
+        self.should_exit = True
+
+
+def set_drain_timeout(config: uvicorn.Config, drain_timeout: float) -> None:
+    # uvicorn takes whole seconds in its type hints but waits with a float.
+    config.timeout_graceful_shutdown = drain_timeout  # type: ignore[assignment]
+
+
+def serve(
+    config: GatewayConfig, log_level: str = "info", log_format: LogFormat | None = None
+) -> None:
+    stop_logging = configure_logging(log_level, log_format or config.server.log_format)
+    try:
+        app = create_app(config)
+        server_cfg = config.server
+        ucfg = uvicorn_config(
+            app, server_cfg.host, server_cfg.port, log_level, own_logging=True
+        )
+        set_drain_timeout(ucfg, server_cfg.drain_timeout_seconds)
+        sock = bind_socket(server_cfg.host, server_cfg.port)
+        freeze_startup_heap()
+        GatewayServer(ucfg, app.state.gateway).run(sockets=[sock])
+    finally:
+        stop_logging()
+
+
+@dataclass(frozen=True, slots=True)
+class RunningGateway:
+    url: str
+    port: int
+    gateway: Gateway
+    server: GatewayServer | None = None
+
+
+def bind_socket(host: str = "127.0.0.1", port: int = 0, reuse_port: bool = False) -> socket.socket:
+    """The listening socket; with ``reuse_port`` one of several on the same port, each with its
+    own accept queue that the kernel spreads new connections over (``--workers``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    # Accepted connections inherit it: without it the first SSE chunk, written right after the
+    # response headers, waits for the client's delayed ACK (~40 ms on Linux).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+class _InProcessServer(GatewayServer):
+    """Leaves the host process's signals alone (tests, demos)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(
+    config: GatewayConfig, log_level: str = "warning", startup_timeout: float = 10.0
+) -> AsyncIterator[RunningGateway]:
+    """Serve the gateway on a loopback port (0 = ephemeral) inside the current event loop."""
+    app = create_app(config)
+    sock = bind_socket(config.server.host, config.server.port)
+    port = sock.getsockname()[1]
+    server = _InProcessServer(
+        uvicorn_config(app, config.server.host, port, log_level), app.state.gateway
+    )
+    set_drain_timeout(server.config, min(2.0, config.server.drain_timeout_seconds))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(startup_timeout):
+            while not server.started:
+                if task.done():
+                    task.result()
+                    raise RuntimeError("gateway exited during start-up")
+                await asyncio.sleep(0.01)
+        yield RunningGateway(
+            f"http://{config.server.host}:{port}", port, app.state.gateway, server
+        )
+    finally:
+        server.should_exit = True
+        try:
+            async with asyncio.timeout(10):
+                await task
+        except TimeoutError:
+            task.cancel()
+        finally:
+            sock.close()

@@ -1,0 +1,245 @@
+"""The OpenAI Responses API end to end: the openai SDK through the gateway to simulated replicas,
+follow-ups on the replica that stored the response, shared routes, errors and prefix reuse."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from benchmarks.agent_reuse import agentic_sessions, captured_share
+from benchmarks.sim.cli import Replica, start_replicas
+from benchmarks.sim.config import SimConfig
+from router.serve.server import RunningGateway, running_gateway
+from tests.e2e.test_reliability_support import serve_app
+from tests.gateways import MODEL, gateway_config
+from tests.router.protocol.test_responses_api import DESTINATION
+
+# -- end to end through the openai SDK ------------------------------------------------------------
+
+
+@pytest.fixture
+async def oai(gateway: RunningGateway) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0) as c:
+        yield c
+
+
+async def follow(
+    oai: openai.AsyncOpenAI, previous: str | None, text: str, stream: bool
+) -> tuple[str, str]:
+    """(response id, endpoint that served it) of one turn."""
+    ask: dict[str, Any] = {"model": MODEL, "input": text, "max_output_tokens": 6}
+    if previous is not None:
+        ask["previous_response_id"] = previous
+    if stream:
+        raw_stream = await oai.responses.with_raw_response.create(**ask, stream=True)
+        kinds, completed = [], None
+        async for event in raw_stream.parse():
+            kinds.append(event.type)
+            if event.type == "response.completed":
+                completed = event.response.id
+        assert kinds[0] == "response.created" and completed is not None
+        return completed, raw_stream.headers[DESTINATION]
+    raw = await oai.responses.with_raw_response.create(**ask)
+    return raw.parse().id, raw.headers[DESTINATION]
+
+
+async def test_follow_ups_land_on_the_replica_that_stored_the_response(
+    replicas: list[Replica],
+) -> None:
+    """8 interleaved conversations of 4 turns, streamed and not: every follow-up reaches the
+    replica holding its previous response (any other would answer 404), known from the answers
+    the gateway relayed (asking the endpoints is off here)."""
+    config = gateway_config([r.url for r in replicas], responses={"probeTimeoutSeconds": 0})
+    async with (
+        running_gateway(config) as gw,
+        openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0) as oai,
+    ):
+
+        async def conversation(n: int) -> set[str]:
+            response_id, home = await follow(oai, None, f"conversation {n} " * 20, n % 2 == 0)
+            homes = {home}
+            for turn in range(3):
+                response_id, where = await follow(oai, response_id, f"turn {turn}", turn % 2 == 1)
+                homes.add(where)
+            return homes
+
+        results = await asyncio.gather(*(conversation(n) for n in range(8)))
+        remembered = len(gw.gateway.stores.responses)
+    assert all(len(homes) == 1 for homes in results)
+    assert len(set().union(*results)) > 1, "the conversations were spread, not all on one"
+    assert remembered == 32
+
+
+async def test_get_delete_and_cancel_go_to_the_holder(
+    oai: openai.AsyncOpenAI, gateway: RunningGateway
+) -> None:
+    response_id, home = await follow(oai, None, "keep this", stream=False)
+    raw = await oai.responses.with_raw_response.retrieve(response_id)
+    assert raw.headers[DESTINATION] == home and raw.parse().id == response_id
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        # The simulator serves no cancel; what matters is where the gateway sent it.
+        cancel = await http.post(f"/v1/responses/{response_id}/cancel")
+        assert cancel.headers[DESTINATION] == home
+        bad = await http.get("/v1/responses/resp%20bad")
+    assert bad.status_code == 404
+    await oai.responses.delete(response_id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        await oai.responses.retrieve(response_id)
+    assert gone.value.code == "response_not_found"
+
+
+async def test_a_gone_endpoint_is_a_clear_4xx_never_another_replicas_answer() -> None:
+    health = {"intervalSeconds": 0.05, "unhealthyThreshold": 1, "timeoutSeconds": 0.2}
+    async with start_replicas(3, SimConfig(speed=50)) as replicas:
+        config = gateway_config([r.url for r in replicas])
+        config = config.model_copy(
+            update={
+                "pool": config.pool.model_copy(
+                    update={"health_check": config.pool.health_check.model_copy(update=health)}
+                )
+            }
+        )
+        async with (
+            running_gateway(config) as gw,
+            openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="k", max_retries=0) as oai,
+        ):
+            first, home = await follow(oai, None, "hello " * 10, stream=False)
+            second, _ = await follow(oai, None, "another " * 10, stream=False)
+            holder = next(r for r in replicas if r.url.endswith(home))
+            holder.server.should_exit = True  # the replica goes down
+            state = gw.gateway.pool.get(home)
+            async with asyncio.timeout(5):
+                while state is not None and state.healthy:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+            with pytest.raises(openai.ConflictError) as down:
+                await follow(oai, first, "still there?", stream=False)
+            assert down.value.code == "response_endpoint_unavailable"
+            assert down.value.param == "previous_response_id"
+            gw.gateway.pool.remove(home)  # and leaves the pool
+            with pytest.raises(openai.NotFoundError) as gone:
+                await follow(oai, first, "still there?", stream=True)
+            assert gone.value.code == "response_endpoint_gone"
+            served = sum(len(r.sim.responses.items) for r in replicas)
+    assert served == 2, "no other replica answered the follow-ups"
+    assert second
+
+
+async def test_a_second_gateway_finds_responses_by_asking_the_endpoints(
+    replicas: list[Replica],
+) -> None:
+    urls = [r.url for r in replicas]
+    async with (
+        running_gateway(gateway_config(urls)) as one,
+        running_gateway(gateway_config(urls)) as two,
+        openai.AsyncOpenAI(base_url=one.url + "/v1", api_key="k", max_retries=0) as via_one,
+        openai.AsyncOpenAI(base_url=two.url + "/v1", api_key="k", max_retries=0) as via_two,
+    ):
+        first, home = await follow(via_one, None, "hello " * 10, stream=False)
+        _, where = await follow(via_two, first, "and then?", stream=True)
+    assert where == home
+
+
+@pytest.mark.redis
+async def test_gateways_share_response_routes_through_redis(
+    replicas: list[Replica], redis_url: str, redis_namespace: str
+) -> None:
+    urls = [r.url for r in replicas]
+    index = {"backend": "redis", "url": redis_url, "namespace": redis_namespace}
+    # Sharing, not budgets: with the default 50 ms, a loaded machine's second gateway gave up
+    # on Redis and answered 404. It may not ask the endpoints: it must know from Redis.
+    generous = {"redisTimeoutMs": 1000}
+    async with (
+        running_gateway(gateway_config(urls, prefixIndex=index, responses=generous)) as one,
+        running_gateway(
+            gateway_config(
+                urls, prefixIndex=index, responses={**generous, "probeTimeoutSeconds": 0}
+            )
+        ) as two,
+        openai.AsyncOpenAI(base_url=one.url + "/v1", api_key="k", max_retries=0) as via_one,
+        openai.AsyncOpenAI(base_url=two.url + "/v1", api_key="k", max_retries=0) as via_two,
+    ):
+        for n in range(4):
+            first, home = await follow(via_one, None, f"hello {n} " * 10, stream=n % 2 == 0)
+            await one.gateway.stores.responses.flush()
+            _, where = await follow(via_two, first, "and then?", stream=False)
+            assert where == home
+
+
+async def test_responses_errors_are_openai_shaped(oai: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        await oai.responses.create(model=MODEL, input=3)  # type: ignore[arg-type]
+    assert bad.value.code == 400 or bad.value.param == "input"
+    with pytest.raises(openai.NotFoundError) as unknown:
+        await oai.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
+    assert unknown.value.param == "previous_response_id"
+
+
+class StallingResponses:
+    def app(self) -> Starlette:
+        async def create(request: Request) -> Response:
+            await request.body()
+            return StreamingResponse(self._stall(), media_type="text/event-stream")
+
+        async def ok(request: Request) -> Response:
+            body = b'{"data": [{"id": "sim-model"}]}' if request.url.path == "/v1/models" else b""
+            return Response(body, media_type="application/json")
+
+        routes = [Route("/v1/responses", create, methods=["POST"])]
+        routes += [Route(p, ok) for p in ("/health", "/metrics", "/v1/models")]
+        return Starlette(routes=routes)
+
+    async def _stall(self) -> AsyncIterator[bytes]:
+        created = {
+            "type": "response.created",
+            "sequence_number": 0,
+            "response": {
+                "id": "resp_stall",
+                "object": "response",
+                "status": "in_progress",
+                "output": [],
+                "model": MODEL,
+                "created_at": 0,
+            },
+        }
+        yield b"event: response.created\ndata: " + orjson.dumps(created) + b"\n\n"
+        await asyncio.sleep(30)
+
+
+async def test_a_failed_stream_ends_with_a_typed_error_event_and_the_id_is_remembered() -> None:
+    async with (
+        serve_app(StallingResponses().app()) as url,
+        running_gateway(gateway_config([url], proxy={"idleTimeoutSeconds": 0.3})) as gw,
+    ):
+        async with httpx.AsyncClient(base_url=gw.url) as http:
+            resp = await http.post(
+                "/v1/responses", json={"model": MODEL, "input": "x", "stream": True}
+            )
+        remembered = gw.gateway.stores.responses.local("resp_stall")
+    name, data = resp.text.strip().split("\n\n")[-1].split("\n")
+    assert name == "event: error"
+    error = orjson.loads(data[len("data: ") :])
+    assert error["type"] == "error" and "idle timeout" in error["message"]
+    assert remembered == url.removeprefix("http://")
+
+
+# -- prefix reuse ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_full_history_sessions_capture_as_much_prefix_reuse_as_chat() -> None:
+    sessions = agentic_sessions(sessions=24, turns=8, seed=1)
+    chat, _, chat_reuse = await captured_share("chat", sessions)
+    responses, outcome, reuse = await captured_share("responses", sessions)
+    print(f"captured share: chat {chat:.3f}, responses {responses:.3f}")
+    assert outcome.errors == 0 and reuse.reusable_tokens == chat_reuse.reusable_tokens
+    assert responses >= chat - 0.04 and responses >= 0.9

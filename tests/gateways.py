@@ -1,0 +1,23 @@
+"""A gateway config for tests: the simulated replicas' model, fast health checks and scrapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.config.model import parse_config
+
+MODEL = "sim-model"
+
+
+def gateway_config(urls: list[str], **overrides: Any) -> Any:
+    data: dict[str, Any] = {
+        "server": {"port": 0},
+        "pool": {
+            "endpoints": [{"url": u} for u in urls],
+            "healthCheck": {"intervalSeconds": 0.2, "unhealthyThreshold": 2},
+            "metricsScrape": {"intervalSeconds": 0.05},
+        },
+        "seed": 1,
+    }
+    data.update(overrides)
+    return parse_config(data)

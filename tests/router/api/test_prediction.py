@@ -1,0 +1,75 @@
+"""The usage tap: what it keeps of a relayed answer, and the usage it hands over."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from prometheus_client import CollectorRegistry
+
+from router.api.prediction import PredictionTracker, UsageTap, find_usage
+from router.core.framework import RoutingRequest
+from router.estimators.answer_cache import AnswerCache
+
+
+class Recorder(PredictionTracker):
+    def __init__(self) -> None:
+        super().__init__(CollectorRegistry())
+        self.seen: list[tuple[str, Mapping[str, Any] | None]] = []
+
+    def observe(
+        self, endpoint_id: str, routing: RoutingRequest, usage: Mapping[str, Any] | None
+    ) -> None:
+        self.seen.append((endpoint_id, usage))
+
+
+def test_a_long_stream_keeps_its_tail_and_hands_over_the_final_usage() -> None:
+    tracker = Recorder()
+    tap = UsageTap(tracker, "e1", RoutingRequest("r", "m"))
+    events = [b'data: {"choices": [{"delta": {"content": "tok%d"}}]}\n\n' % i for i in range(3000)]
+    usage = {"prompt_tokens": 900, "prompt_tokens_details": {"cached_tokens": 512}}
+    events.append(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    for event in events:
+        tap(event)
+    whole = b"".join(events)
+    assert len(whole) > 4 * UsageTap.TAIL_BYTES
+    assert tap.tail() == whole[-UsageTap.TAIL_BYTES :]
+    tap.finish()
+    assert tracker.seen == [("e1", usage)]
+
+
+def test_a_short_body_is_kept_whole() -> None:
+    tracker = Recorder()
+    tap = UsageTap(tracker, "e2", RoutingRequest("r", "m"))
+    body = orjson.dumps({"choices": [], "usage": {"prompt_tokens": 3}})
+    tap(body[:10])
+    tap(body[10:])
+    assert tap.tail() == body and find_usage(tap.tail()) == {"prompt_tokens": 3}
+    tap.finish()
+    assert tracker.seen == [("e2", {"prompt_tokens": 3})]
+
+
+def test_the_answers_found_cached_teach_the_answer_share() -> None:
+    answers = AnswerCache()
+    tracker = PredictionTracker(CollectorRegistry(), block_size=16, answers=answers)
+    # 4,000 bytes for 1,000 tokens; the endpoint matched 2,000 bytes (500 tokens) and served
+    # the turn whose 1,400-byte answer (350 tokens) comes next.
+    routing = RoutingRequest(
+        request_id="r", model="m", prompt_bytes=4000, prompt_tokens=1000, block_bytes=1000,
+        block_hashes=(1, 2, 3, 4), answer_bytes=(2500, 3400), prefix_hits={"home": 2},
+    )
+
+    def answered(cached: int) -> None:
+        usage = {"prompt_tokens": 1000, "prompt_tokens_details": {"cached_tokens": cached}}
+        tracker.observe("home", routing, usage)
+
+    answered(848)  # the answer's whole blocks: nothing to learn from
+    assert answers.share("m") == 1.0
+    answered(300)  # the matched prefix itself was evicted: says nothing about the answer
+    assert answers.share("m") == 1.0
+    for _ in range(40):
+        answered(512)  # the prefix up to the answer, and none of it (a reasoning template)
+    assert answers.share("m") < 0.2
+    assert tracker.summary["approximate"].count == 42

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from router.core.endpoints import QUEUE_AVERAGE_S, Endpoint, EndpointPool, EndpointState, Lease
+
+
+def state() -> EndpointState:
+    return EndpointState(Endpoint.from_url("http://127.0.0.1:8000"))
+
+
+def test_a_lease_counts_its_prefill_until_the_first_byte_and_itself_until_released() -> None:
+    s = state()
+    lease = Lease(s, prefill_tokens=3_000)
+    other = Lease(s, prefill_tokens=500)
+    assert (s.in_flight, s.pending_prefill_tokens, s.pending_prefill_requests) == (2, 3_500, 2)
+    lease.first_byte()
+    lease.first_byte()  # a second chunk settles nothing more
+    assert (s.in_flight, s.pending_prefill_tokens, s.pending_prefill_requests) == (2, 500, 1)
+    lease.release()
+    lease.release()
+    other.release()  # released before its first byte: its prefill leaves the queue too
+    assert (s.in_flight, s.pending_prefill_tokens, s.pending_prefill_requests) == (0, 0, 0)
+
+
+def test_waiting_requests_are_foreign_only_beyond_the_gateways_own() -> None:
+    s = state()
+    s.metrics.waiting = 3.0
+    s.metrics.gateway_in_flight = 2  # in flight when scraped, so possibly among the 3
+    assert s.snapshot(0.0).foreign_waiting == 1.0
+    leases = [Lease(s, prefill_tokens=10) for _ in range(3)]
+    assert s.snapshot(0.0).foreign_waiting == 0.0  # the scrape may not have seen these yet
+    for lease in leases:
+        lease.release()
+    s.metrics.gateway_in_flight = 0
+    assert s.snapshot(0.0).foreign_waiting == 3.0
+
+
+def test_the_recent_queue_remembers_a_queue_that_just_drained() -> None:
+    s = state()
+    s.add_pending(10_000, 1, now=100.0)
+    # Held for one time constant: the average has climbed 63% of the way.
+    assert s.recent_prefill_tokens(100.0 + QUEUE_AVERAGE_S) == pytest.approx(
+        10_000 * (1 - math.exp(-1)), rel=1e-6
+    )
+    s.add_pending(-10_000, -1, now=100.0 + QUEUE_AVERAGE_S)
+    drained = s.recent_prefill_tokens(100.0 + QUEUE_AVERAGE_S)
+    assert s.pending_prefill_tokens == 0 and drained > 6_000
+    # Empty since then: it decays, and the snapshot carries it.
+    later = 100.0 + 3 * QUEUE_AVERAGE_S
+    assert s.snapshot(later).recent_prefill_tokens == pytest.approx(drained * math.exp(-2))
+    assert s.snapshot(later).pending_prefill_tokens == 0
+
+
+def test_leases_keep_the_queue_average_on_the_pools_clock() -> None:
+    now = [1_000.0]
+    endpoint = Endpoint.from_url("http://127.0.0.1:8000", models=["m"])
+    pool = EndpointPool([endpoint], clock=lambda: now[0])
+    (s,) = list(pool)
+    s.healthy = True
+    lease = pool.lease(s.endpoint.id, prefill_tokens=8_000)
+    now[0] += QUEUE_AVERAGE_S
+    lease.first_byte()
+    (snapshot,) = pool.candidates("m")
+    assert snapshot.pending_prefill_tokens == 0
+    assert snapshot.recent_prefill_tokens == pytest.approx(8_000 * (1 - math.exp(-1)))

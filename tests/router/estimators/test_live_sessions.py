@@ -1,0 +1,106 @@
+"""Live sessions: who counts, for how long, and the context each endpoint must keep."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from router.core.framework import RoutingRequest
+from router.estimators.live_sessions import MIN_HORIZON_S, LiveSessions
+from tests.snapshots import snap
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def req(session: str | None, tokens: int) -> RoutingRequest:
+    return RoutingRequest(request_id="r", model="m", session_id=session, prompt_tokens=tokens)
+
+
+async def test_a_session_counts_once_it_comes_back_and_leaves_its_old_home() -> None:
+    clock = Clock()
+    live = LiveSessions(clock=clock)
+    live.on_pick(req("s", 4_000), "a")
+    assert live.live_tokens("a") == 0  # one request: it may never come back
+    clock.now += 2.0
+    live.on_pick(req("s", 5_000), "a")
+    live.on_pick(req("t", 1_000), "a")
+    live.on_pick(req(None, 9_000), "a")  # no session: nothing to keep for it
+    assert live.live_tokens("a") == 5_000
+    clock.now += 2.0
+    live.on_pick(req("s", 6_000), "b")  # moved: its context on "a" is no longer wanted
+    assert (live.live_tokens("a"), live.live_tokens("b")) == (0, 6_000)
+    # Scoring a request excludes its own session: its context is extended, not evicted.
+    request = req("s", 6_500)
+    await live.produce(request, [snap("a"), snap("b")])
+    assert request.live_tokens == {"a": 0, "b": 0}
+    other = req("u", 1_000)
+    await live.produce(other, [snap("a"), snap("b")])
+    assert other.live_tokens == {"a": 0, "b": 6_000}
+
+
+def test_sessions_expire_after_a_few_of_their_usual_gaps() -> None:
+    clock = Clock()
+    live = LiveSessions(clock=clock)
+    for _ in range(60):  # a session every 2 s: the typical gap converges there
+        live.on_pick(req("s", 1_000), "a")
+        clock.now += 2.0
+    assert live.typical_gap == pytest.approx(2.0, rel=0.1)
+    assert live.live_tokens("a") == 1_000
+    clock.now += live.horizon  # quiet for longer than three of its gaps: gone
+    assert live.live_tokens("a") == 0
+    # Back: live again at once. Parallel sub-agent requests are a burst, not a pace.
+    live.on_pick(req("s", 1_000), "a")
+    assert live.live_tokens("a") == 1_000
+    pace = live.typical_gap
+    for _ in range(100):
+        live.on_pick(req("s", 1_000), "a")
+    assert live.typical_gap == pace
+    assert LiveSessions().horizon >= MIN_HORIZON_S
+
+
+def test_the_live_contexts_are_exported() -> None:
+    clock = Clock()
+    registry = CollectorRegistry()
+    live = LiveSessions(clock=clock, registry=registry)
+    for _ in range(2):
+        live.on_pick(req("s", 700), "a")
+    text = generate_latest(registry).decode()
+    assert 'prefixgate_live_session_context_tokens{endpoint="a"} 700.0' in text
+    assert "prefixgate_live_sessions 1.0" in text
+    assert f"prefixgate_live_session_horizon_seconds {live.horizon}" in text
+
+
+def test_the_table_is_bounded() -> None:
+    clock = Clock()
+    live = LiveSessions(max_sessions=3, clock=clock)
+    for i in range(6):
+        for _ in range(2):
+            live.on_pick(req(f"s{i}", 100), "a")
+    assert live.live_tokens("a") == 300
+
+
+
+async def test_a_new_sessions_first_request_is_told_how_many_requests_follow_it() -> None:
+    clock = Clock()
+    registry = CollectorRegistry()
+    live = LiveSessions(clock=clock, registry=registry)
+    for n in range(10):  # sessions of twelve requests each
+        for _ in range(12):
+            live.on_pick(req(f"s{n}", 1_000), "a")
+            clock.now += 1.0
+    expected = live.lengths.later_requests
+    assert expected > 5
+    new, known, anonymous = req("new", 1_000), req("s9", 1_000), req(None, 1_000)
+    for r in (new, known, anonymous):
+        await live.produce(r, [snap("a")])
+    assert (new.later_requests, known.later_requests, anonymous.later_requests) == (
+        expected, 0, 0
+    )
+    text = generate_latest(registry).decode()
+    assert f"prefixgate_session_later_requests {expected}" in text

@@ -1,0 +1,198 @@
+"""The ext_proc endpoint picker over real loopback gRPC, with a client playing Envoy's part:
+routing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import orjson
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from benchmarks.sim.cli import Replica
+from router.extproc.server import EXT_PROC_SERVICE, RunningEpp, running_epp
+from tests.gateways import MODEL
+from tests.router.extproc.envoy import (
+    DEST,
+    GRPC_DEFAULT_LIMIT,
+    Envoy,
+    MiB,
+    chat_body,
+    epp_config,
+    eventually,
+    in_flight,
+)
+
+
+@pytest.mark.parametrize("mode", ["duplex", "buffered"])
+@pytest.mark.parametrize("size", [2_000, 5 * MiB])
+async def test_routes_small_and_large_bodies(
+    epp: RunningEpp, envoy: Envoy, mode: str, size: int
+) -> None:
+    body = chat_body("x" * size)
+    call, routed = await envoy.send_request(body, mode=mode)
+    ids = {s.endpoint.id for s in epp.gateway.pool}
+    assert routed.header in ids
+    assert routed.metadata == routed.header
+    if mode == "duplex":
+        assert routed.body == body  # Envoy forwards only what is streamed back
+    assert all(a.ByteSize() < GRPC_DEFAULT_LIMIT for a in routed.answers)
+    assert in_flight(epp) == 1
+    assert epp.gateway.flow.outstanding(MODEL) == 1
+    await envoy.finish(call, duplex=mode == "duplex")
+    await eventually(lambda: in_flight(epp) == 0 and epp.gateway.flow.outstanding(MODEL) == 0)
+
+
+async def test_same_prefix_goes_to_the_same_endpoint(envoy: Envoy) -> None:
+    prefix = "You are a helpful assistant. " * 200
+    picks = []
+    for i in range(6):
+        call, routed = await envoy.send_request(chat_body(prefix + f"question {i}"))
+        picks.append(routed.header)
+        await envoy.finish(call)
+    assert len(set(picks[1:])) == 1
+
+
+async def test_body_mode_defaults_when_envoy_does_not_announce_it(
+    two_replicas: list[Replica],
+) -> None:
+    config = epp_config(two_replicas, extProc={"defaultBodyMode": "BUFFERED"})
+    async with running_epp(config) as epp, grpc.aio.insecure_channel(epp.target) as channel:
+        call, routed = await Envoy(channel).send_request(
+            chat_body("hi"), mode="buffered", announce_mode=False
+        )
+        assert routed.answers[1].HasField("request_body")
+        assert routed.header in {r.url.removeprefix("http://") for r in two_replicas}
+        await Envoy(channel).finish(call, duplex=False)
+
+
+async def test_subset_hint_limits_the_candidates(epp: RunningEpp, envoy: Envoy) -> None:
+    ids = sorted(s.endpoint.id for s in epp.gateway.pool)
+    for wanted in ids:
+        for i in range(4):
+            call, routed = await envoy.send_request(chat_body(f"q{i}"), subset=[wanted])
+            assert routed.header == wanted
+            await envoy.finish(call)
+    host = ids[0].rsplit(":", 1)[0]  # a bare address matches every port on it
+    call, routed = await envoy.send_request(chat_body("bare"), subset=[host])
+    assert routed.header in ids
+    await envoy.finish(call)
+
+
+async def test_subset_hint_without_a_known_endpoint_is_a_503(envoy: Envoy) -> None:
+    _, routed = await envoy.send_request(chat_body("hi"), subset=["10.255.0.1:8000"])
+    reply = routed.immediate
+    assert reply is not None and reply.status.code == 503
+    headers = {h.header.key: h.header.raw_value.decode() for h in reply.headers.set_headers}
+    assert headers["x-gateway-request-dropped-reason"] == "rejected-no-endpoints"
+    assert orjson.loads(reply.body)["error"]["code"] == "no_endpoints"
+
+
+async def test_fallback_list(two_replicas: list[Replica]) -> None:
+    config = epp_config(two_replicas, extProc={"fallbackEndpoints": 1})
+    async with running_epp(config) as epp, grpc.aio.insecure_channel(epp.target) as channel:
+        envoy = Envoy(channel)
+        call, routed = await envoy.send_request(chat_body("hi"))
+        first, second = routed.header.split(",")
+        assert routed.metadata == routed.header and first != second
+        leased = [s.endpoint.id for s in epp.gateway.pool if s.in_flight]
+        assert leased == [first]  # only the pick is counted
+        await envoy.finish(call)
+
+
+async def test_shed_requests_get_an_immediate_response(two_replicas: list[Replica]) -> None:
+    flow = {
+        "saturationDetector": {"inFlightThreshold": 1},
+        "objectives": [{"name": "batch", "priority": -1}],
+        "defaultRequestTTL": 30,
+    }
+    config = epp_config(two_replicas[:1], flowControl=flow)
+    async with running_epp(config) as epp, grpc.aio.insecure_channel(epp.target) as channel:
+        envoy = Envoy(channel)
+        busy, _ = await envoy.send_request(chat_body("first"))
+        # Saturated now: a sheddable request is turned away at once ...
+        _, shed = await envoy.send_request(
+            chat_body("second"), headers={"x-gateway-inference-objective": "batch"}
+        )
+        reply = shed.immediate
+        assert reply is not None and reply.status.code == 429
+        headers = {h.header.key: h.header.raw_value.decode() for h in reply.headers.set_headers}
+        assert headers["x-gateway-request-dropped-reason"] == "rejected-saturated"
+        assert headers["content-type"] == "application/json"
+        assert orjson.loads(reply.body)["error"]["type"] == "rate_limit_exceeded"
+        # ... a regular one waits for the first to finish, then is routed.
+        waiting = asyncio.create_task(envoy.send_request(chat_body("third")))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await envoy.finish(busy)
+        call, routed = await asyncio.wait_for(waiting, 5)
+        assert routed.immediate is None and routed.header
+        await envoy.finish(call)
+
+
+async def test_closed_stream_releases_lease_and_ticket(epp: RunningEpp, envoy: Envoy) -> None:
+    call, _ = await envoy.send_request(chat_body("left early"))
+    assert in_flight(epp) == 1
+    call.cancel()  # Envoy resets the stream: the client went away mid-response
+    await eventually(lambda: in_flight(epp) == 0 and epp.gateway.flow.outstanding(MODEL) == 0)
+
+
+async def test_stream_closed_after_the_request_phase_releases(
+    epp: RunningEpp, envoy: Envoy
+) -> None:
+    call, _ = await envoy.send_request(chat_body("no response processing"))
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    await eventually(lambda: in_flight(epp) == 0 and epp.gateway.flow.outstanding(MODEL) == 0)
+
+
+async def test_request_without_body_goes_to_the_least_loaded(epp: RunningEpp, envoy: Envoy) -> None:
+    busy, first = await envoy.send_request(chat_body("busy"))
+    call, routed = await envoy.send_request(None, path="/v1/models")
+    assert routed.answers[0].HasField("request_headers")
+    assert routed.header != first.header
+    await envoy.finish(call)
+    await envoy.finish(busy)
+    await eventually(lambda: in_flight(epp) == 0)
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [(b"{not json", 400), (orjson.dumps({"model": "nope", "messages": [{"role": "user"}]}), 404)],
+)
+async def test_bad_requests_are_answered_by_envoy(
+    epp: RunningEpp, envoy: Envoy, body: bytes, status: int
+) -> None:
+    _, routed = await envoy.send_request(body)
+    reply = routed.immediate
+    assert reply is not None and reply.status.code == status
+    assert "error" in orjson.loads(reply.body)
+    assert in_flight(epp) == 0
+
+
+async def test_client_cannot_choose_the_destination(envoy: Envoy) -> None:
+    call, routed = await envoy.send_request(chat_body("hi"), headers={DEST: "169.254.169.254:80"})
+    assert routed.header != "169.254.169.254:80"
+    await envoy.finish(call)
+
+
+async def test_health_services_and_metrics(epp: RunningEpp, envoy: Envoy) -> None:
+    target = f"127.0.0.1:{epp.health_port}"
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("liveness", "readiness", EXT_PROC_SERVICE, ""):
+            async with asyncio.timeout(5):
+                while True:  # readiness is set by a task right after start-up
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                    await asyncio.sleep(0.01)
+    call, _ = await envoy.send_request(chat_body("count me"))
+    await envoy.finish(call)
+    async with httpx.AsyncClient() as client:
+        resp = await client.get(f"http://127.0.0.1:{epp.metrics_port}/metrics")
+    assert resp.status_code == 200
+    assert 'prefixgate_extproc_decisions_total{outcome="routed"} 1.0' in resp.text
+    assert "prefixgate_requests_total" in resp.text

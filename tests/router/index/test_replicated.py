@@ -1,0 +1,105 @@
+"""The replicated index and affinity: two processes' worth of stores on one real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import msgpack
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.config.model import parse_config
+from router.core.errors import ConfigError
+from router.index.affinity import InMemoryAffinityStore
+from router.index.prefix_index import InMemoryPrefixIndex
+from router.index.redis_link import RedisMetrics
+from router.index.replicated import ReplicatedAffinityStore, ReplicatedPrefixIndex, Replicator
+
+pytestmark = pytest.mark.redis
+T = TypeVar("T")
+
+
+class Process:
+    """What one worker builds: a replicator, an index and an affinity store on it."""
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.metrics = RedisMetrics(CollectorRegistry())
+        self.replicator = Replicator(url, namespace, self.metrics)
+        self.index = ReplicatedPrefixIndex(InMemoryPrefixIndex(1000), self.replicator)
+        self.affinity = ReplicatedAffinityStore(InMemoryAffinityStore(60, 100), self.replicator)
+
+
+async def _poll(probe: Callable[[], Awaitable[T]], until: Callable[[T], bool]) -> T:
+    result = await probe()
+    for _ in range(400):  # 20 s: generous on a loaded machine
+        if until(result):
+            return result
+        await asyncio.sleep(0.05)
+        result = await probe()
+    return result
+
+
+@pytest.fixture
+async def pair(redis_url: str, redis_namespace: str) -> AsyncIterator[tuple[Process, Process]]:
+    a, b = Process(redis_url, redis_namespace), Process(redis_url, redis_namespace)
+    for p in (a, b):
+        p.replicator.start()
+    # Subscriptions are in place once a published probe comes back round; published until
+    # then, since a message sent before a subscription reaches nobody.
+    probe = Process(redis_url, redis_namespace)
+    probe.replicator.start()
+
+    async def heard() -> bool:
+        probe.affinity.set("ready", "x")
+        return [await p.affinity.get("ready") for p in (a, b)] == ["x", "x"]
+
+    assert await _poll(heard, bool)
+    await probe.replicator.aclose()
+    try:
+        yield a, b
+    finally:
+        for p in (a, b):
+            await p.replicator.aclose()
+
+
+async def test_a_record_in_one_process_is_matched_in_the_other(
+    pair: tuple[Process, Process],
+) -> None:
+    a, b = pair
+    a.index.record("e1:8000", [11, 12, 13])
+    assert await a.index.match([11, 12, 13], ["e1:8000"]) == {"e1:8000": 3}, "at once locally"
+    seen = await _poll(lambda: b.index.match([11, 12, 13, 14], ["e1:8000", "e2:8000"]),
+                       lambda r: r["e1:8000"] == 3)
+    assert seen == {"e1:8000": 3, "e2:8000": 0}
+
+
+async def test_a_session_set_in_one_process_is_found_in_the_other(
+    pair: tuple[Process, Process],
+) -> None:
+    a, b = pair
+    b.affinity.set("s1", "e2:8000")
+    assert await _poll(lambda: a.affinity.get("s1"), lambda e: e is not None) == "e2:8000"
+    a.affinity.set("s1", "e1:8000")  # the session moved: the later set wins everywhere
+    assert await _poll(lambda: b.affinity.get("s1"), lambda e: e == "e1:8000") == "e1:8000"
+
+
+async def test_own_batches_are_not_applied_twice(pair: tuple[Process, Process]) -> None:
+    a, _ = pair
+    applied: list[tuple[str, bytes]] = []
+    a.replicator.on("t", lambda key, value: applied.append((key, value)))
+    other = msgpack.packb([b"someone", [["t", "k", b"v"]]])
+    mine = msgpack.packb([a.replicator._sender, [["t", "k", b"mine"]]])
+    a.replicator.apply(mine)
+    a.replicator.apply(other)
+    assert applied == [("k", b"v")]
+
+
+def test_replicated_needs_a_url_and_one_server() -> None:
+    with pytest.raises(ConfigError, match="url: the replicated backend needs url"):
+        parse_config({"prefixIndex": {"backend": "replicated"}})
+    with pytest.raises(ConfigError, match="cluster: the replicated backend publishes on one"):
+        parse_config(
+            {"prefixIndex": {"backend": "replicated", "url": "redis://r:6379", "cluster": True}}
+        )

@@ -1,0 +1,415 @@
+"""Kubernetes discovery against a fake API server on loopback (list + watch streams)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from benchmarks.sim.cli import start_replicas
+from benchmarks.sim.config import SimConfig
+from router.config.model import DiscoveryConfig, parse_config
+from router.core.endpoints import Endpoint, EndpointPool
+from router.core.errors import ConfigError
+from router.extproc.server import running_epp
+from router.pool.discovery import Discovered, KubernetesDiscovery, LivePool, pod_endpoints
+from router.serve.server import running_gateway
+from tests.gateways import gateway_config
+from tests.router.extproc.envoy import MODEL, Envoy, chat_body, epp_config
+
+POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools"
+PODS = "/api/v1/namespaces/default/pods"
+
+
+def pod(name: str, ip: str, ready: bool = True, **labels: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": {"app": "vllm", **labels}},
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def inference_pool(name: str, ports: list[int], **match: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": name},
+        "spec": {
+            "selector": {"matchLabels": match or {"app": "vllm"}},
+            "targetPorts": [{"number": p} for p in ports],
+            "endpointPickerRef": {"name": "prefixgate-epp", "port": {"number": 9002}},
+        },
+    }
+
+
+def _matches(obj: dict[str, Any], label_selector: str, field_selector: str) -> bool:
+    labels = obj["metadata"].get("labels") or {}
+    wanted = dict(p.split("=", 1) for p in label_selector.split(",") if p)
+    if field_selector:
+        key, value = field_selector.split("=", 1)
+        if key == "metadata.name" and obj["metadata"]["name"] != value:
+            return False
+    return all(labels.get(k) == v for k, v in wanted.items())
+
+
+@dataclass
+class Watcher:
+    kind: str
+    labels: str
+    fields: str
+    queue: asyncio.Queue[dict[str, Any] | None] = field(default_factory=asyncio.Queue)
+
+
+class FakeKube:
+    """Just enough of the API server: list and watch pods and InferencePools, 404, 410."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, dict[str, dict[str, Any]]] = {"pods": {}, "pools": {}}
+        self._rv = itertools.count(1)
+        self.rv = 0
+        self.compacted = 0
+        self.watchers: list[Watcher] = []
+        self.auth: list[str | None] = []
+        self.lists = 0
+        self.history: list[tuple[int, str, dict[str, Any]]] = []
+
+    def _bump(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.rv = next(self._rv)
+        obj = orjson.loads(orjson.dumps(obj))
+        obj["metadata"]["resourceVersion"] = str(self.rv)
+        return obj
+
+    def _emit(self, kind: str, event: str, obj: dict[str, Any]) -> None:
+        self.history.append((self.rv, kind, {"type": event, "object": obj}))
+        for w in self.watchers:
+            if w.kind == kind and _matches(obj, w.labels, w.fields):
+                w.queue.put_nowait({"type": event, "object": obj})
+
+    def put(self, kind: str, obj: dict[str, Any]) -> None:
+        name = obj["metadata"]["name"]
+        event = "MODIFIED" if name in self.objects[kind] else "ADDED"
+        self.objects[kind][name] = obj = self._bump(obj)
+        self._emit(kind, event, obj)
+
+    def delete(self, kind: str, name: str) -> None:
+        obj = self._bump(self.objects[kind].pop(name))
+        self._emit(kind, "DELETED", obj)
+
+    def expire_watches(self) -> None:
+        """etcd compaction: open watches get a 410 and older versions are gone."""
+        self.compacted = self.rv
+        gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "gone"}}
+        for w in self.watchers:
+            w.queue.put_nowait(gone)
+            w.queue.put_nowait(None)
+
+    async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        self.auth.append(request.headers.get("Authorization"))
+        q = request.query
+        if q.get("watch") != "true":
+            self.lists += 1
+            items = [
+                o
+                for o in self.objects[kind].values()
+                if _matches(o, q.get("labelSelector", ""), "")
+            ]
+            return web.json_response(
+                {"items": items, "metadata": {"resourceVersion": str(self.rv)}}
+            )
+        selectors = (q.get("labelSelector", ""), q.get("fieldSelector", ""))
+        watcher = Watcher(kind, *selectors)
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        if int(q.get("resourceVersion") or 0) < self.compacted:
+            gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410}}
+            await resp.write(orjson.dumps(gone) + b"\n")
+            return resp
+        since = int(q.get("resourceVersion") or 0)
+        for rv, kind_, event in self.history:  # what happened since the client's version
+            if rv > since and kind_ == kind and _matches(event["object"], *selectors):
+                watcher.queue.put_nowait(event)
+        self.watchers.append(watcher)
+        try:
+            async with asyncio.timeout(float(q.get("timeoutSeconds", "30"))):
+                while (event := await watcher.queue.get()) is not None:
+                    await resp.write(orjson.dumps(event) + b"\n")
+        except TimeoutError:
+            pass
+        finally:
+            self.watchers.remove(watcher)
+        return resp
+
+    async def _pool(self, request: web.Request) -> web.Response:
+        found = self.objects["pools"].get(request.match_info["name"])
+        if found is None:
+            return web.json_response({"kind": "Status", "code": 404}, status=404)
+        return web.json_response(found)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+
+        async def pods(request: web.Request) -> web.StreamResponse:
+            return await self._serve(request, "pods")
+
+        async def pools(request: web.Request) -> web.StreamResponse:
+            return await self._serve(request, "pools")
+
+        app.router.add_get(PODS, pods)
+        app.router.add_get(POOLS, pools)
+        app.router.add_get(POOLS + "/{name}", self._pool)
+        return app
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[tuple[FakeKube, str]]:
+    fake = FakeKube()
+    runner = web.AppRunner(fake.app(), shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield fake, f"http://127.0.0.1:{port}"
+    finally:
+        for w in fake.watchers:
+            w.queue.put_nowait(None)
+        await runner.cleanup()
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.latest: dict[str, tuple[Endpoint, bool]] = {}
+        self.calls = 0
+
+    async def apply(self, endpoints: Discovered) -> None:
+        self.latest = dict(endpoints)
+        self.calls += 1
+
+    def ready(self) -> dict[str, str]:
+        return {eid: e.role for eid, (e, r) in self.latest.items() if r}
+
+
+async def until(predicate: Callable[[], bool], seconds: float = 20.0) -> None:
+    async with asyncio.timeout(seconds):
+        while not predicate():  # noqa: ASYNC110 (changed by the watch task)
+            await asyncio.sleep(0.01)
+
+
+def discovery_config(url: str, **extra: Any) -> DiscoveryConfig:
+    data = {"apiServer": url, "tokenFile": None, "namespace": "default", "retrySeconds": 0.05}
+    return DiscoveryConfig.model_validate({**data, **extra})
+
+
+@pytest.fixture
+async def watch(
+    kube: tuple[FakeKube, str],
+) -> AsyncIterator[Callable[..., Any]]:
+    started: list[KubernetesDiscovery] = []
+    clients: list[httpx.AsyncClient] = []
+
+    async def start(**extra: Any) -> tuple[KubernetesDiscovery, Recorder]:
+        config = discovery_config(kube[1], **extra)
+        client = httpx.AsyncClient(base_url=kube[1])
+        clients.append(client)
+        recorder = Recorder()
+        discovery = KubernetesDiscovery(config, recorder, client)
+        started.append(discovery)
+        await discovery.start()
+        return discovery, recorder
+
+    yield start
+    for d in started:
+        await d.stop()
+    for c in clients:
+        await c.aclose()
+
+
+async def test_pods_come_and_go_with_their_readiness_and_role(
+    kube: tuple[FakeKube, str], watch: Callable[..., Any]
+) -> None:
+    fake, _ = kube
+    fake.put("pods", pod("a", "127.0.0.11"))
+    fake.put("pods", pod("other", "127.0.0.99", app="other"))
+    discovery, seen = await watch(labelSelector={"app": "vllm"}, targetPorts=[8000])
+    assert discovery.synced
+    assert seen.ready() == {"127.0.0.11:8000": "both"}
+    fake.put("pods", pod("b", "127.0.0.12", ready=False, **{"llm-d.ai/role": "decode"}))
+    await until(lambda: "127.0.0.12:8000" in seen.latest)
+    assert seen.ready() == {"127.0.0.11:8000": "both"}
+    fake.put("pods", pod("b", "127.0.0.12", **{"llm-d.ai/role": "decode"}))
+    await until(lambda: "127.0.0.12:8000" in seen.ready())
+    assert seen.ready()["127.0.0.12:8000"] == "decode"
+    fake.delete("pods", "a")
+    await until(lambda: "127.0.0.11:8000" not in seen.latest)
+    assert seen.ready() == {"127.0.0.12:8000": "decode"}
+
+
+async def test_an_expired_watch_lists_again(
+    kube: tuple[FakeKube, str], watch: Callable[..., Any]
+) -> None:
+    fake, _ = kube
+    fake.put("pods", pod("a", "127.0.0.11"))
+    _, seen = await watch(labelSelector={"app": "vllm"}, targetPorts=[8000])
+    await until(lambda: bool(fake.watchers))
+    lists = fake.lists
+    fake.expire_watches()
+    fake.delete("pods", "a")  # while no watch is open: only a new listing can tell
+    fake.put("pods", pod("c", "127.0.0.13"))
+    await until(lambda: seen.ready() == {"127.0.0.13:8000": "both"})
+    assert fake.lists > lists
+
+
+async def test_inference_pool_gives_selector_and_ports(
+    kube: tuple[FakeKube, str], watch: Callable[..., Any]
+) -> None:
+    fake, _ = kube
+    fake.put("pools", inference_pool("llama", [8000, 8001]))
+    fake.put("pods", pod("a", "127.0.0.11"))
+    fake.put("pods", pod("x", "127.0.0.21", app="next"))
+    _, seen = await watch(inferencePool="llama")
+    assert set(seen.ready()) == {"127.0.0.11:8000", "127.0.0.11:8001"}
+    # The pool moves to other pods and another port: the endpoints follow.
+    fake.put("pools", inference_pool("llama", [9000], app="next"))
+    await until(lambda: set(seen.ready()) == {"127.0.0.21:9000"})
+    fake.delete("pools", "llama")
+    await until(lambda: seen.latest == {})
+
+
+async def test_missing_pool_is_retried_until_it_exists(
+    kube: tuple[FakeKube, str], watch: Callable[..., Any]
+) -> None:
+    fake, _ = kube
+    fake.put("pods", pod("a", "127.0.0.11"))
+    discovery, seen = await watch(inferencePool="late", initialSyncTimeoutSeconds=0.1)
+    assert not discovery.synced
+    fake.put("pools", inference_pool("late", [8000]))
+    await until(lambda: discovery.synced and bool(seen.ready()))
+
+
+async def test_service_account_token_is_sent(
+    kube: tuple[FakeKube, str], watch: Callable[..., Any], tmp_path: Path
+) -> None:
+    fake, _ = kube
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    await watch(labelSelector={"app": "vllm"}, targetPorts=[8000], tokenFile=str(token))
+    assert fake.auth and all(a == "Bearer s3cret" for a in fake.auth)
+
+
+def test_pod_endpoints() -> None:
+    config = discovery_config("http://127.0.0.1:1", labelSelector={}, targetPorts=[8000, 8001])
+    roles = {"prefill": "prefill", "decode": "decode", "prefill-decode": "both", "odd": "both"}
+    for label, role in roles.items():
+        found = pod_endpoints(pod("p", "127.0.0.5", **{"llm-d.ai/role": label}), [8000], config)
+        assert [(e.id, e.role, r) for e, r in found] == [("127.0.0.5:8000", role, True)]
+    six = pod_endpoints(pod("p", "fd00::5"), [8000, 8001], config)
+    assert [e.id for e, _ in six] == ["[fd00::5]:8000", "[fd00::5]:8001"]
+    leaving = pod("p", "127.0.0.5")
+    leaving["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+    assert [r for _, r in pod_endpoints(leaving, [8000], config)] == [False]
+    pending = pod("p", "")
+    assert pod_endpoints(pending, [8000], config) == []
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        {},
+        {"inferencePool": "a", "labelSelector": {"a": "b"}},
+        {"labelSelector": {"a": "b"}},
+        {"inferencePool": "a", "targetPorts": [8000]},
+    ],
+)
+def test_config_wants_one_source(section: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="discovery"):
+        parse_config({"discovery": section})
+
+
+async def test_live_pool_keeps_static_endpoints_and_forgets_deleted_ones() -> None:
+    static = Endpoint.from_url("http://127.0.0.1:7000")
+    pool = EndpointPool([static])
+    forgotten: list[str] = []
+
+    async def forget(endpoint_id: str) -> None:
+        forgotten.append(endpoint_id)
+
+    live = LivePool(pool, None, [forget])
+    a = Endpoint.from_url("http://127.0.0.11:8000")
+    await live.apply({a.id: (a, True), static.id: (static, True)})
+    assert {s.endpoint.id for s in pool} == {static.id, a.id}
+    assert pool.get(a.id) is not None and pool.get(a.id).healthy  # type: ignore[union-attr]
+    await live.apply({a.id: (a, False)})  # unready: out of the pool, index kept
+    assert {s.endpoint.id for s in pool} == {static.id} and forgotten == []
+    await live.apply({})
+    assert forgotten == [a.id]
+    assert {s.endpoint.id for s in pool} == {static.id}
+
+
+async def test_picker_follows_the_pods(kube: tuple[FakeKube, str], tmp_path: Path) -> None:
+    """End to end: pods on two loopback addresses, the picker routes to what is there."""
+    fake, url = kube
+    sim = SimConfig(speed=20.0)
+    async with start_replicas(1, sim, host="127.0.0.2") as first:
+        port = first[0].port
+        async with start_replicas(1, sim, host="127.0.0.3", base_port=port):
+            fake.put("pods", pod("a", "127.0.0.2"))
+            fake.put("pods", pod("b", "127.0.0.3"))
+            discovery = {
+                "labelSelector": {"app": "vllm"},
+                "targetPorts": [port],
+                "apiServer": url,
+                "tokenFile": None,
+                "namespace": "default",
+            }
+            config = epp_config([], discovery=discovery)
+            async with running_epp(config) as epp, grpc.aio.insecure_channel(epp.target) as ch:
+                envoy = Envoy(ch)
+                a, b = f"127.0.0.2:{port}", f"127.0.0.3:{port}"
+                assert {s.endpoint.id for s in epp.gateway.pool if s.healthy} == {a, b}
+                assert MODEL in epp.gateway.pool.models()
+                call, routed = await envoy.send_request(chat_body("hello"))
+                assert routed.header in (a, b)
+                await envoy.finish(call)
+                fake.delete("pods", "a")
+                await until(lambda: {s.endpoint.id for s in epp.gateway.pool} == {b})
+                for i in range(3):
+                    call, routed = await envoy.send_request(chat_body(f"after {i}"))
+                    assert routed.header == b
+                    await envoy.finish(call)
+                fake.put("pods", pod("b", "127.0.0.3", ready=False))
+                await until(lambda: len(epp.gateway.pool) == 0)
+                _, routed = await envoy.send_request(chat_body("nobody"))
+                assert routed.immediate is not None and routed.immediate.status.code in (404, 503)
+
+
+async def test_http_gateway_discovers_its_replicas(kube: tuple[FakeKube, str]) -> None:
+    fake, url = kube
+    async with start_replicas(1, SimConfig(speed=20.0)) as (replica,):
+        fake.put("pods", pod("a", "127.0.0.1"))
+        discovery = {
+            "labelSelector": {"app": "vllm"},
+            "targetPorts": [replica.port],
+            "apiServer": url,
+            "tokenFile": None,
+        }
+        async with (
+            running_gateway(gateway_config([], discovery=discovery)) as gw,
+            httpx.AsyncClient(base_url=gw.url) as client,
+        ):
+            resp = await client.post("/v1/chat/completions", content=chat_body("hi"))
+            assert resp.status_code == 200
+            assert resp.headers["x-gateway-destination-endpoint"] == f"127.0.0.1:{replica.port}"
+            fake.delete("pods", "a")
+            await until(lambda: len(gw.gateway.pool) == 0)

@@ -1,0 +1,156 @@
+"""Health checks and vLLM metric scraping, against real simulated replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+
+from benchmarks.sim.cli import start_replicas
+from benchmarks.sim.config import DEFAULT_MODEL, SimConfig
+from router.core.endpoints import Endpoint, EndpointPool, EndpointState, Lease
+from router.index.affinity import InMemoryAffinityStore
+from router.index.prefix_index import InMemoryPrefixIndex
+from router.index.redis_state import SharedInFlight
+from router.index.stores import Stores
+from router.pool.scraper import EndpointMonitor, MonitorSettings, parse_vllm_metrics
+
+PAGE = """\
+# HELP vllm:num_requests_waiting Requests waiting.
+vllm:num_requests_waiting{model_name="a"} 3.0
+vllm:num_requests_waiting{model_name="lora-b"} 2.0
+vllm:num_requests_running{model_name="a"} 7
+vllm:gpu_cache_usage_perc{model_name="a"} 0.9
+vllm:kv_cache_usage_perc{model_name="a"} 0.25
+vllm:prefix_cache_hits_total{model_name="a"} 120.0
+vllm:prefix_cache_queries_total{model_name="a"} 400.0
+vllm:cache_config_info{block_size="16",num_gpu_blocks="2048.0",model_name="a"} 1.0
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="a"} 5.0
+"""
+
+
+def test_parse_sums_label_sets_and_prefers_the_current_kv_name() -> None:
+    m = parse_vllm_metrics(PAGE, 12.0)
+    assert (m.waiting, m.running) == (5.0, 7.0)
+    assert m.kv_usage == 0.25, "kv_cache_usage_perc wins over the deprecated gpu_cache name"
+    assert (m.prefix_hits, m.prefix_queries) == (120.0, 400.0)
+    assert (m.block_size, m.num_gpu_blocks, m.scraped_at) == (16, 2048, 12.0)
+
+
+def test_parse_reads_the_deprecated_kv_name_alone() -> None:
+    old_vllm = "vllm:gpu_cache_usage_perc{model_name=\"a\"} 0.4\n"
+    assert parse_vllm_metrics(old_vllm, 0).kv_usage == 0.4
+
+
+def test_parse_tolerates_garbage() -> None:
+    m = parse_vllm_metrics("vllm:num_requests_waiting nan-ish\nvllm:kv_cache_usage_perc 7\n", 0)
+    assert m.waiting == 0.0 and m.kv_usage == 1.0  # clamped to [0, 1]
+    assert m.block_size is None and m.num_gpu_blocks is None
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port  # nothing listens once the socket is closed
+
+
+async def test_monitor_scrapes_a_replica_and_marks_a_dead_one_unhealthy() -> None:
+    settings = MonitorSettings(
+        scrape_interval=0.02, scrape_timeout=0.5, health_interval=0.05, unhealthy_threshold=2
+    )
+    capacity: list[tuple[str, int, int]] = []
+    config = SimConfig(speed=50.0, num_gpu_blocks=512)
+    async with start_replicas(1, config) as (replica,), aiohttp.ClientSession() as http:
+        live = Endpoint.from_url(replica.url)
+        dead = Endpoint.from_url(f"http://127.0.0.1:{_closed_port()}")
+        pool = EndpointPool([live, dead])
+        monitor = EndpointMonitor(
+            pool, http, settings, lambda eid, bs, n: capacity.append((eid, bs, n))
+        )
+        await monitor.check_all()
+        states = {s.endpoint.id: s for s in pool}
+        assert states[live.id].healthy and not states[dead.id].healthy
+        assert states[live.id].models == {config.model}, "models found at the first health check"
+        states[dead.id].healthy = True  # as if it had been up: failures must take it out
+        monitor.start()
+        try:
+            async with asyncio.timeout(20):
+                while not capacity or states[dead.id].healthy:  # noqa: ASYNC110 (monitor tasks)
+                    await asyncio.sleep(0.02)
+        finally:
+            await monitor.stop()
+        assert capacity == [(live.id, config.block_size, 512)]
+        assert states[live.id].metrics.scraped_at > 0
+        assert states[live.id].healthy
+
+
+async def test_a_scrape_remembers_the_gateway_requests_it_may_have_counted() -> None:
+    """A request that finished after the scrape still shows in its stale ``waiting``: it must
+    not pass for another gateway's queue until the next scrape (it once moved a session)."""
+    settings = MonitorSettings(scrape_interval=0.02, scrape_timeout=0.5, health_interval=5.0)
+    async with (
+        start_replicas(1, SimConfig(speed=50.0)) as (replica,),
+        aiohttp.ClientSession() as http,
+    ):
+        pool = EndpointPool([Endpoint.from_url(replica.url)])
+        (state,) = list(pool)
+        monitor = EndpointMonitor(pool, http, settings, None)
+        await monitor.check_all()
+        lease = Lease(state, prefill_tokens=500, pool=pool)
+        await scrape_once(monitor, state)
+        lease.release()
+        state.metrics.waiting = 1.0  # the engine had our request queued when it was scraped
+        snapshot = state.snapshot(pool.clock())
+        assert (snapshot.in_flight, snapshot.scraped_in_flight) == (0, 1)
+        assert snapshot.foreign_waiting == 0.0
+
+
+async def scrape_once(monitor: EndpointMonitor, state: EndpointState) -> None:
+    monitor.start()
+    try:
+        async with asyncio.timeout(20):
+            while not state.metrics.scraped_at:  # noqa: ASYNC110 (monitor tasks)
+                await asyncio.sleep(0.01)
+    finally:
+        await monitor.stop()
+
+
+async def test_a_scrape_remembers_other_gateways_requests_too(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """Gateways sharing Redis: another replica's request that finished after the scrape is no
+    stranger's queue either."""
+    settings = MonitorSettings(scrape_interval=0.02, scrape_timeout=0.5, health_interval=5.0)
+    others: dict[str, int] = {}
+    other = SharedInFlight(
+        redis_url, lambda: others, namespace=redis_namespace, gateway_id="other", timeout_ms=2000
+    )
+    this = SharedInFlight(
+        redis_url, dict, namespace=redis_namespace, gateway_id="this", timeout_ms=2000
+    )
+    async with (
+        start_replicas(1, SimConfig(speed=50.0)) as (replica,),
+        aiohttp.ClientSession() as http,
+    ):
+        pool = EndpointPool([Endpoint.from_url(replica.url)])
+        (state,) = list(pool)
+        stores = Stores(InMemoryPrefixIndex(), InMemoryAffinityStore(), shared_in_flight=this)
+        try:
+            others[state.endpoint.id] = 2
+            assert await other.sync_once() and await this.sync_once()
+            monitor = EndpointMonitor(
+                pool, http, settings, None, remote_in_flight=this.remote_in_flight
+            )
+            await monitor.check_all()
+            await scrape_once(monitor, state)
+            others.clear()  # the other gateway's two requests finish before the next scrape
+            assert await other.sync_once() and await this.sync_once()
+            state.metrics.waiting = 3.0  # the stale scrape: their two, and one stranger's
+            (snapshot,) = stores.candidates(pool)(DEFAULT_MODEL)
+        finally:
+            await other.aclose()
+            await this.aclose()
+    assert (snapshot.in_flight, snapshot.scraped_in_flight) == (0, 2)
+    assert snapshot.foreign_waiting == 1.0

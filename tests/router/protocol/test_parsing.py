@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from router.core.errors import BadRequestError
+from router.protocol.parsing import parse_request
+
+
+def body(**kw: object) -> bytes:
+    return orjson.dumps(kw)
+
+
+def test_chat_ok() -> None:
+    parsed = parse_request("chat", body(model="m", messages=[{"role": "user", "content": "hi"}]))
+    assert parsed.model == "m"
+    assert parsed.stream is False
+    assert "hi" in parsed.rendered
+
+
+def test_completions_ok() -> None:
+    parsed = parse_request("completions", body(model="m", prompt=[1, 2, 3], stream=True))
+    assert parsed.stream is True
+    assert parsed.rendered
+
+
+@pytest.mark.parametrize(
+    ("api", "raw", "param"),
+    [
+        ("chat", b"", None),
+        ("chat", b"{not json", None),
+        ("chat", b"[1, 2]", None),
+        ("chat", body(messages=[{"role": "user", "content": "x"}]), "model"),
+        ("chat", body(model=3, messages=[]), "model"),
+        ("chat", body(model="m"), "messages"),
+        ("chat", body(model="m", messages=[]), "messages"),
+        ("chat", body(model="m", messages=["x"]), "messages[0]"),
+        ("chat", body(model="m", messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+        ("chat", body(model="m", messages=[{"role": "u"}], stream="yes"), "stream"),
+        ("chat", body(model="m", messages=[{"role": "u"}], n=1000), "n"),
+        ("chat", body(model="m", messages=[{"role": "u"}], max_tokens=-1), "max_tokens"),
+        ("chat", body(model="m", messages=[{"role": "u"}], max_tokens=True), "max_tokens"),
+        ("completions", body(model="m"), "prompt"),
+        ("completions", body(model="m", prompt=[]), "prompt"),
+        ("completions", body(model="m", prompt=[1, "a"]), "prompt"),
+        ("completions", body(model="m", prompt={"a": 1}), "prompt"),
+    ],
+)
+def test_bad_requests_are_400_with_param(api: str, raw: bytes, param: str | None) -> None:
+    with pytest.raises(BadRequestError) as info:
+        parse_request(api, raw)  # type: ignore[arg-type]
+    assert info.value.status_code == 400
+    assert info.value.param == param
+    error = orjson.loads(info.value.body())["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"]
+
+
+def test_invalid_utf8_is_a_400() -> None:
+    with pytest.raises(BadRequestError):
+        parse_request("chat", b'{"model": "\xff\xfe"}')

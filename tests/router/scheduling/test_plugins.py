@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from router.config.model import PluginConfig, ProfileConfig, builtin_strategy, parse_config
+from router.config.strategies import STRATEGIES
+from router.core.errors import ConfigError
+from router.scheduling.pickers import MaxScorePicker, RoundRobinPicker
+from router.scheduling.plugins import PluginContext, build_profile, default_registry
+
+
+def build(plugins: list[dict[str, Any]], refs: list[dict[str, Any]]) -> Any:
+    config = parse_config(
+        {"plugins": plugins, "schedulingProfiles": [{"name": "p", "plugins": refs}]}
+    )
+    assert config.plugins is not None and config.scheduling_profiles is not None
+    return build_profile(
+        config.plugins,
+        config.scheduling_profiles[0],
+        default_registry(),
+        PluginContext(random.Random(1)),
+    )
+
+
+def test_weights_live_in_the_profile() -> None:
+    profile = build(
+        [{"type": "queue-scorer", "name": "q"}, {"type": "round-robin-picker"}],
+        [{"pluginRef": "q", "weight": 2.5}, {"pluginRef": "round-robin-picker"}],
+    )
+    assert [(s.name, s.weight) for s in profile.scorers] == [("q", 2.5)]
+    assert isinstance(profile.picker, RoundRobinPicker)
+
+
+def test_default_picker_is_max_score() -> None:
+    profile = build([{"type": "queue-scorer"}], [{"pluginRef": "queue-scorer"}])
+    assert isinstance(profile.picker, MaxScorePicker)
+    assert profile.scorers[0].weight == 1.0
+
+
+@pytest.mark.parametrize(
+    ("plugins", "refs", "message"),
+    [
+        ([{"type": "nope"}], [], "plugins[0].type: unknown plugin type 'nope'"),
+        (
+            [{"type": "queue-scorer", "parameters": {"x": 1}}],
+            [],
+            "plugins[0].parameters.x: unknown key",
+        ),
+        ([{"type": "queue-scorer"}], [{"pluginRef": "missing"}], "no plugin named 'missing'"),
+        (
+            [{"type": "ttft-cost-scorer",
+              "parameters": {"recomputeWeight": 2.0, "recomputeWeightMax": 1.5}}],
+            [],
+            "recomputeWeightMax (1.5) is below recomputeWeight (2.0)",
+        ),
+        (
+            [{"type": "queue-scorer"}, {"type": "queue-scorer"}],
+            [],
+            "plugins[1].name: duplicate plugin name",
+        ),
+        (
+            [{"type": "max-score-picker"}],
+            [{"pluginRef": "max-score-picker", "weight": 1}],
+            "only scorers take a weight",
+        ),
+        (
+            [{"type": "max-score-picker"}, {"type": "random-picker"}],
+            [{"pluginRef": "max-score-picker"}, {"pluginRef": "random-picker"}],
+            "a profile has one picker",
+        ),
+    ],
+)
+def test_assembly_errors_name_the_key(
+    plugins: list[dict[str, Any]], refs: list[dict[str, Any]], message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        build(plugins, refs)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_builds(name: str) -> None:
+    plugins, profile = builtin_strategy(name)
+    built = build_profile(plugins, profile, default_registry(), PluginContext(random.Random(0)))
+    assert built.picker is not None
+
+
+def test_registry_rejects_duplicates() -> None:
+    registry = default_registry()
+    with pytest.raises(ValueError):
+        registry.register("queue-scorer", lambda raw, ctx: object())
+    assert "prefix-cache-scorer" in registry.types()
+    assert PluginConfig(type="x").ref == "x"
+    assert ProfileConfig(name="p", plugins=[]).plugins == []

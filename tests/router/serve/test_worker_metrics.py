@@ -1,0 +1,75 @@
+"""Merging the workers' registries into one scrape, over their real unix sockets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.types import Receive, Scope, Send
+
+from router.serve.worker_metrics import FleetMetrics, merge
+
+
+def _registry(requests: float, in_flight: float) -> CollectorRegistry:
+    r = CollectorRegistry()
+    Counter("prefixgate_requests", "Requests.", ["status"], registry=r).labels("200").inc(requests)
+    Gauge("prefixgate_endpoint_in_flight", "In flight.", registry=r).set(in_flight)
+    Histogram("prefixgate_lag_seconds", "Lag.", buckets=(0.1,), registry=r).observe(0.05)
+    return r
+
+
+def _samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+def test_merge_labels_every_series_by_worker_and_reports_who_answered() -> None:
+    texts = {
+        0: generate_latest(_registry(3, 1)).decode(),
+        1: generate_latest(_registry(5, 2)).decode(),
+        2: None,
+    }
+    text = merge(texts)
+    samples = _samples(text)
+    assert samples[("prefixgate_requests_total", (("status", "200"), ("worker", "0")))] == 3
+    assert samples[("prefixgate_requests_total", (("status", "200"), ("worker", "1")))] == 5
+    assert samples[("prefixgate_endpoint_in_flight", (("worker", "1"),))] == 2
+    assert samples[("prefixgate_lag_seconds_bucket", (("le", "0.1"), ("worker", "0")))] == 1
+    assert [samples[("prefixgate_worker_up", (("worker", str(w)),))] for w in range(3)] == [
+        1, 1, 0
+    ]
+    # One HELP/TYPE block per family, as the text format requires.
+    assert text.count(b"# TYPE prefixgate_requests_total counter") == 1
+
+
+async def _not_found(scope: Scope, receive: Receive, send: Send) -> None:
+    await send({"type": "http.response.start", "status": 404, "headers": []})
+    await send({"type": "http.response.body", "body": b"inner"})
+
+
+async def test_a_scrape_of_one_worker_reads_its_siblings_sockets(tmp_path: Path) -> None:
+    workers = [
+        FleetMetrics(_not_found, lambda n=n: generate_latest(_registry(n + 1, 0)), tmp_path, n, 3)
+        for n in range(3)
+    ]
+    transport = httpx.ASGITransport(app=workers[0])
+    async with httpx.AsyncClient(transport=transport, base_url="http://w") as http:
+        async with workers[1].serving(), workers[2].serving():
+            scraped = await http.get("/metrics")
+            other = await http.get("/v1/models")
+        gone = _samples((await http.get("/metrics")).content)
+    assert scraped.status_code == 200
+    assert scraped.headers["content-type"].startswith("text/plain; version=0.0.4")
+    samples = _samples(scraped.content)
+    assert [
+        samples[("prefixgate_requests_total", (("status", "200"), ("worker", str(n))))]
+        for n in range(3)
+    ] == [1, 2, 3]
+    assert other.status_code == 404 and other.text == "inner", "the rest goes to the app"
+    assert [gone[("prefixgate_worker_up", (("worker", str(n)),))] for n in range(3)] == [1, 0, 0]
