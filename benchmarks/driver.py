@@ -1,4 +1,8 @@
-"""Drives a multi-session chat workload against any OpenAI-compatible endpoint."""
+"""Drives a multi-session chat workload against any OpenAI-compatible endpoint.
+
+A load generator, not the gateway: it uses aiohttp (the benchmark runner's client too), so that
+``prefixgate demo`` needs nothing the gateway does not install.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
+import orjson
 
 from benchmarks.reuse import ReuseTracker
 from benchmarks.sim.tokenizer import Tokenizer
@@ -24,7 +29,7 @@ class DriveResult:
 
 
 async def _session(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     model: str,
     session: ChatSession,
@@ -37,16 +42,19 @@ async def _session(
         messages.append({"role": "user", "content": text})
         prompt_ids = tokenizer.encode_chat(messages)
         body = {"model": model, "messages": messages, "max_tokens": session.max_tokens}
-        headers = {"x-session-id": session.session_id}
-        resp = await client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+        headers = {"x-session-id": session.session_id, "content-type": "application/json"}
+        async with client.post(
+            f"{url}/v1/chat/completions", data=orjson.dumps(body), headers=headers
+        ) as resp:
+            status, raw = resp.status, await resp.read()
+            dest = resp.headers.get("x-gateway-destination-endpoint", "direct")
         result.requests += 1
         if on_request is not None:
             on_request()
-        if resp.status_code != 200:
+        if status != 200:
             result.errors += 1
             return
-        answer = resp.json()["choices"][0]["message"]["content"]
-        dest = resp.headers.get("x-gateway-destination-endpoint", "direct")
+        answer = orjson.loads(raw)["choices"][0]["message"]["content"]
         result.destinations[dest] = result.destinations.get(dest, 0) + 1
         result.reuse.observe(prompt_ids, tokenizer.encode(answer))
         messages.append({"role": "assistant", "content": answer})
@@ -65,9 +73,10 @@ async def drive(
     result = DriveResult()
     tokenizer = Tokenizer()
     gate = asyncio.Semaphore(workload.concurrency)
-    limits = httpx.Limits(max_connections=workload.concurrency + 4)
+    connector = aiohttp.TCPConnector(limit=workload.concurrency + 4)
+    timeout = aiohttp.ClientTimeout(total=deadline)
 
-    async with httpx.AsyncClient(timeout=deadline, limits=limits) as client:
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as client:
 
         async def one(session: ChatSession) -> None:
             async with gate:
@@ -91,16 +100,17 @@ class CacheStats:
 async def cache_stats(urls: list[str]) -> dict[str, CacheStats]:
     """Each replica's prefix-cache counters (tokens), from its /metrics."""
     out: dict[str, CacheStats] = {}
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
         for url in urls:
-            resp = await client.get(f"{url}/metrics")
-            resp.raise_for_status()
-            m = parse_vllm_metrics(resp.text, 0.0)
+            async with client.get(f"{url}/metrics") as resp:
+                resp.raise_for_status()
+                m = parse_vllm_metrics(await resp.text(), 0.0)
             out[url] = CacheStats(m.prefix_hits, m.prefix_queries)
     return out
 
 
 async def reset_caches(urls: list[str]) -> None:
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as client:
         for url in urls:
-            (await client.post(f"{url}/reset_prefix_cache")).raise_for_status()
+            async with client.post(f"{url}/reset_prefix_cache") as resp:
+                resp.raise_for_status()

@@ -148,7 +148,6 @@ def summarize(run: Run, gateway: Gateway) -> dict[str, Any]:
         "reuse_captured": cached / max(reuse.reusable_tokens, 1),
         "reusable_fraction": reuse.reusable_fraction, "wall_s": run.wall_s,
     }
-    assert gateway.prediction is not None
     for mode, s in gateway.prediction.summary.items():
         out[f"{mode}_within_one_block"] = s.as_dict()["within_one_block_ratio"]
         out[f"{mode}_predictions"] = s.count

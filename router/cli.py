@@ -162,8 +162,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = logging.StreamHandler()
     handler.setFormatter(make_formatter("text"))
     logging.basicConfig(level=str(getattr(args, "log_level", "info")).upper(), handlers=[handler])
-    # httpx logs every request at INFO: far too much for a proxy's log.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         code: int = args.func(args)
     except ConfigError as exc:

@@ -14,5 +14,7 @@ from scorers.scale import inverted_min_max
 
 
 class InFlightScorer:
+    type_name = "inflight-scorer"
+
     def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
         return inverted_min_max([float(e.in_flight) for e in endpoints])

@@ -22,6 +22,8 @@ class LoadAwareParameters(Strict):
 
 
 class LoadAwareScorer:
+    type_name = "load-aware-scorer"
+
     def __init__(self, params: LoadAwareParameters | None = None) -> None:
         self._threshold = float((params or LoadAwareParameters()).threshold)
 

@@ -34,6 +34,8 @@ def is_cold(request: RoutingRequest) -> bool:
 
 
 class NoHitLRUScorer:
+    type_name = "no-hit-lru-scorer"
+
     def __init__(self, params: NoHitLRUParameters | None = None) -> None:
         self._size = (params or NoHitLRUParameters()).lru_size
         # Endpoint ids, least recently given a cold request first.

@@ -29,6 +29,8 @@ class PreciseScores(Protocol):
 
 
 class PrecisePrefixCacheScorer:
+    type_name = "precise-prefix-cache-scorer"
+
     def __init__(self, source: PreciseScores | None) -> None:
         self._source = source
 

@@ -11,6 +11,8 @@ from router.core.framework import RoutingRequest
 class PrefixCacheScorer:
     """``matched leading blocks / total blocks`` from the prefix index (0 with no blocks)."""
 
+    type_name = "prefix-cache-scorer"
+
     def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
         total = len(request.block_hashes)
         if total == 0:

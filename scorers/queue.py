@@ -10,5 +10,7 @@ from scorers.scale import inverted_min_max
 
 
 class QueueScorer:
+    type_name = "queue-scorer"
+
     def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
         return inverted_min_max([e.waiting for e in endpoints])

@@ -9,6 +9,8 @@ from router.core.framework import RoutingRequest
 
 
 class SessionAffinityScorer:
+    type_name = "session-affinity-scorer"
+
     def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
         home = request.affinity_endpoint
         return [1.0 if home is not None and e.id == home else 0.0 for e in endpoints]

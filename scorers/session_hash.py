@@ -24,6 +24,8 @@ DEFAULT_EPSILON = 0.25
 
 
 class SessionHashScorer:
+    type_name = "session-hash-scorer"
+
     def __init__(self, epsilon: float = DEFAULT_EPSILON) -> None:
         self._epsilon = epsilon
 

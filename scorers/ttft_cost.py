@@ -110,6 +110,8 @@ class CostTerms:
 
 
 class TTFTCostScorer:
+    type_name = "ttft-cost-scorer"
+
     def __init__(
         self,
         calibrator: Calibrator,

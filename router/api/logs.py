@@ -110,8 +110,6 @@ def configure_logging(
         root.removeHandler(old)
     root.addHandler(DroppingQueueHandler(q))
     root.setLevel(level.upper())
-    # httpx logs every request at INFO: far too much for a proxy's log.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     listener = QueueListener(q, handler)
     listener.start()
     return listener.stop

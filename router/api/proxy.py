@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from router.core.framework import RoutingRequest
 from router.index.sizing import IndexSizer
 from router.pool.metrics import GatewayMetrics
 from router.protocol import anthropic, responses_api
-from router.protocol.auth import TenantHeaders, build_authenticator, build_upstream_keys
+from router.protocol.auth import Authenticator, TenantHeaders, UpstreamKeys
 from router.protocol.exchange import Exchange, ExchangeFields
 from router.protocol.headers import ForwardedHeaders, RequestIds, request_id_of, response_headers
 from router.protocol.parsing import UPSTREAM_PATHS, Api, ParsedRequest
@@ -64,27 +63,36 @@ class Attempt:
 
 
 class Proxy:
+    """Built complete by the composition root (router/app.py): it owns none of its
+    collaborators' lifetimes; the upstream client is opened and closed by the lifespan."""
+
     def __init__(
         self,
         config: GatewayConfig,
         router: Router,
         metrics: GatewayMetrics,
-        environ: Mapping[str, str] | None = None,
+        client: UpstreamClient,
+        *,
+        upstream_keys: UpstreamKeys,
+        auth: Authenticator | None = None,
+        prediction: PredictionTracker | None = None,
+        sizer: IndexSizer | None = None,
+        disagg: Disaggregator | None = None,
+        parser: BodyParser | None = None,
     ) -> None:
-        environ = os.environ if environ is None else environ
         self._config = config
         self._router = router
         self._metrics = metrics
-        self.client: UpstreamClient | None = None
-        # Prefill/decode disaggregation, set by build_gateway when it is enabled.
-        self.disagg: Disaggregator | None = None
-        # Large bodies' parser (its processes live as long as the gateway runs).
-        self.parser: BodyParser | None = None
-        self.prediction: PredictionTracker | None = None
+        self.client = client
+        # Prefill/decode disaggregation, when it is enabled.
+        self.disagg = disagg
+        self.prediction = prediction
+        # Large bodies' parser (None: they are parsed in a worker thread).
+        self.parser = parser
         # Learns bytes per token from each answer's usage and sizes the index from it.
-        self.sizer: IndexSizer | None = None
-        self.auth = build_authenticator(config.auth, environ)
-        self.upstream_keys = build_upstream_keys(config.pool, environ)
+        self.sizer = sizer
+        self.auth = auth
+        self.upstream_keys = upstream_keys
         self._headers = ForwardedHeaders(
             self.upstream_keys, self.auth is not None, config.auth.forward_client_key
         )
@@ -178,17 +186,12 @@ class Proxy:
                     ticket.release()
 
     async def _prepare(self, api: Api, body: bytes) -> Prepared:
-        """Parse and hash here when the body is small (cheaper than handing it over), else in
-        the body parser's process; in a worker thread when the path reads the decoded body
-        (precise routing, disaggregation) or there is no parser."""
+        """Parse and hash a small body here, a large one in the parser's process (in a thread
+        when the path reads the decoded body, as precise routing and disaggregation do)."""
         if len(body) < self._config.server.offload_body_bytes:
             return self._router.prepare(api, body)
         if self.parser is not None and self.disagg is None and not self._router.reads_payload:
-            index = self._config.prefix_index
-            digest = await self.parser.digest(
-                api, body, index.block_bytes, index.max_blocks_per_request
-            )
-            return Prepared(digest.parsed(api, body), digest.prompt_bytes, digest.block_hashes)
+            return await self.parser.prepare(api, body, self._config.prefix_index)
         return await asyncio.to_thread(self._router.prepare, api, body)
 
     def upstream_headers(
@@ -268,7 +271,7 @@ class Proxy:
         ex: Exchange,
     ) -> Response:
         """The prefill step first when the decider asks for one (router/scheduling/disagg.py)."""
-        assert self.disagg is not None and self.client is not None
+        assert self.disagg is not None
         client = self.client
         headers = self._headers.base(request.headers.raw, routing.request_id, ex.tenant)
 
@@ -303,7 +306,6 @@ class Proxy:
     async def _attempt(
         self, endpoint: EndpointSnapshot, path: str, headers: list[tuple[str, str]], body: bytes
     ) -> Attempt:
-        assert self.client is not None, "the lifespan owns the client"
         reply: UpstreamReply | None = None
         try:
             async with asyncio.timeout(self._config.proxy.first_byte_timeout_seconds):

@@ -15,8 +15,10 @@ from concurrent.futures.process import BrokenProcessPool
 
 from starlette.requests import ClientDisconnect, Request
 
+from router.config.model import PrefixIndexConfig
 from router.core.errors import PayloadTooLargeError, RequestTimeoutError
 from router.protocol.parsing import Api, Digest, digest_body, digest_file
+from router.scheduling.routing import Prepared
 
 log = logging.getLogger("prefixgate.proxy")
 # CPython's bytes.join releases the GIL from 1 MiB on (Objects/stringlib/join.h).
@@ -96,6 +98,11 @@ class BodyParser:
                     os.unlink(path)  # read and removed by the process, unless it failed first
         self.digested += 1
         return digest
+
+    async def prepare(self, api: Api, body: bytes, index: PrefixIndexConfig) -> Prepared:
+        """What :meth:`Router.prepare` gives, from the pool (the payload decoded on demand)."""
+        digest = await self.digest(api, body, index.block_bytes, index.max_blocks_per_request)
+        return Prepared(digest.parsed(api, body), digest.prompt_bytes, digest.block_hashes)
 
     def _started(self) -> asyncio.Future[ProcessPoolExecutor]:
         """The pool, its processes spawned from a worker thread on first use: spawning holds

@@ -110,7 +110,6 @@ class StoredResponses:
         self, method: str, url: str, headers: list[tuple[str, str]], body: bytes
     ) -> tuple[UpstreamReply, bytes]:
         client = self._proxy.client
-        assert client is not None, "the lifespan owns the client"
         reply = None
         try:
             async with asyncio.timeout(self._config.proxy.first_byte_timeout_seconds):

@@ -98,7 +98,16 @@ class RoutingRequest:
 
 
 @runtime_checkable
-class Filter(Protocol):
+class Named(Protocol):
+    """What every filter, scorer and picker declares: the type name it is registered under in a
+    config's ``plugins`` (llm-d's plugin framework names each plugin by its type the same way)."""
+
+    @property
+    def type_name(self) -> str: ...
+
+
+@runtime_checkable
+class Filter(Named, Protocol):
     def filter(
         self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
     ) -> list[EndpointSnapshot]: ...
@@ -113,7 +122,7 @@ class Explains(Protocol):
 
 
 @runtime_checkable
-class Scorer(Protocol):
+class Scorer(Named, Protocol):
     def score(
         self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
     ) -> list[float]:
@@ -122,7 +131,7 @@ class Scorer(Protocol):
 
 
 @runtime_checkable
-class Picker(Protocol):
+class Picker(Named, Protocol):
     def pick(
         self,
         request: RoutingRequest,
@@ -131,6 +140,10 @@ class Picker(Protocol):
     ) -> list[EndpointSnapshot]:
         """The endpoints in order of preference."""
         ...
+
+
+# What a plugin factory builds: a profile takes each of its plugins as one of these three.
+Plugin = Filter | Scorer | Picker
 
 
 class Producer(Protocol):

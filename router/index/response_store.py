@@ -11,7 +11,8 @@ gateway replica (``pg:<namespace>:resp:<id>``, expiring with the TTL; no hash ta
 over a Cluster's slots). Writes go out in the background; a read asks the local map first (an id
 never moves), then Redis within its budget. An id found in neither (an expired entry, a gateway
 restarted without Redis, a write still in flight from another gateway) is looked for on the
-endpoints themselves with a bounded ``GET /v1/responses/{id}`` (:attr:`ResponseRoutes.probe`).
+endpoints themselves with a bounded ``GET /v1/responses/{id}`` (the ``probe`` a
+:class:`ResponseRoutes` is built with).
 
 When the endpoint is known but cannot serve the request, the client gets a 4xx that says so,
 never a wrong answer from another replica: 404 when the endpoint has left the pool (its stored
@@ -88,6 +89,7 @@ class ResponseRoutes:
         namespace: str = "prefixgate",
         timeout_ms: float = 50.0,
         probe_timeout_seconds: float = 2.0,
+        probe: Probe | None = None,
         metrics: RedisMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         cluster: bool = False,
@@ -99,8 +101,8 @@ class ResponseRoutes:
         self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._link: RedisLink | None = None
         self._queue: UpdateQueue[str, str | None] | None = None
-        # Set by the gateway's lifespan once its upstream client exists.
-        self.probe: Probe | None = None
+        # Asks the endpoints for an id known nowhere else (router/api/stored_responses.py).
+        self._probe = probe
         if url is not None:
             key_tag(namespace)
             self._prefix = f"pg:{namespace}:resp:"
@@ -158,7 +160,7 @@ class ResponseRoutes:
 
     async def locate(self, response_id: str, candidates: Sequence[EndpointSnapshot]) -> str | None:
         """Ask every candidate whether it holds ``response_id`` (bounded); the first that does."""
-        probe = self.probe
+        probe = self._probe
         if probe is None or not candidates or self._probe_timeout <= 0:
             return None
         tasks = {asyncio.ensure_future(probe(c, response_id)): c.id for c in candidates}

@@ -21,7 +21,7 @@ from router.index.redis_index import RedisPrefixIndex
 from router.index.redis_link import RedisMetrics
 from router.index.redis_state import RedisAffinityStore, SharedInFlight, gateway_load
 from router.index.replicated import ReplicatedAffinityStore, ReplicatedPrefixIndex, Replicator
-from router.index.response_store import ResponseRoutes
+from router.index.response_store import Probe, ResponseRoutes
 
 Candidates = Callable[[str], list[EndpointSnapshot]]
 
@@ -79,7 +79,14 @@ def _with_remote(snapshot: EndpointSnapshot, shared: SharedInFlight) -> Endpoint
     )
 
 
-def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorRegistry) -> Stores:
+def build_stores(
+    config: GatewayConfig,
+    pool: EndpointPool,
+    registry: CollectorRegistry,
+    probe: Probe | None = None,
+) -> Stores:
+    """The index, the session store and the response routes the config asks for; ``probe``
+    finds a stored response on the endpoints when no map knows it."""
     cfg = config.prefix_index
     sessions = config.session_affinity
     capacity = cfg.capacity_blocks or DEFAULT_CAPACITY_BLOCKS
@@ -89,7 +96,8 @@ def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorR
             InMemoryPrefixIndex(capacity),
             InMemoryAffinityStore(sessions.ttl_seconds, sessions.max_sessions),
             responses=ResponseRoutes(
-                rc.ttl_seconds, rc.max_entries, probe_timeout_seconds=rc.probe_timeout_seconds
+                rc.ttl_seconds, rc.max_entries, probe_timeout_seconds=rc.probe_timeout_seconds,
+                probe=probe,
             ),
         )
     metrics = RedisMetrics(registry)
@@ -109,6 +117,7 @@ def build_stores(config: GatewayConfig, pool: EndpointPool, registry: CollectorR
         namespace=namespace,
         timeout_ms=rc.redis_timeout_ms,
         probe_timeout_seconds=rc.probe_timeout_seconds,
+        probe=probe,
         metrics=metrics,
         cluster=cfg.cluster,
     )

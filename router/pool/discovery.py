@@ -1,36 +1,38 @@
 """Endpoints from Kubernetes: the pods of an ``InferencePool`` or of a plain label selector.
 
-Talks to the API server with plain httpx (list, then watch from the list's resourceVersion,
-relist when the watch expires), the way client-go's informers do, without a client library:
-the surface needed is three GETs. Each pod IP x target port is one endpoint (``ip:port``, as
-GIE names them); its role comes from the ``llm-d.ai/role`` label and its readiness from the
-pod's ``Ready`` condition. Changes reach the running gateway through an :class:`EndpointSink`.
+Talks to the API server with the gateway's own HTTP client (router/upstream; TLS with the
+service account's CA bundle and bearer token): list, then watch from the list's
+resourceVersion, relist when the watch expires, the way client-go's informers do, without a
+client library: the surface needed is three GETs. Each pod IP x target port is one endpoint
+(``ip:port``, as GIE names them); its role comes from the ``llm-d.ai/role`` label and its
+readiness from the pod's ``Ready`` condition. Changes reach the running gateway through an
+:class:`EndpointSink`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
-
-import httpx
-import orjson
 
 from router.config.model import DiscoveryConfig
 from router.core.endpoints import Endpoint, EndpointPool, Role
-from router.core.errors import ConfigError
 from router.core.tasks import cancel_and_wait
+from router.pool.kube_api import (
+    REQUEST_SECONDS,
+    KubeApi,
+    PoolMissing,
+    WatchExpired,
+    api_settings,
+)
 from router.pool.scraper import EndpointMonitor
+from router.upstream.client import UpstreamClient
 
 log = logging.getLogger("prefixgate.discovery")
 
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MAX_BACKOFF_SECONDS = 30.0
 _ROLES: dict[str, Role] = {
     "prefill": "prefill",
@@ -47,14 +49,6 @@ class EndpointSink(Protocol):
     """Where discovery sends the complete set of endpoints it currently sees."""
 
     async def apply(self, endpoints: Discovered) -> None: ...
-
-
-class WatchExpired(Exception):
-    """The watch's resourceVersion is too old (410 Gone): list again."""
-
-
-class PoolMissing(Exception):
-    """The InferencePool does not exist (yet)."""
 
 
 def role_of(labels: Mapping[str, str], key: str) -> Role:
@@ -107,51 +101,6 @@ def pool_spec(pool: Mapping[str, Any]) -> tuple[str, list[int]]:
     return selector_string(match_labels), ports
 
 
-class KubeApi:
-    """The few API server calls discovery needs; the token is re-read on every request."""
-
-    def __init__(self, client: httpx.AsyncClient, token_file: str | None) -> None:
-        self._client = client
-        self._token_file = token_file
-
-    async def _headers(self) -> dict[str, str]:
-        if not self._token_file:
-            return {}
-        path = Path(self._token_file)
-        try:
-            # Bound service account tokens rotate: read the current one each time.
-            token = (await asyncio.to_thread(path.read_text)).strip()
-        except OSError:
-            return {}
-        return {"authorization": f"Bearer {token}"} if token else {}
-
-    async def get(self, path: str, params: Mapping[str, str] | None = None) -> dict[str, Any]:
-        resp = await self._client.get(path, params=params, headers=await self._headers())
-        if resp.status_code == 404:
-            raise PoolMissing(path)
-        resp.raise_for_status()
-        data: dict[str, Any] = orjson.loads(resp.content)
-        return data
-
-    async def watch(
-        self, path: str, params: Mapping[str, str], server_timeout: float
-    ) -> AsyncIterator[dict[str, Any]]:
-        query = {**params, "watch": "true", "allowWatchBookmarks": "true"}
-        query["timeoutSeconds"] = str(int(server_timeout))
-        read_timeout = httpx.Timeout(10.0, read=server_timeout + 30.0)
-        headers = await self._headers()
-        async with self._client.stream(
-            "GET", path, params=query, headers=headers, timeout=read_timeout
-        ) as resp:
-            if resp.status_code == 410:
-                raise WatchExpired(path)
-            resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if line.strip():
-                    event: dict[str, Any] = orjson.loads(line)
-                    yield event
-
-
 def _resource_version(obj: Mapping[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion") or "")
 
@@ -175,17 +124,12 @@ def apply_event(objects: dict[str, dict[str, Any]], event: Mapping[str, Any]) ->
 class KubernetesDiscovery:
     """Keeps an :class:`EndpointSink` in step with the pods Kubernetes reports."""
 
-    def __init__(
-        self,
-        config: DiscoveryConfig,
-        sink: EndpointSink,
-        client: httpx.AsyncClient,
-        namespace: str | None = None,
-    ) -> None:
+    def __init__(self, config: DiscoveryConfig, sink: EndpointSink) -> None:
         self._config = config
         self._sink = sink
-        self._api = KubeApi(client, config.token_file)
-        self._namespace = namespace or config.namespace or "default"
+        self._client: UpstreamClient | None = None
+        self._api: KubeApi | None = None
+        self._namespace = config.namespace or "default"
         self._published: dict[str, tuple[Endpoint, bool]] | None = None
         self._synced = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -199,7 +143,12 @@ class KubernetesDiscovery:
         await self._synced.wait()
 
     async def start(self) -> None:
-        """Start watching; wait (bounded) for the first listing so start-up sees endpoints."""
+        """Open the API client, start watching; wait (bounded) for the first listing so
+        start-up sees endpoints."""
+        server, tls, self._namespace = await asyncio.to_thread(api_settings, self._config)
+        # Its own connections: the watches hold theirs for minutes.
+        self._client = UpstreamClient(8, REQUEST_SECONDS, ssl_context=tls)
+        self._api = KubeApi(self._client, server, self._config.token_file)
         self._task = asyncio.create_task(self._run(), name="k8s-discovery")
         try:
             async with asyncio.timeout(self._config.initial_sync_timeout_seconds):
@@ -210,6 +159,14 @@ class KubernetesDiscovery:
     async def stop(self) -> None:
         task, self._task = self._task, None
         await cancel_and_wait(task)
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    @property
+    def api(self) -> KubeApi:
+        assert self._api is not None, "discovery was not started"
+        return self._api
 
     async def _run(self) -> None:
         backoff = self._config.retry_seconds
@@ -234,7 +191,7 @@ class KubernetesDiscovery:
             await self._pods(selector_string(cfg.label_selector), cfg.target_ports)
             return
         path = f"/apis/{POOL_GROUP}/{POOL_VERSION}/namespaces/{self._namespace}/inferencepools"
-        pool = await self._api.get(f"{path}/{cfg.inference_pool}")
+        pool = await self.api.get(f"{path}/{cfg.inference_pool}")
         spec = pool_spec(pool)
         pods = asyncio.create_task(self._pods(*spec))
         watch = asyncio.create_task(self._pool_changed(path, _resource_version(pool), spec))
@@ -252,7 +209,7 @@ class KubernetesDiscovery:
         params = {"fieldSelector": f"metadata.name={self._config.inference_pool}"}
         pools: dict[str, dict[str, Any]] = {}
         while True:
-            stream = self._api.watch(
+            stream = self.api.watch(
                 path, {**params, "resourceVersion": rv}, self._config.watch_timeout_seconds
             )
             async for event in stream:
@@ -269,7 +226,7 @@ class KubernetesDiscovery:
         path = f"/api/v1/namespaces/{self._namespace}/pods"
         params = {"labelSelector": selector}
         while True:
-            listing = await self._api.get(path, params)
+            listing = await self.api.get(path, params)
             pods = {
                 str(p.get("metadata", {}).get("name", "")): p for p in listing.get("items") or []
             }
@@ -278,7 +235,7 @@ class KubernetesDiscovery:
             self._synced.set()
             try:
                 while True:
-                    stream = self._api.watch(
+                    stream = self.api.watch(
                         path, {**params, "resourceVersion": rv}, self._config.watch_timeout_seconds
                     )
                     async for event in stream:
@@ -369,26 +326,3 @@ class LivePool:
         if added and self._monitor is not None:
             # Learns the new endpoints' models (/v1/models) now instead of a health tick later.
             await self._monitor.check_all()
-
-
-def api_client(config: DiscoveryConfig) -> tuple[httpx.AsyncClient, str]:
-    """An httpx client for the API server, and the namespace to watch.
-
-    Reads the service account files: call it through ``asyncio.to_thread``.
-    """
-    namespace = config.namespace
-    ns_file = SERVICE_ACCOUNT_DIR / "namespace"
-    if namespace is None and ns_file.is_file():
-        namespace = ns_file.read_text(encoding="utf-8").strip()
-    server = config.api_server
-    if server is None:
-        host = os.environ.get("KUBERNETES_SERVICE_HOST")
-        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        if not host:
-            raise ConfigError("discovery.apiServer: not set and not running in a cluster")
-        server = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-    verify: ssl.SSLContext | bool = True
-    if server.startswith("https://") and config.ca_file and Path(config.ca_file).is_file():
-        verify = ssl.create_default_context(cafile=config.ca_file)
-    client = httpx.AsyncClient(base_url=server.rstrip("/"), verify=verify, timeout=10.0)
-    return client, namespace or "default"

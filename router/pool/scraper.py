@@ -1,7 +1,9 @@
 """Background health checks and vLLM metric scraping, one task per endpoint.
 
-It polls with aiohttp, the cheaper client per scrape on the event loop that relays every stream
-(docs/benchmarks/gateway-cost.md); eight endpoints are scraped eighty times a second.
+It polls with the gateway's own HTTP/1.1 client (router/upstream), a separate instance from the
+proxy's so that health checks never queue behind traffic: the cheapest client per scrape on the
+event loop that relays every stream (docs/benchmarks/http-client.md); eight endpoints are
+scraped eighty times a second.
 
 Scrapes parse only the handful of vLLM series a router needs, line by line, instead of the
 whole exposition: a real vLLM ``/metrics`` page carries hundreds of histogram lines, and a full
@@ -17,10 +19,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import aiohttp
 import orjson
 
 from router.core.endpoints import EndpointPool, EndpointState, EngineMetrics
+from router.upstream.client import UPSTREAM_ERRORS, UpstreamClient
 
 log = logging.getLogger("prefixgate.scraper")
 
@@ -34,8 +36,8 @@ _WANTED = {
     "vllm:prefix_cache_queries_total": "prefix_queries",
 }
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-# A poll that failed, short of a bug: the endpoint did not answer, or not in time.
-_POLL_ERRORS = (aiohttp.ClientError, OSError, TimeoutError)
+# A metrics page or model list bigger than this is not read (a failed poll).
+MAX_PAGE_BYTES = 4 << 20
 
 
 def parse_vllm_metrics(text: str, scraped_at: float) -> EngineMetrics:
@@ -100,12 +102,13 @@ AuthHeaders = Callable[[str], Mapping[str, str]]
 
 
 class EndpointMonitor:
-    """Owns one polling task per endpoint; started and stopped by the app's lifespan."""
+    """Owns one polling task per endpoint; started and stopped by the app's lifespan. The
+    client is the composition root's, which closes it."""
 
     def __init__(
         self,
         pool: EndpointPool,
-        client: aiohttp.ClientSession,
+        client: UpstreamClient,
         settings: MonitorSettings,
         on_capacity: CapacityCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -170,8 +173,9 @@ class EndpointMonitor:
     async def _get(
         self, url: str, seconds: float, headers: Mapping[str, str] | None = None
     ) -> tuple[int, bytes]:
-        async with asyncio.timeout(seconds), self._client.get(url, headers=headers) as resp:
-            return resp.status, await resp.read()
+        fields = list(headers.items()) if headers else []
+        got = await self._client.fetch("GET", url, fields, seconds=seconds, limit=MAX_PAGE_BYTES)
+        return got.status, got.body
 
     async def _probe(self, state: EndpointState) -> bool:
         url = state.endpoint.url
@@ -180,7 +184,7 @@ class EndpointMonitor:
             ok = status == 200
             if ok and not state.models:
                 await self._discover_models(state)
-        except _POLL_ERRORS:
+        except UPSTREAM_ERRORS:
             ok = False
         return ok
 
@@ -212,7 +216,7 @@ class EndpointMonitor:
         remote = self._remote(state)
         try:
             status, body = await self._get(f"{url}/metrics", self._settings.scrape_timeout)
-        except _POLL_ERRORS:
+        except UPSTREAM_ERRORS:
             self._mark(state, False)
             return
         if status != 200:

@@ -25,14 +25,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
-import httpx
 import orjson
 import xxhash
 
 from router.core.endpoints import EndpointSnapshot
 from router.core.lru import SizedLRU
 from router.precise.segments import SegmentMemo
+from router.upstream.client import UPSTREAM_ERRORS, UpstreamClient
 
+# A /tokenize answer is a few bytes per token; past this it is not read.
+MAX_TOKENIZE_BYTES = 64 << 20
 Api = Literal["chat", "completions"]
 EncodeChat = Callable[[Sequence[Mapping[str, Any]], Sequence[Any] | None], list[int]]
 RenderChat = Callable[[Sequence[Mapping[str, Any]], Sequence[Any] | None], str]
@@ -220,10 +222,17 @@ def sim_tokenizer(thread_above_bytes: int = 16_384) -> LocalTokenizer:
 class RemoteTokenizer:
     """Asks a candidate replica's ``/tokenize``; the first that answers within budget wins."""
 
-    def __init__(self, timeout_seconds: float = 0.5, max_attempts: int = 2) -> None:
+    def __init__(
+        self,
+        timeout_seconds: float = 0.5,
+        max_attempts: int = 2,
+        client: UpstreamClient | None = None,
+    ) -> None:
         self._timeout = timeout_seconds
         self._attempts = max(1, max_attempts)
-        self._client: httpx.AsyncClient | None = None
+        # Its own connections unless given some: a tokenize call never waits behind traffic.
+        self._owns_client = client is None
+        self._client = client or UpstreamClient(32, timeout_seconds)
 
     def _body(self, request: TokenizeInput) -> dict[str, Any] | None:
         payload = request.payload
@@ -247,23 +256,22 @@ class RemoteTokenizer:
         body = self._body(request)
         if body is None:
             return None
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self._timeout)
         # The least busy candidates first: tokenizing is not free for the replica either.
         ordered = sorted(endpoints, key=lambda e: e.in_flight)[: self._attempts]
         content = orjson.dumps(body)
-        headers = {"content-type": "application/json"}
+        headers = [("content-type", "application/json")]
         for endpoint in ordered:
             try:
-                reply = await self._client.post(
-                    endpoint.url + "/tokenize", content=content, headers=headers
+                reply = await self._client.fetch(
+                    "POST", endpoint.url + "/tokenize", headers, content, seconds=self._timeout,
+                    limit=MAX_TOKENIZE_BYTES,
                 )
-            except httpx.HTTPError:
+            except UPSTREAM_ERRORS:
                 continue
-            if reply.status_code != 200:
+            if reply.status != 200:
                 continue
             try:
-                tokens = orjson.loads(reply.content).get("tokens")
+                tokens = orjson.loads(reply.body).get("tokens")
             except (orjson.JSONDecodeError, AttributeError):
                 continue
             if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
@@ -271,9 +279,8 @@ class RemoteTokenizer:
         return None
 
     async def aclose(self) -> None:
-        if self._client is not None:
+        if self._owns_client:
             await self._client.aclose()
-            self._client = None
 
 
 def prompt_fingerprint(request: TokenizeInput) -> int:

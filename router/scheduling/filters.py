@@ -19,8 +19,8 @@ DECODE_ROLES: frozenset[Role] = frozenset({"decode", "both"})
 class RoleFilter:
     """Keeps the endpoints whose role is one of ``roles``."""
 
-    def __init__(self, name: str, roles: frozenset[Role]) -> None:
-        self.name = name
+    def __init__(self, type_name: str, roles: frozenset[Role]) -> None:
+        self.type_name = type_name
         self.roles = roles
 
     def filter(
@@ -29,7 +29,7 @@ class RoleFilter:
         return [e for e in endpoints if e.role in self.roles]
 
     def __repr__(self) -> str:
-        return f"RoleFilter({self.name!r})"
+        return f"RoleFilter({self.type_name!r})"
 
 
 def prefill_filter() -> RoleFilter:

@@ -12,6 +12,8 @@ from router.core.framework import RoutingRequest
 class MaxScorePicker:
     """Highest total first; ties broken at random so equal endpoints share a burst."""
 
+    type_name = "max-score-picker"
+
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
@@ -29,6 +31,8 @@ class MaxScorePicker:
 
 
 class RandomPicker:
+    type_name = "random-picker"
+
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
@@ -45,6 +49,8 @@ class RandomPicker:
 
 class RoundRobinPicker:
     """Cycles through the candidates in a stable (id) order, ignoring scores."""
+
+    type_name = "round-robin-picker"
 
     def __init__(self) -> None:
         self._next = 0

@@ -2,7 +2,9 @@
 
 Weights live in the profile, outside the scorers, as in llm-d's EndpointPickerConfig. Each
 factory validates its own parameters strictly, so a typo in ``parameters`` fails at start-up
-naming the plugin and the key.
+naming the plugin and the key. A factory builds a :data:`Plugin` (a filter, scorer or picker,
+each declaring its ``type_name``); a profile entry that names anything else is a config error,
+not a plugin silently left out.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from pydantic import BaseModel, ValidationError
 
 from router.config.model import PluginConfig, ProfileConfig, format_validation_error
 from router.core.errors import ConfigError
-from router.core.framework import Filter, Picker, SchedulingProfile, Scorer, WeightedScorer
+from router.core.framework import (
+    Filter,
+    Picker,
+    Plugin,
+    SchedulingProfile,
+    Scorer,
+    WeightedScorer,
+)
 from router.core.strict import Strict
 from router.estimators.calibration import Calibrator
 from router.scheduling.filters import decode_filter, prefill_filter
@@ -43,7 +52,7 @@ class PluginContext:
     precise: PreciseScores | None = None
 
 
-Factory = Callable[[Mapping[str, Any], PluginContext], object]
+Factory = Callable[[Mapping[str, Any], PluginContext], Plugin]
 
 
 class NoParameters(Strict):
@@ -70,7 +79,7 @@ class PluginRegistry:
     def types(self) -> list[str]:
         return sorted(self._factories)
 
-    def create(self, config: PluginConfig, context: PluginContext, where: str) -> object:
+    def create(self, config: PluginConfig, context: PluginContext, where: str) -> Plugin:
         factory = self._factories.get(config.type)
         if factory is None:
             raise ConfigError(
@@ -85,36 +94,36 @@ class PluginRegistry:
             ) from exc
 
 
-def _simple(cls: Callable[[], object]) -> Factory:
-    def factory(raw: Mapping[str, Any], context: PluginContext) -> object:
+def _simple(cls: Callable[[], Plugin]) -> Factory:
+    def factory(raw: Mapping[str, Any], context: PluginContext) -> Plugin:
         parameters(NoParameters, raw)
         return cls()
 
     return factory
 
 
-def _seeded(cls: Callable[[random.Random], object]) -> Factory:
-    def factory(raw: Mapping[str, Any], context: PluginContext) -> object:
+def _seeded(cls: Callable[[random.Random], Plugin]) -> Factory:
+    def factory(raw: Mapping[str, Any], context: PluginContext) -> Plugin:
         parameters(NoParameters, raw)
         return cls(context.rng)
 
     return factory
 
 
-def _ttft_cost(raw: Mapping[str, Any], context: PluginContext) -> object:
+def _ttft_cost(raw: Mapping[str, Any], context: PluginContext) -> Plugin:
     return TTFTCostScorer(context.calibrator, parameters(TTFTCostParameters, raw), context.precise)
 
 
-def _precise(raw: Mapping[str, Any], context: PluginContext) -> object:
+def _precise(raw: Mapping[str, Any], context: PluginContext) -> Plugin:
     parameters(NoParameters, raw)
     return PrecisePrefixCacheScorer(context.precise)
 
 
-def _load_aware(raw: Mapping[str, Any], context: PluginContext) -> object:
+def _load_aware(raw: Mapping[str, Any], context: PluginContext) -> Plugin:
     return LoadAwareScorer(parameters(LoadAwareParameters, raw))
 
 
-def _no_hit_lru(raw: Mapping[str, Any], context: PluginContext) -> object:
+def _no_hit_lru(raw: Mapping[str, Any], context: PluginContext) -> Plugin:
     return NoHitLRUScorer(parameters(NoHitLRUParameters, raw))
 
 
@@ -145,7 +154,7 @@ def build_profile(
     context: PluginContext,
     where: str = "schedulingProfiles[0]",
 ) -> SchedulingProfile:
-    instances: dict[str, object] = {}
+    instances: dict[str, Plugin] = {}
     for i, plugin in enumerate(plugins):
         if plugin.ref in instances:
             raise ConfigError(f"plugins[{i}].name: duplicate plugin name {plugin.ref!r}")
@@ -158,6 +167,12 @@ def build_profile(
         instance = instances.get(ref.plugin_ref)
         if instance is None:
             raise ConfigError(f"{at}.pluginRef: no plugin named {ref.plugin_ref!r}")
+        if not isinstance(instance, Scorer | Picker | Filter):
+            # A registered factory typed its way past mypy: say so instead of dropping it.
+            raise ConfigError(
+                f"{at}.pluginRef: plugin {ref.plugin_ref!r} ({type(instance).__name__}) is not "
+                "a scorer, filter or picker"
+            )
         if isinstance(instance, Scorer):
             weight = 1.0 if ref.weight is None else ref.weight
             scorers.append(WeightedScorer(ref.plugin_ref, instance, weight))
@@ -167,7 +182,7 @@ def build_profile(
             if picker is not None:
                 raise ConfigError(f"{at}.pluginRef: a profile has one picker")
             picker = instance
-        elif isinstance(instance, Filter):
+        else:
             filters.append(instance)
     if picker is None:
         picker = MaxScorePicker(context.rng)

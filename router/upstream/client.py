@@ -4,8 +4,9 @@ Its own small client on ``asyncio.Protocol`` and httptools (``router.upstream.co
 rather than a general one, because this path runs once per request and once per streamed
 token, and a burst of sub-agent requests pays it in series on the one event loop: measured with
 ``benchmarks.overhead`` and ``benchmarks.relay_cost``, it costs the gateway less CPU than httpx
-or aiohttp (docs/benchmarks/gateway-cost.md). httpx stays for the monitor and everything off the
-hot path.
+or aiohttp (docs/benchmarks/gateway-cost.md), and so it does for the gateway's other calls
+(scrapes, health checks, the tokenizer, the Kubernetes API; ``benchmarks.http_clients``,
+docs/benchmarks/http-client.md), which use it too, through :meth:`UpstreamClient.fetch`.
 
 Connections are pooled per endpoint, most recently used first, and a pooled connection idle for
 ``keepalive_seconds`` is not used again: servers close idle ones on their own clock (uvicorn,
@@ -42,9 +43,21 @@ DNS_TTL_SECONDS = 60.0
 UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (OSError, TimeoutError)
 
 __all__ = [
-    "UPSTREAM_ERRORS", "UpstreamClient", "UpstreamConnectionError", "UpstreamProtocolError",
-    "UpstreamReply",
+    "UPSTREAM_ERRORS", "Fetched", "ResponseTooLargeError", "UpstreamClient",
+    "UpstreamConnectionError", "UpstreamProtocolError", "UpstreamReply",
 ]
+
+
+class ResponseTooLargeError(UpstreamProtocolError):
+    """An answer read whole (:meth:`UpstreamClient.fetch`) ran past its byte limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """A small answer read whole: a health check, a scrape, a tokenizer's or the API server's."""
+
+    status: int
+    body: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +153,10 @@ class UpstreamClient:
         self._dns: dict[tuple[str, int], tuple[float, list[str]]] = {}
         self._closed = False
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def post(
         self, url: str, headers: Sequence[tuple[str, str]], body: bytes
     ) -> UpstreamReply:
@@ -160,6 +177,30 @@ class UpstreamClient:
             self._slots.release()
             raise
         return UpstreamReply(self, conn)
+
+    async def fetch(
+        self,
+        method: str,
+        url: str,
+        headers: Sequence[tuple[str, str]] = (),
+        body: bytes = b"",
+        *,
+        seconds: float,
+        limit: int = 1 << 20,
+    ) -> Fetched:
+        """The whole answer within ``seconds`` (connect, head and body), at most ``limit``
+        bytes of it: the monitor's, the tokenizer's and discovery's calls, off the hot path."""
+        reply: UpstreamReply | None = None
+        try:
+            async with asyncio.timeout(seconds):
+                reply = await self.request(method, url, headers, body)
+                data = await reply.read_all(limit + 1)
+                if len(data) > limit:
+                    raise ResponseTooLargeError(f"{url}: answer over {limit} bytes")
+                return Fetched(reply.status, data)
+        finally:
+            if reply is not None:
+                reply.close()
 
     async def _exchange(self, target: _Target, data: list[bytes]) -> Connection:
         conn = self._pooled(target.key)

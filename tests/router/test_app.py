@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,8 @@ import orjson
 import pytest
 
 from benchmarks.sim.cli import Replica
+from router.app import build_gateway, gateway_running
+from router.config.model import parse_config
 from router.serve.server import RunningGateway, running_gateway
 from tests.gateways import MODEL, gateway_config
 
@@ -309,3 +312,50 @@ async def test_a_routing_decision_is_explained_on_request(
     assert {"predicted_ttft_s", "queued_tokens", "evicted_tokens", "load_s"} <= set(terms)
     logged = [r.getMessage() for r in caplog.records if r.name == "prefixgate.decision"]
     assert len(logged) == 2 and all('"pick"' in line for line in logged)
+
+
+def test_the_graph_is_built_complete_and_not_finished_by_assignment() -> None:
+    config = parse_config(
+        {
+            "pool": {"endpoints": [{"url": "http://127.0.0.1:9"}]},
+            "discovery": {"apiServer": "http://127.0.0.1:9", "labelSelector": {"app": "vllm"},
+                          "targetPorts": [8000]},
+        }
+    )
+    gw = build_gateway(config)
+    assert gw.proxy.client is gw.upstream, "the proxy forwards with the gateway's client"
+    assert gw.monitor_client is not gw.upstream, "health checks never queue behind traffic"
+    assert gw.proxy.prediction is gw.prediction and gw.proxy.sizer is gw.sizer
+    assert gw.discovery is not None and not gw.discovery.synced
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        gw.monitor = gw.monitor  # type: ignore[misc]
+
+
+async def test_a_fresh_gateway_finds_a_stored_response_by_asking_the_replicas(
+    replicas: list[Replica],
+) -> None:
+    """The probe the composition root gives the response store reaches the replicas through
+    the gateway's client: a gateway that never relayed the answer still finds its holder."""
+    urls = [r.url for r in replicas]
+    ask = {"model": MODEL, "input": "remember this", "max_output_tokens": 4}
+    async with running_gateway(gateway_config(urls)) as first:
+        async with httpx.AsyncClient(base_url=first.url) as http:
+            created = await http.post("/v1/responses", json=ask)
+        assert created.status_code == 200
+        response_id = created.json()["id"]
+        home = created.headers["x-gateway-destination-endpoint"]
+    async with (
+        running_gateway(gateway_config(urls)) as second,
+        httpx.AsyncClient(base_url=second.url) as http,
+    ):
+        assert second.gateway.stores.responses.local(response_id) is None
+        got = await http.get(f"/v1/responses/{response_id}")
+    assert got.status_code == 200 and got.json()["id"] == response_id
+    assert got.headers["x-gateway-destination-endpoint"] == home
+
+
+async def test_the_lifespan_closes_the_clients_it_was_given() -> None:
+    gw = build_gateway(parse_config({"pool": {"endpoints": [{"url": "http://127.0.0.1:9"}]}}))
+    async with gateway_running(gw):
+        assert not gw.monitor_client.closed and not gw.upstream.closed
+    assert gw.monitor_client.closed and gw.upstream.closed

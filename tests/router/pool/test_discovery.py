@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import ssl
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,14 +218,11 @@ async def watch(
     kube: tuple[FakeKube, str],
 ) -> AsyncIterator[Callable[..., Any]]:
     started: list[KubernetesDiscovery] = []
-    clients: list[httpx.AsyncClient] = []
 
     async def start(**extra: Any) -> tuple[KubernetesDiscovery, Recorder]:
         config = discovery_config(kube[1], **extra)
-        client = httpx.AsyncClient(base_url=kube[1])
-        clients.append(client)
         recorder = Recorder()
-        discovery = KubernetesDiscovery(config, recorder, client)
+        discovery = KubernetesDiscovery(config, recorder)
         started.append(discovery)
         await discovery.start()
         return discovery, recorder
@@ -232,8 +230,6 @@ async def watch(
     yield start
     for d in started:
         await d.stop()
-    for c in clients:
-        await c.aclose()
 
 
 async def test_pods_come_and_go_with_their_readiness_and_role(
@@ -306,6 +302,65 @@ async def test_service_account_token_is_sent(
     token.write_text("s3cret\n")
     await watch(labelSelector={"app": "vllm"}, targetPorts=[8000], tokenFile=str(token))
     assert fake.auth and all(a == "Bearer s3cret" for a in fake.auth)
+
+
+async def test_the_api_server_is_reached_over_tls_with_its_ca_bundle_and_token(
+    certificate: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """As in a cluster: https, the service account's CA bundle, a bearer token."""
+    cert, key = certificate
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+    fake = FakeKube()
+    fake.put("pods", pod("a", "127.0.0.7"))
+    runner = web.AppRunner(fake.app(), shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_tls).start()
+    url = f"https://127.0.0.1:{runner.addresses[0][1]}"
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    seen = Recorder()
+    config = discovery_config(
+        url, labelSelector={"app": "vllm"}, targetPorts=[8000], caFile=str(cert),
+        tokenFile=str(token),
+    )
+    discovery = KubernetesDiscovery(config, seen)
+    try:
+        await discovery.start()
+        await until(lambda: seen.ready() == {"127.0.0.7:8000": "both"})
+        fake.put("pods", pod("b", "127.0.0.8"))  # and the watch streams over the same TLS
+        await until(lambda: "127.0.0.8:8000" in seen.ready())
+        assert fake.auth and all(a == "Bearer t0ken" for a in fake.auth)
+    finally:
+        await discovery.stop()
+        for w in fake.watchers:
+            w.queue.put_nowait(None)
+        await runner.cleanup()
+
+
+async def test_an_untrusted_api_server_is_never_listed(certificate: tuple[Path, Path]) -> None:
+    cert, key = certificate
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+    fake = FakeKube()
+    fake.put("pods", pod("a", "127.0.0.7"))
+    runner = web.AppRunner(fake.app(), shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_tls).start()
+    url = f"https://127.0.0.1:{runner.addresses[0][1]}"
+    seen = Recorder()
+    # No CA bundle: the system's CAs do not know the certificate.
+    config = discovery_config(
+        url, labelSelector={"app": "vllm"}, targetPorts=[8000], caFile=None,
+        initialSyncTimeoutSeconds=0.2,
+    )
+    discovery = KubernetesDiscovery(config, seen)
+    try:
+        await discovery.start()
+        assert not discovery.synced and fake.lists == 0 and seen.calls == 0
+    finally:
+        await discovery.stop()
+        await runner.cleanup()
 
 
 def test_pod_endpoints() -> None:

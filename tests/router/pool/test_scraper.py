@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-
-import aiohttp
+from collections.abc import AsyncIterator
 
 from benchmarks.sim.cli import start_replicas
 from benchmarks.sim.config import DEFAULT_MODEL, SimConfig
@@ -15,6 +15,7 @@ from router.index.prefix_index import InMemoryPrefixIndex
 from router.index.redis_state import SharedInFlight
 from router.index.stores import Stores
 from router.pool.scraper import EndpointMonitor, MonitorSettings, parse_vllm_metrics
+from router.upstream.client import UpstreamClient
 
 PAGE = """\
 # HELP vllm:num_requests_waiting Requests waiting.
@@ -49,6 +50,16 @@ def test_parse_tolerates_garbage() -> None:
     assert m.block_size is None and m.num_gpu_blocks is None
 
 
+@contextlib.asynccontextmanager
+async def monitor_client() -> AsyncIterator[UpstreamClient]:
+    """The monitor's client, as the composition root builds it (its own connections)."""
+    client = UpstreamClient(8, 1.0)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
 def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -62,7 +73,7 @@ async def test_monitor_scrapes_a_replica_and_marks_a_dead_one_unhealthy() -> Non
     )
     capacity: list[tuple[str, int, int]] = []
     config = SimConfig(speed=50.0, num_gpu_blocks=512)
-    async with start_replicas(1, config) as (replica,), aiohttp.ClientSession() as http:
+    async with start_replicas(1, config) as (replica,), monitor_client() as http:
         live = Endpoint.from_url(replica.url)
         dead = Endpoint.from_url(f"http://127.0.0.1:{_closed_port()}")
         pool = EndpointPool([live, dead])
@@ -92,7 +103,7 @@ async def test_a_scrape_remembers_the_gateway_requests_it_may_have_counted() -> 
     settings = MonitorSettings(scrape_interval=0.02, scrape_timeout=0.5, health_interval=5.0)
     async with (
         start_replicas(1, SimConfig(speed=50.0)) as (replica,),
-        aiohttp.ClientSession() as http,
+        monitor_client() as http,
     ):
         pool = EndpointPool([Endpoint.from_url(replica.url)])
         (state,) = list(pool)
@@ -132,7 +143,7 @@ async def test_a_scrape_remembers_other_gateways_requests_too(
     )
     async with (
         start_replicas(1, SimConfig(speed=50.0)) as (replica,),
-        aiohttp.ClientSession() as http,
+        monitor_client() as http,
     ):
         pool = EndpointPool([Endpoint.from_url(replica.url)])
         (state,) = list(pool)

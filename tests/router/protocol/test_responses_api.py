@@ -256,7 +256,6 @@ async def test_routes_remember_expire_and_resolve_with_clear_errors() -> None:
 
 
 async def test_unknown_ids_are_looked_for_on_the_endpoints() -> None:
-    routes = ResponseRoutes(probe_timeout_seconds=1.0)
     pool = pool_of("http://a:1", "http://b:1", "http://c:1")
     asked: list[str] = []
 
@@ -266,7 +265,7 @@ async def test_unknown_ids_are_looked_for_on_the_endpoints() -> None:
             await asyncio.sleep(10)  # a slow endpoint does not hold the answer back
         return endpoint.id == "c:1"
 
-    routes.probe = probe
+    routes = ResponseRoutes(probe_timeout_seconds=1.0, probe=probe)
     async with asyncio.timeout(2):
         assert await routes.resolve("resp_9", pool, pool.candidates(MODEL)) == "c:1"
     assert sorted(asked) == ["a:1", "b:1", "c:1"]

@@ -8,6 +8,7 @@ import pytest
 from router.config.model import PluginConfig, ProfileConfig, builtin_strategy, parse_config
 from router.config.strategies import STRATEGIES
 from router.core.errors import ConfigError
+from router.core.framework import Filter, Picker, Scorer
 from router.scheduling.pickers import MaxScorePicker, RoundRobinPicker
 from router.scheduling.plugins import PluginContext, build_profile, default_registry
 
@@ -86,6 +87,43 @@ def test_every_strategy_builds(name: str) -> None:
     plugins, profile = builtin_strategy(name)
     built = build_profile(plugins, profile, default_registry(), PluginContext(random.Random(0)))
     assert built.picker is not None
+
+
+class _Unrelated:
+    """Has a type name but neither scores, filters nor picks."""
+
+    type_name = "unrelated"
+
+
+def test_a_plugin_of_no_known_kind_is_a_config_error_naming_the_profile_entry() -> None:
+    registry = default_registry()
+    registry.register("unrelated", lambda raw, ctx: _Unrelated())  # type: ignore[arg-type,return-value]
+    config = parse_config(
+        {
+            "plugins": [{"type": "queue-scorer"}, {"type": "unrelated", "name": "odd"}],
+            "schedulingProfiles": [
+                {"name": "p", "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "odd"}]}
+            ],
+        }
+    )
+    assert config.plugins is not None and config.scheduling_profiles is not None
+    with pytest.raises(ConfigError) as info:
+        build_profile(
+            config.plugins, config.scheduling_profiles[0], registry,
+            PluginContext(random.Random(1)),
+        )
+    message = str(info.value)
+    assert "schedulingProfiles[0].plugins[1].pluginRef" in message
+    assert "'odd'" in message and "not a scorer, filter or picker" in message
+
+
+def test_every_registered_plugin_declares_its_type_name() -> None:
+    registry = default_registry()
+    context = PluginContext(random.Random(1))
+    for name in registry.types():
+        plugin = registry.create(PluginConfig(type=name), context, "plugins[0]")
+        assert isinstance(plugin, Scorer | Filter | Picker)
+        assert plugin.type_name == name
 
 
 def test_registry_rejects_duplicates() -> None:

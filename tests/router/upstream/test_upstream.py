@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import socket
 import ssl
-import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ import pytest
 
 from router.upstream.client import (
     UPSTREAM_ERRORS,
+    ResponseTooLargeError,
     UpstreamClient,
     UpstreamConnectionError,
     UpstreamProtocolError,
@@ -133,6 +132,47 @@ async def test_a_large_body_is_written_a_slice_at_a_time_and_arrives_whole(
         assert all(request.endswith(b"\r\n\r\n" + body) for request in server.requests)
     await client.aclose()
     assert max(writes) <= WRITE_SLICE_BYTES and sum(writes) > 2 * len(body)
+
+
+async def test_fetch_reads_whole_answers_on_one_kept_alive_connection() -> None:
+    client = UpstreamClient(8, 2)
+    async with serve(keep_answering) as server:
+        for n in (1, 2):
+            got = await client.fetch("GET", f"{server.url}/metrics", [("x-k", "v")], seconds=5)
+            assert (got.status, got.body) == (200, b"pong %d" % n)
+        assert server.connections == 1
+        assert server.requests[0].startswith(b"GET /metrics HTTP/1.1\r\n")
+        assert b"Content-Length" not in server.requests[0], "a GET without a body has none"
+    await client.aclose()
+
+
+async def test_fetch_past_its_limit_is_an_upstream_error() -> None:
+    client = UpstreamClient(8, 2)
+    async with serve(keep_answering) as server:
+        with pytest.raises(ResponseTooLargeError) as info:
+            await client.fetch("GET", f"{server.url}/metrics", seconds=5, limit=4)
+        assert isinstance(info.value, UPSTREAM_ERRORS)
+        exact = await client.fetch("GET", f"{server.url}/metrics", seconds=5, limit=6)
+        assert exact.body == b"pong 2"
+    await client.aclose()
+
+
+async def test_fetch_gives_up_at_its_deadline_and_frees_its_slot() -> None:
+    never = asyncio.Event()
+
+    async def silent(state: Server, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await never.wait()  # reads the request, never answers
+
+    client = UpstreamClient(1, 2)
+    async with serve(silent) as server:
+        with pytest.raises(TimeoutError):
+            await client.fetch("GET", f"{server.url}/health", seconds=0.05)
+        with pytest.raises(TimeoutError):  # the one slot was given back: it times out again
+            await client.fetch("GET", f"{server.url}/health", seconds=0.05)
+        assert server.connections == 2, "a timed-out connection is not reused"
+    await client.aclose()
 
 
 async def test_a_stream_arrives_piece_by_piece_before_its_end() -> None:
@@ -321,21 +361,6 @@ async def until(predicate: Callable[[], bool], seconds: float) -> bool:
             return True
         await asyncio.sleep(0.01)
     return predicate()
-
-
-@pytest.fixture
-def certificate(tmp_path: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 and its key."""
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=test",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=30,
-    )
-    return cert, key
 
 
 async def test_https_endpoints_are_verified(certificate: tuple[Path, Path]) -> None:
