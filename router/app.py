@@ -24,6 +24,7 @@ from router.api.asgi import GatewayApp
 from router.api.loop_lag import LoopLagMonitor
 from router.api.prediction import PredictionTracker
 from router.api.proxy import Proxy
+from router.api.request_body import BodyParser
 from router.api.routes import add_routes
 from router.api.stored_responses import StoredResponses, make_probe
 from router.config.model import (
@@ -300,6 +301,12 @@ def _build_discovery(
     return KubernetesDiscovery(config.discovery, LivePool(pool, monitor, forget, joined))
 
 
+def _build_parser(config: GatewayConfig) -> BodyParser | None:
+    """Large bodies' parser; its processes start with the first large body, not here."""
+    processes = config.server.offload_processes
+    return BodyParser(processes) if processes else None
+
+
 def build_gateway(
     config: GatewayConfig,
     registry: PluginRegistry | None = None,
@@ -328,6 +335,7 @@ def build_gateway(
         config, routing.router, metrics, upstream, upstream_keys=keys,
         auth=build_authenticator(config.auth, environ), prediction=prediction, sizer=sizer,
         disagg=_build_disagg(config, routing, metrics),
+        parser=_build_parser(config),
     )
     hc, ms = config.pool.health_check, config.pool.metrics_scrape
     connect = max(hc.timeout_seconds, ms.timeout_seconds)
@@ -365,6 +373,8 @@ async def gateway_running(gateway: Gateway) -> AsyncIterator[None]:
         gateway.flow.start()
         stack.push_async_callback(gateway.flow.stop)
         gateway.stores.start()
+        if gateway.proxy.parser is not None:  # its processes start with the first large body
+            stack.push_async_callback(gateway.proxy.parser.aclose)
         gateway.lag.start()
         stack.push_async_callback(gateway.lag.stop)
         # First at exit: streams cut by the drain deadline are still writing their closing

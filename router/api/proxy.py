@@ -25,7 +25,7 @@ from starlette.responses import Response
 from flow_control.request import Ticket
 from router.api.logs import AccessLog
 from router.api.prediction import PredictionTracker, UsageTap
-from router.api.request_body import read_body
+from router.api.request_body import BodyParser, read_body
 from router.api.streaming import DisconnectWatch, ErrorEvent, UpstreamResponse, sse_error_event
 from router.config.model import GatewayConfig
 from router.core.endpoints import EndpointSnapshot, Lease
@@ -84,6 +84,7 @@ class Proxy:
         prediction: PredictionTracker | None = None,
         sizer: IndexSizer | None = None,
         disagg: Disaggregator | None = None,
+        parser: BodyParser | None = None,
     ) -> None:
         self._config = config
         self._router = router
@@ -92,6 +93,8 @@ class Proxy:
         # Prefill/decode disaggregation, when it is enabled.
         self.disagg = disagg
         self.prediction = prediction
+        # Large bodies' parser (None: they are parsed in a worker thread).
+        self.parser = parser
         # Learns bytes per token from each answer's usage and sizes the index from it.
         self.sizer = sizer
         self.auth = auth
@@ -191,10 +194,12 @@ class Proxy:
                     ticket.release()
 
     async def _prepare(self, api: Api, body: bytes) -> Prepared:
-        """Parse and hash, in a worker thread when the body is large (orjson and the hashing
-        run there without the event loop; a small body is cheaper done here)."""
+        """Parse and hash a small body here, a large one in the parser's process (in a thread
+        when the path reads the decoded body, as precise routing and disaggregation do)."""
         if len(body) < self._config.server.offload_body_bytes:
             return self._router.prepare(api, body)
+        if self.parser is not None and self.disagg is None and not self._router.reads_payload:
+            return await self.parser.prepare(api, body, self._config.prefix_index)
         return await asyncio.to_thread(self._router.prepare, api, body)
 
     def upstream_headers(

@@ -148,9 +148,12 @@ class ServerConfig(Strict):
     port: int = Field(8000, ge=0, le=65535)
     # 200K-token agent prompts are ~1 MB of text; JSON escaping and images need headroom.
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
-    # Bodies at least this big are parsed, rendered and hashed in a worker thread, so that one
-    # huge prompt does not stall every other request on the event loop.
+    # Bodies at least this big are parsed, rendered and hashed off the event loop, so that one
+    # huge prompt does not stall every other request.
     offload_body_bytes: int = Field(1024 * 1024, ge=0)
+    # Processes doing that parsing (started on the first such body): orjson holds the GIL for
+    # a whole decode, so a thread would stall the loop too. 0: a worker thread after all.
+    offload_processes: int = Field(1, ge=0, le=16)
     # A client that sends its body slower than this is answered 408, not waited for forever.
     body_timeout_seconds: float = Field(60.0, gt=0)
     # SIGTERM: /ready turns 503 at once, new connections are still taken for the delay (load

@@ -80,6 +80,13 @@ def fresh_prefix(
     return lo
 
 
+def capped(hashes: Sequence[int], capacity: int) -> Sequence[int]:
+    """The part of a chain an endpoint of ``capacity`` blocks can hold: a touch evicts a
+    chain from its tail, so blocks past the capacity would go at once (and a 30 MB prompt
+    would cost its whole chain per record)."""
+    return hashes if len(hashes) <= capacity else hashes[:capacity]
+
+
 def tail_scores(top: float, fresh: float, count: int) -> list[float] | None:
     """Scores for ``count`` blocks touched after a fresh prefix whose last block scores ``top``.
 
@@ -116,9 +123,10 @@ class _Lru:
             return ordered.popleft()
         return heapq.heappop(heap)
 
-    def compact(self) -> None:
-        """Drop superseded entries: rare (they pile up only while nothing is evicted)."""
-        if len(self.ordered) + len(self.heap) > 3 * len(self.scores) + 1024:
+    def compact(self, slack: float = 3.0) -> None:
+        """Drop superseded entries once the queues hold ``slack`` times the live ones: rare
+        (they pile up only while nothing is evicted)."""
+        if len(self.ordered) + len(self.heap) > slack * len(self.scores) + 1024:
             self.heap = [(score, h) for h, score in self.scores.items()]
             heapq.heapify(self.heap)
             self.ordered.clear()
@@ -207,40 +215,56 @@ class InMemoryPrefixIndex:
         """
         if not hashes:
             return
-        end = self._touch(endpoint_id, hashes, self._step)
+        hashes = capped(hashes, self.capacity(endpoint_id))
+        fresh = self._fresh(endpoint_id)
+        end = self._touch(endpoint_id, hashes, self._step, fresh)
         if end is not None:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop (a script, a test): all of it now
-                self._touch(endpoint_id, hashes, 0)
+                self._touch(endpoint_id, hashes, 0, fresh)
                 return
             self.pending_pieces += 1
-            loop.call_soon(self._resume, endpoint_id, hashes, end, self._bits[endpoint_id])
+            bit = self._bits[endpoint_id]
+            loop.call_soon(self._resume, endpoint_id, hashes, end, bit, fresh)
 
-    def _resume(self, endpoint_id: str, hashes: Sequence[int], end: int, bit: int) -> None:
+    def _resume(
+        self, endpoint_id: str, hashes: Sequence[int], end: int, bit: int, fresh: float
+    ) -> None:
+        """The next piece of a long record: one touch spread over turns of the loop, so its
+        freshness is the one judged when it began (judged anew, a chain longer than the fresh
+        window would outlive its own head's freshness and each piece re-touch all of it)."""
         self.pending_pieces -= 1
         if self._bits.get(endpoint_id) != bit:
             return  # forgotten meanwhile (or gone and back): its pieces are stale
-        self._touch(endpoint_id, hashes[: end + self._step], 0)
+        self._touch(endpoint_id, hashes[: end + self._step], 0, fresh)
         end += self._step
         if end < len(hashes):
             self.pending_pieces += 1
-            asyncio.get_running_loop().call_soon(self._resume, endpoint_id, hashes, end, bit)
+            asyncio.get_running_loop().call_soon(
+                self._resume, endpoint_id, hashes, end, bit, fresh
+            )
 
-    def _touch(self, endpoint_id: str, hashes: Sequence[int], most: int) -> int | None:
+    def _fresh(self, endpoint_id: str) -> float:
+        """Scores above this are fresh (:func:`fresh_window`)."""
+        lru = self._lru.get(endpoint_id)
+        return (lru.clock if lru else 0) - fresh_window(self.capacity(endpoint_id))
+
+    def _touch(
+        self, endpoint_id: str, hashes: Sequence[int], most: int, fresh: float
+    ) -> int | None:
         """Touch what is not fresh; when that is more than ``most`` (> 0) blocks, touch only
         the chain up to the fresh head plus ``most`` and return where that piece ends."""
         bit = self._bit(endpoint_id)
         lru = self._lru[endpoint_id]
         capacity = self.capacity(endpoint_id)
-        fresh = lru.clock - fresh_window(capacity)
         scores = lru.scores
         first = fresh_prefix(scores.get, hashes, fresh)
         if first == len(hashes):
             return None
         if most and len(hashes) - first > most:
             end = first + most
-            self._touch(endpoint_id, hashes[:end], 0)
+            self._touch(endpoint_id, hashes[:end], 0, fresh)
             return end
         tail = hashes[first:]
         new = tail_scores(scores[hashes[first - 1]], fresh, len(tail)) if first else None
@@ -264,6 +288,10 @@ class InMemoryPrefixIndex:
 
     def _evict(self, lru: _Lru, bit: int, capacity: int) -> None:
         scores, pop, holders = lru.scores, lru.pop_oldest, self._holders
+        if len(scores) > capacity:
+            # Popping a re-touched long chain's superseded entries one by one would take a
+            # turn of the loop 40 ms (31K of them); rebuilding the queue takes a few.
+            lru.compact(1.5)
         while len(scores) > capacity:
             score, h = pop()
             if scores.get(h) == score:  # else a later touch superseded this entry

@@ -18,7 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from router.index.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex
+from router.index.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex, capped
 from router.index.redis_index_scripts import FORGET as _FORGET
 from router.index.redis_index_scripts import MATCH as _MATCH
 from router.index.redis_index_scripts import RECORD as _RECORD
@@ -143,6 +143,7 @@ class RedisPrefixIndex:
     def record(self, endpoint_id: str, hashes: Sequence[int]) -> None:
         if not hashes:
             return
+        hashes = capped(hashes, self.local.capacity(endpoint_id))
         self.local.record(endpoint_id, hashes)
         op = ("record", endpoint_id, pack_hashes(hashes))
         self._queue.put(op, self.local.capacity(endpoint_id))
@@ -169,13 +170,16 @@ class RedisPrefixIndex:
         await self._queue.aclose(self._flush_timeout)
         await self._link.aclose()
 
-    def _script_args(self, op: _Op, capacity: int, refresh: bool, most: int = 0) -> ScriptCall:
+    def _script_args(
+        self, op: _Op, capacity: int, refresh: bool, most: int = 0, bound: int | None = None
+    ) -> ScriptCall:
         kind, endpoint_id, blob = op
         keys = [self._holders, self._slots, self._lru_prefix + endpoint_id, self._clocks]
         if kind == "forget":
             return _FORGET, keys, [endpoint_id, self._forget_chunk]
         flag = "1" if refresh else "0"
-        args = [endpoint_id, capacity, self._ttl_ms, flag, self._lru_prefix, blob, most]
+        piece_of = "" if bound is None else bound
+        args = [endpoint_id, capacity, self._ttl_ms, flag, self._lru_prefix, blob, most, piece_of]
         return _RECORD, keys, args
 
     async def _ship(self, batch: list[tuple[_Op, int]]) -> None:
@@ -197,21 +201,24 @@ class RedisPrefixIndex:
         for (op, capacity), result in zip(batch, results, strict=True):
             if op[0] == "forget" and isinstance(result, int) and result > 0:
                 self._queue.put(op, capacity)  # bounded work per call: the rest in a later batch
-            elif op[0] == "record" and isinstance(result, int) and result > 0:
-                await self._record_in_pieces(op, capacity, result - 1)
+            elif op[0] == "record" and isinstance(result, list) and len(result) == 2:
+                await self._record_in_pieces(op, capacity, int(result[0]) - 1, int(result[1]))
 
-    async def _record_in_pieces(self, op: _Op, capacity: int, fresh: int) -> None:
+    async def _record_in_pieces(self, op: _Op, capacity: int, fresh: int, bound: int) -> None:
         """Touch a long chain as growing prefixes, one round trip each.
 
         One script runs alone on the Redis server: a cold 200K-token prompt touched at once
         would hold it for 10 ms or more, and every gateway's lookups would time out meanwhile.
-        Recorded piece by piece, each piece is the next turn of the one before.
+        Recorded piece by piece, each piece is the next turn of the one before, judged fresh
+        or not against the bound the record began with (``bound``), as the in-memory index's
+        pieces are: a chain longer than the fresh window costs its new blocks, not itself per
+        piece.
         """
         blob, step = op[2], self._max_touch
         ends = range(fresh + step, len(blob) // 8 + step, step)
         for end in ends:
             piece = (op[0], op[1], blob[: min(end * 8, len(blob))])
-            _, keys, args = self._script_args(piece, capacity, False)
+            _, keys, args = self._script_args(piece, capacity, False, 0, bound)
 
             async def run(client: Any, keys: list[str] = keys, args: list[Any] = args) -> Any:
                 return await eval_script(client, _RECORD, keys, args)

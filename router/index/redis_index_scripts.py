@@ -97,15 +97,17 @@ return res
 
 # KEYS: holders, slots, this endpoint's LRU, clocks. ARGV: endpoint, capacity, ttl ms,
 # refresh-all flag, LRU key prefix, packed hashes (possibly empty: then it only trims), the most
-# blocks to touch in this call (0: no limit). Returns 0, or 1 + the fresh head's length when the
-# touch would exceed that limit (nothing is written: the caller ships the chain in pieces).
+# blocks to touch in this call (0: no limit), and the fresh bound of the record this call is a
+# piece of ('' for a record of its own). Returns 0, or {1 + the fresh head's length, the fresh
+# bound} when the touch would exceed that limit (nothing is written: the caller ships the chain
+# in pieces, each with that bound, as InMemoryPrefixIndex's pieces share theirs).
 # The touch rules of InMemoryPrefixIndex.record (router/index/prefix_index.py), step for step and in
 # the same double arithmetic, so both indexes score and evict alike: a binary search for the
 # fresh head of the chain, then only the rest is touched.
 RECORD = LuaScript(PRELUDE + """
 local holders, slots, lru, clocks = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local ep, cap, ttl, blob = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[6]
-local most = tonumber(ARGV[7])
+local most, bound = tonumber(ARGV[7]), ARGV[8]
 local n = #blob / 8
 local slot = slot_of(slots, ep, n > 0)
 local function at(k) return sub(blob, k * 8 - 7, k * 8) end
@@ -153,6 +155,7 @@ if n > 0 then
     clock = top[2] and math.ceil(tonumber(top[2])) or 0
   end
   local fresh = clock - math.max(1, math.floor(cap / 4))
+  if bound and bound ~= '' then fresh = tonumber(bound) end
   local lo, hi = 0, n
   while lo < hi do
     local mid = math.floor((lo + hi + 1) / 2)
@@ -162,7 +165,7 @@ if n > 0 then
   if lo < n then
     local first, scores = lo + 1, nil
     if lo > 0 then scores = tail_scores(score_of(lo), fresh, n - lo) end
-    if most > 0 and (scores and #scores or n) > most then return lo + 1 end
+    if most > 0 and (scores and #scores or n) > most then return {lo + 1, fresh} end
     if not scores then
       first, scores = 1, {}
       for k = 1, n do scores[k] = clock + n - k + 1 end

@@ -243,6 +243,8 @@ class PreciseTracker:
 class PreciseRouter(Router):
     """The shared :class:`Router`, plus handing each parsed body to the precise tracker."""
 
+    reads_payload = True
+
     def __init__(self, *args: Any, tracker: PreciseTracker, **kwargs: Any) -> None:
         # Router's own arguments pass through untouched, whatever they become.
         super().__init__(*args, **kwargs)

@@ -11,12 +11,14 @@ without FastAPI validating anything per request: the routes read the raw body.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
 
 from router.core.errors import BadRequestError
+from router.core.hashing import hash_blocks
 from router.protocol import anthropic, responses_api
 from router.protocol.rendering import render_conversation, render_prompt
 
@@ -36,10 +38,12 @@ MAX_N = 16
 class ParsedRequest:
     api: Api
     body: bytes
-    payload: dict[str, Any]
+    # The decoded body and its rendered prompt (see the properties): None for a body parsed
+    # in another process (:func:`digest_body`), which hands back only what routing reads.
+    decoded: dict[str, Any] | None
     model: str
     stream: bool
-    rendered: str
+    prompt: str | None
     # The body's own session key when it has one (Messages: metadata.user_id, Responses:
     # prompt_cache_key); the x-session-id header wins over it.
     session_hint: str | None = None
@@ -47,6 +51,73 @@ class ParsedRequest:
     previous_response_id: str | None = None
     # UTF-8 byte span of ``rendered``'s last answer (router.protocol.rendering.render_conversation).
     answer_span: tuple[int, int] | None = None
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        """The decoded body (decoded here on first use when it was parsed elsewhere)."""
+        if self.decoded is None:
+            object.__setattr__(self, "decoded", decode_json(self.body))
+        assert self.decoded is not None
+        return self.decoded
+
+    @property
+    def rendered(self) -> str:
+        """The prompt rendered for the index (rendered here on first use, likewise)."""
+        if self.prompt is None:
+            object.__setattr__(self, "prompt", parse_request(self.api, self.body).rendered)
+        assert self.prompt is not None
+        return self.prompt
+
+
+@dataclass(frozen=True, slots=True)
+class Digest:
+    """What routing reads of a body, small enough to hand back from another process: the
+    body itself, its decoded payload and rendered prompt stay there (30 MB of them would cost
+    the gateway about as much to unpickle as to parse)."""
+
+    model: str
+    stream: bool
+    session_hint: str | None
+    previous_response_id: str | None
+    answer_span: tuple[int, int] | None
+    prompt_bytes: int
+    block_hashes: list[int]
+
+    def parsed(self, api: Api, body: bytes) -> ParsedRequest:
+        return ParsedRequest(
+            api, body, None, self.model, self.stream, None, self.session_hint,
+            self.previous_response_id, self.answer_span,
+        )
+
+
+def prompt_hashes(
+    parsed: ParsedRequest, block_bytes: int, max_blocks: int
+) -> tuple[int, list[int]]:
+    """The rendered prompt's size in UTF-8 bytes and its block hashes (router/hashing.py)."""
+    data = parsed.rendered.encode("utf-8", "surrogatepass")
+    return len(data), hash_blocks(data, block_bytes, parsed.model, max_blocks)
+
+
+def digest_body(api: Api, body: bytes, block_bytes: int, max_blocks: int) -> Digest:
+    """Parse, render and hash ``body``: run in a process of its own for a large body, since
+    orjson holds the GIL for the whole decode and a thread would stall the event loop too."""
+    parsed = parse_request(api, body)
+    size, hashes = prompt_hashes(parsed, block_bytes, max_blocks)
+    return Digest(
+        parsed.model, parsed.stream, parsed.session_hint, parsed.previous_response_id,
+        parsed.answer_span, size, hashes,
+    )
+
+
+def digest_file(api: Api, path: str, block_bytes: int, max_blocks: int) -> Digest:
+    """:func:`digest_body` of a body spilled to a file, which it removes once read: handing 30
+    MB over through a pipe would be pickled, and pickling holds the sender's GIL."""
+    try:
+        with open(path, "rb") as f:
+            body = f.read()
+    finally:
+        os.unlink(path)
+    return digest_body(api, body, block_bytes, max_blocks)
 
 
 def decode_json(body: bytes) -> dict[str, Any]:

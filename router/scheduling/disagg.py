@@ -245,7 +245,7 @@ class Disaggregator:
             self.metrics.fallbacks.labels("bad_response").inc()
             return DecodeStep(parsed)
         payload = decode_payload(parsed.payload, params)
-        decode = replace(parsed, body=orjson.dumps(payload), payload=payload)
+        decode = replace(parsed, body=orjson.dumps(payload), decoded=payload)
         return DecodeStep(decode, prefill_endpoint=endpoint.id)
 
     def _fall_back(

@@ -21,7 +21,7 @@ from router.config.model import GatewayConfig
 from router.core.endpoints import EndpointPool, EndpointSnapshot, Lease
 from router.core.errors import BadRequestError, ModelNotFoundError, NoEndpointsError
 from router.core.framework import RoutingRequest, Scheduler, SchedulingProfile
-from router.core.hashing import estimate_tokens, hash_blocks
+from router.core.hashing import estimate_tokens
 from router.estimators.answer_cache import AnswerCache
 from router.estimators.calibration import Calibrator
 from router.estimators.token_density import TokenDensity
@@ -30,7 +30,7 @@ from router.index.response_store import ResponseRoutes
 from router.pool.metrics import GatewayMetrics
 from router.protocol.agent_identity import AgentIdentity
 from router.protocol.headers import EXPLAIN_HEADER
-from router.protocol.parsing import Api, ParsedRequest, parse_request
+from router.protocol.parsing import Api, ParsedRequest, parse_request, prompt_hashes
 
 SLO_HEADER = "x-llm-d-slo-ttft-ms"
 # At DEBUG, one line per routing decision: every endpoint's scores and cost terms, the pick.
@@ -48,6 +48,10 @@ class Prepared:
 
 
 class Router:
+    # Whether routing reads a request's decoded payload (precise routing tokenizes it): then a
+    # large body is parsed in a thread, since one parsed elsewhere would be decoded here again.
+    reads_payload = False
+
     def __init__(
         self,
         config: GatewayConfig,
@@ -85,9 +89,8 @@ class Router:
 
     def _digest(self, parsed: ParsedRequest) -> Prepared:
         index = self._config.prefix_index
-        data = parsed.rendered.encode("utf-8", "surrogatepass")
-        hashes = hash_blocks(data, index.block_bytes, parsed.model, index.max_blocks_per_request)
-        return Prepared(parsed, len(data), hashes)
+        size, hashes = prompt_hashes(parsed, index.block_bytes, index.max_blocks_per_request)
+        return Prepared(parsed, size, hashes)
 
     def routing_request(
         self,

@@ -26,6 +26,7 @@ class EchoUpstream:
 
     url: str = ""
     received: list[dict[str, str]] = field(default_factory=list)
+    bodies: list[bytes] = field(default_factory=list)
     models_headers: list[dict[str, str]] = field(default_factory=list)
     # Streams one SSE event, then says nothing more (a replica stuck mid-answer).
     stall_streams: bool = False
@@ -35,7 +36,7 @@ class EchoUpstream:
         async def completion(request: Request) -> Response:
             headers = dict(request.headers)
             self.received.append(headers)
-            await request.body()
+            self.bodies.append(await request.body())
             if self.stall_streams:
                 return StreamingResponse(self._stalled(), media_type="text/event-stream")
             body = {"id": "x", "object": "chat.completion", "choices": [], "headers": headers}

@@ -4,6 +4,7 @@ import threading
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from router.protocol.parsing import Api, ParsedRequest
@@ -17,32 +18,50 @@ def _chat(text: str) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
 
 
-async def test_a_large_body_is_parsed_and_hashed_off_the_event_loop(
+LARGE = orjson.dumps(_chat("x y " * 300_000))
+
+
+async def test_a_large_body_is_parsed_and_hashed_in_the_body_parsers_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     parsed_in: list[tuple[int, threading.Thread]] = []
-    hashed_in: list[threading.Thread] = []
-    parse, hash_blocks = routing.parse_request, routing.hash_blocks
+    parse = routing.parse_request
 
     def parse_spy(api: Api, body: bytes) -> ParsedRequest:
         parsed_in.append((len(body), threading.current_thread()))
         return parse(api, body)
 
-    def hash_spy(data: bytes, *args: Any) -> list[int]:
-        hashed_in.append(threading.current_thread())
-        return hash_blocks(data, *args)
-
     monkeypatch.setattr(routing, "parse_request", parse_spy)
-    monkeypatch.setattr(routing, "hash_blocks", hash_spy)
     loop_thread = threading.current_thread()  # the in-process gateway shares this loop
     async with echo_upstream() as echo:
         config = gateway_config([echo.url], server={"port": 0, "offloadBodyBytes": 4096})
         async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
             small = await http.post("/v1/chat/completions", json=_chat("hello"))
-            large = await http.post("/v1/chat/completions", json=_chat("x" * 8192))
+            # Over a MiB: joined in a thread, parsed in the pool, written upstream in slices.
+            large = await http.post("/v1/chat/completions", content=LARGE)
+            parser = gw.gateway.proxy.parser
+            assert parser is not None and parser.digested == 1, "the large body, in the pool"
     assert (small.status_code, large.status_code) == (200, 200)
-    [(small_size, small_thread), (large_size, large_thread)] = parsed_in
-    assert small_size < 4096 <= large_size
-    assert small_thread is loop_thread, "a small body is cheaper parsed in place"
-    assert large_thread is not loop_thread
-    assert hashed_in == [small_thread, large_thread], "hashed where it was parsed"
+    assert parsed_in == [(small_size := parsed_in[0][0], loop_thread)] and small_size < 4096
+    assert echo.bodies[-1] == LARGE, "forwarded unchanged"
+
+
+async def test_without_parser_processes_a_large_body_is_parsed_in_a_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    threads: list[threading.Thread] = []
+    parse = routing.parse_request
+
+    def parse_spy(api: Api, body: bytes) -> ParsedRequest:
+        threads.append(threading.current_thread())
+        return parse(api, body)
+
+    monkeypatch.setattr(routing, "parse_request", parse_spy)
+    async with echo_upstream() as echo:
+        server = {"port": 0, "offloadBodyBytes": 4096, "offloadProcesses": 0}
+        config = gateway_config([echo.url], server=server)
+        async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+            large = await http.post("/v1/chat/completions", json=_chat("x" * 8192))
+            assert gw.gateway.proxy.parser is None
+    assert large.status_code == 200
+    assert threads and threads[0] is not threading.current_thread()

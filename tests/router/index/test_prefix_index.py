@@ -140,3 +140,43 @@ async def test_a_long_cold_chain_is_touched_in_pieces_between_loop_turns() -> No
     for _ in range(10):
         await asyncio.sleep(0)
     assert index.entries("b") == 0 and index.pending_pieces == 0
+
+
+async def test_a_chain_longer_than_the_fresh_window_is_touched_once_in_pieces() -> None:
+    """The pieces of one record share the freshness judged when it began: a chain longer than
+    the fresh window does not outlive its own head and get re-touched piece after piece."""
+    index = InMemoryPrefixIndex(default_capacity=64, max_blocks_per_step=4)  # window: 16
+    chain = list(range(1, 41))
+    index.record("a", chain)
+    for _ in range(10):  # 9 pieces after the first
+        await asyncio.sleep(0)
+    assert index.pending_pieces == 0
+    lru = index._lru["a"]
+    assert lru.clock == 40, "every block touched once"
+    assert index.match_now(chain, ["a"]) == {"a": 40}
+    scores = [lru.scores[h] for h in chain]
+    assert scores == sorted(scores, reverse=True) and len(set(scores)) == 40, "tail lowest"
+
+
+def test_a_chain_past_the_capacity_touches_only_what_can_be_held() -> None:
+    index = InMemoryPrefixIndex(default_capacity=10)
+    index.record("a", [100, 101])
+    index.record("a", list(range(1, 26)))
+    assert index._lru["a"].clock == 12, "the head's 10 blocks, not all 25"
+    assert index.entries("a") == 10
+    assert index.match_now(list(range(1, 26)), ["a"]) == {"a": 10}
+    assert index.match_now([100, 101], ["a"]) == {"a": 0}
+
+
+def test_an_eviction_behind_many_superseded_entries_rebuilds_the_queue_first() -> None:
+    index = InMemoryPrefixIndex(default_capacity=2000)  # fresh window: 500
+    a, b = list(range(1, 1501)), list(range(10_000, 10_500))
+    for chain in (a, b, a, b, a):  # each re-touch leaves the chain's old entries behind
+        index.record("a", chain)
+    lru = index._lru["a"]
+    assert len(lru.ordered) + len(lru.heap) > 2 * index.entries("a") == 4000
+    index.record("a", list(range(20_000, 20_100)))  # 100 new blocks: 100 must go
+    assert len(lru.ordered) + len(lru.heap) == index.entries("a") == 2000, "rebuilt"
+    # The least recently touched went, as without the rebuild: b's tail.
+    assert index.match_now(b, ["a"]) == {"a": 400}
+    assert index.match_now(a, ["a"]) == {"a": 1500}

@@ -380,6 +380,28 @@ async def test_branching_chains_under_pressure_match_memory(make_index: Factory)
         assert {int.from_bytes(k, "little"): v for k, v in remote.items()} == local
 
 
+async def test_pieces_of_a_chain_longer_than_the_fresh_window_score_as_in_memory(
+    make_index: Factory,
+) -> None:
+    """Each piece is judged against the fresh bound its record began with, in Redis as in
+    memory: every block is touched once, and both indexes end with the same scores."""
+    memory = InMemoryPrefixIndex(default_capacity=64, max_blocks_per_step=4)  # window: 16
+    writer = make_index(default_capacity=64, max_blocks_per_write=4)
+    head = list(range(1, 9))
+    for chain in (head, list(range(100, 140)), [*head, *range(200, 230)], list(range(1, 90))):
+        memory.record("a", chain)
+        writer.record("a", chain)
+        for _ in range(30):
+            await asyncio.sleep(0)
+        assert memory.pending_pieces == 0
+        await writer.flush()
+    client = writer.link.client
+    remote = dict(await client.zrange(writer._lru_prefix + "a", 0, -1, withscores=True))
+    assert {int.from_bytes(k, "little"): v for k, v in remote.items()} == memory._lru["a"].scores
+    clock = float(await client.hget(writer._clocks, "a"))
+    assert clock == memory._lru["a"].clock == 8 + 40 + 38 + 64, "each record's blocks once"
+
+
 async def test_a_long_cold_chain_is_touched_in_pieces(make_index: Factory) -> None:
     """No script touches more than max_blocks_per_write blocks; the pieces add up to the whole
     chain, which still evicts from its tail."""

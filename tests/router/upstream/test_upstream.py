@@ -19,7 +19,7 @@ from router.upstream.client import (
     UpstreamConnectionError,
     UpstreamProtocolError,
 )
-from router.upstream.connection import HIGH_WATER_BYTES
+from router.upstream.connection import HIGH_WATER_BYTES, WRITE_SLICE_BYTES
 
 
 class Server:
@@ -105,6 +105,33 @@ async def test_requests_reuse_one_kept_alive_connection() -> None:
         assert b"\r\nx-k: v\r\n" in first and b"\r\nContent-Length: 4\r\n" in first
         assert first.endswith(b"\r\n\r\nping")
     await client.aclose()
+
+
+async def test_a_large_body_is_written_a_slice_at_a_time_and_arrives_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each write hands the transport one slice, once its buffer has room again: no 30 MB
+    join and copy in one turn of the event loop; the bytes arrive unchanged, and the
+    connection is reused for the next request."""
+    writes: list[int] = []
+    write = asyncio.selector_events._SelectorSocketTransport.write
+
+    def spy(transport: Any, data: Any) -> None:
+        writes.append(len(data))
+        write(transport, data)
+
+    monkeypatch.setattr(asyncio.selector_events._SelectorSocketTransport, "write", spy)
+    body = bytes(range(256)) * (4 * WRITE_SLICE_BYTES // 256 + 3)
+    client = UpstreamClient(8, 2)
+    async with serve(keep_answering) as server:
+        for expected in (b"pong 1", b"pong 2"):
+            reply = await client.post(f"{server.url}/v1/x", [], body)
+            assert await reply.read_all() == expected
+            reply.close()
+        assert server.connections == 1
+        assert all(request.endswith(b"\r\n\r\n" + body) for request in server.requests)
+    await client.aclose()
+    assert max(writes) <= WRITE_SLICE_BYTES and sum(writes) > 2 * len(body)
 
 
 async def test_fetch_reads_whole_answers_on_one_kept_alive_connection() -> None:

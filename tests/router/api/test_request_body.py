@@ -1,0 +1,106 @@
+"""The body parser's processes give routing exactly what parsing in place gives."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from router.api.request_body import BodyParser
+from router.core.errors import BadRequestError
+from router.protocol.parsing import Api, digest_body, parse_request, prompt_hashes
+
+BODIES: list[tuple[Api, dict[str, Any]]] = [
+    ("chat", {
+        "model": "m", "stream": True, "tools": [{"type": "function", "name": "f"}],
+        "messages": [
+            {"role": "system", "content": "be brief " * 300},
+            {"role": "user", "content": "question é " * 200},
+            {"role": "assistant", "content": "answer " * 100},
+            {"role": "user", "content": [{"type": "text", "text": "more " * 100}]},
+        ],
+    }),
+    ("completions", {"model": "m", "prompt": "p" * 5000}),
+    ("messages", {
+        "model": "m", "max_tokens": 4, "metadata": {"user_id": "u1"},
+        "messages": [{"role": "user", "content": "hi " * 2000}],
+    }),
+    ("responses", {
+        "model": "m", "input": "in " * 2000, "previous_response_id": "resp_1",
+        "prompt_cache_key": "k",
+    }),
+]
+
+
+@pytest.fixture
+async def parser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where bodies are spilled
+    parser = BodyParser(1)
+    try:
+        yield parser
+    finally:
+        await parser.aclose()
+    assert not os.listdir(tmp_path), "every spilled body removed"
+
+
+@pytest.mark.parametrize(("api", "payload"), BODIES, ids=[api for api, _ in BODIES])
+async def test_a_body_parsed_in_the_pool_routes_as_one_parsed_in_place(
+    parser: BodyParser, api: Api, payload: dict[str, Any]
+) -> None:
+    body = orjson.dumps(payload)
+    digest = await parser.digest(api, body, 64, 1000)
+    assert parser.digested == 1
+    inline = parse_request(api, body)
+    size, hashes = prompt_hashes(inline, 64, 1000)
+    assert digest == digest_body(api, body, 64, 1000)
+    assert (digest.prompt_bytes, digest.block_hashes) == (size, hashes) and len(hashes) > 10
+    parsed = digest.parsed(api, body)
+    assert parsed.decoded is None and parsed.prompt is None, "nothing decoded in the gateway"
+    for field in ("model", "stream", "session_hint", "previous_response_id", "answer_span"):
+        assert getattr(parsed, field) == getattr(inline, field), field
+    # Whatever reads the payload or the prompt later still gets them, decoded on demand.
+    assert (parsed.payload, parsed.rendered) == (inline.payload, inline.rendered)
+
+
+async def test_a_bad_body_is_refused_by_the_pool_as_in_place(parser: BodyParser) -> None:
+    with pytest.raises(BadRequestError) as in_pool:
+        await parser.digest("chat", b'{"model": "m", "messages": 3}', 64, 1000)
+    assert in_pool.value.param == "messages" and in_pool.value.status_code == 400
+
+
+async def test_the_pool_starts_on_first_use_and_stops_on_close() -> None:
+    parser = BodyParser(1)
+    assert parser._pool is None, "no process for a gateway that never sees a large body"
+    await parser.digest("completions", b'{"model": "m", "prompt": "x"}', 64, 10)
+    assert parser._pool is not None
+    pool = await parser._pool
+    await parser.aclose()
+    assert parser._pool is None
+    with pytest.raises(RuntimeError):
+        pool.submit(int)
+
+
+async def test_a_pool_that_breaks_hands_the_body_to_a_thread_and_is_started_anew(
+    parser: BodyParser,
+) -> None:
+    body = orjson.dumps({"model": "m", "prompt": "p" * 300})
+    first = await parser.digest("completions", body, 64, 10)
+    assert parser._pool is not None
+    broken = await parser._pool
+    for process in list(broken._processes.values()):  # as if killed for its memory
+        process.kill()
+        process.join()
+    again = await parser.digest("completions", body, 64, 10)
+    assert again == first and parser.digested == 1, "the second one, in a thread"
+    assert parser._pool is None
+    assert await parser.digest("completions", body, 64, 10) == first
+    assert parser.digested == 2 and parser._pool is not None
+
+
+def test_a_parser_needs_a_process() -> None:
+    with pytest.raises(ValueError):
+        BodyParser(0)
