@@ -171,6 +171,20 @@ async def test_two_workers_serve_and_a_session_sticks_across_them(
 ) -> None:
     async with start_replicas(4, SimConfig(speed=50.0)) as replicas:
         config = pool_config([r.url for r in replicas])
+        # Routed by what the workers share only (the session's endpoint, then its prefix): the
+        # default cost model also weighs each worker's own view of the load, and one worker
+        # does not see the other's requests in flight, so under load it may fairly send the
+        # session elsewhere once. Here that would be noise; the subject is the shared state.
+        config["plugins"] = [
+            {"type": "session-affinity-scorer"},
+            {"type": "prefix-cache-scorer"},
+            {"type": "max-score-picker"},
+        ]
+        config["schedulingProfiles"] = [{"name": "default", "plugins": [
+            {"pluginRef": "session-affinity-scorer", "weight": 2},
+            {"pluginRef": "prefix-cache-scorer", "weight": 1},
+            {"pluginRef": "max-score-picker"},
+        ]}]
         # A generous budget: on a loaded machine a 5 ms one can time out, and the local
         # fallback is not what this test is about.
         config["prefixIndex"] = {
