@@ -67,6 +67,7 @@ class BodyParser:
             raise ValueError("a body parser needs at least one process")
         self._processes = processes
         self._pool: asyncio.Future[ProcessPoolExecutor] | None = None
+        self._closed = False  # after aclose, large bodies go to a thread: no new pool
         self.digested = 0  # bodies parsed by the pool's processes
 
     async def digest(self, api: Api, body: bytes, block_bytes: int, max_blocks: int) -> Digest:
@@ -77,27 +78,45 @@ class BodyParser:
         (25 ms and more for 30 MB). Should the pool fail (a process killed for memory, no
         room for the file), this body is parsed in a thread and the next starts a new pool.
         """
-        started = self._started()
-        path: str | None = None
+        if self._closed:
+            return await self._in_thread(api, body, block_bytes, max_blocks)
         try:
-            pool = await asyncio.shield(started)
-            path = await asyncio.to_thread(_spill, body)
-            digest = await asyncio.get_running_loop().run_in_executor(
-                pool, digest_file, api, path, block_bytes, max_blocks
-            )
-        except (BrokenProcessPool, OSError) as exc:
-            log.warning("the body parser failed (%r); parsing this body in a thread", exc)
-            if self._pool is started:
-                self._pool = None
-                if not started.exception():
-                    started.result().shutdown(wait=False, cancel_futures=True)
-            return await asyncio.to_thread(digest_body, api, body, block_bytes, max_blocks)
+            # Made on the loop (one system call), so the file is removed below even when the
+            # task is cancelled while the thread still writes it.
+            fd, path = tempfile.mkstemp(prefix="prefixgate-body-")
+        except OSError as exc:
+            log.warning("no temporary file for a large body (%r); parsing it in a thread", exc)
+            return await self._in_thread(api, body, block_bytes, max_blocks)
+        try:
+            try:
+                await asyncio.to_thread(_spill, fd, body)
+            except OSError as exc:  # no room for the file: the pool itself is fine
+                log.warning("could not spill a large body (%r); parsing it in a thread", exc)
+                return await self._in_thread(api, body, block_bytes, max_blocks)
+            started = self._started()
+            try:
+                pool = await asyncio.shield(started)
+            except Exception as exc:  # the processes could not be started
+                log.warning("the body parser did not start (%r); parsing in a thread", exc)
+                self._discard(started)
+                return await self._in_thread(api, body, block_bytes, max_blocks)
+            try:
+                digest = await asyncio.get_running_loop().run_in_executor(
+                    pool, digest_file, api, path, block_bytes, max_blocks
+                )
+            except (BrokenProcessPool, OSError) as exc:
+                log.warning("the body parser failed (%r); parsing this body in a thread", exc)
+                self._discard(started)
+                return await self._in_thread(api, body, block_bytes, max_blocks)
         finally:
-            if path is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)  # read and removed by the process, unless it failed first
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # read and removed by the process, unless it failed first
         self.digested += 1
         return digest
+
+    @staticmethod
+    async def _in_thread(api: Api, body: bytes, block_bytes: int, max_blocks: int) -> Digest:
+        return await asyncio.to_thread(digest_body, api, body, block_bytes, max_blocks)
 
     async def prepare(self, api: Api, body: bytes, index: PrefixIndexConfig) -> Prepared:
         """What :meth:`Router.prepare` gives, from the pool (the payload decoded on demand)."""
@@ -111,6 +130,15 @@ class BodyParser:
             self._pool = asyncio.ensure_future(asyncio.to_thread(self._spawn))
         return self._pool
 
+    def _discard(self, started: asyncio.Future[ProcessPoolExecutor]) -> None:
+        """Drop a pool that failed, so the next large body starts a new one. Its queued work
+        is not cancelled: a broken pool fails it, and each of those bodies goes to a thread."""
+        if self._pool is not started:
+            return
+        self._pool = None
+        if started.done() and not started.cancelled() and started.exception() is None:
+            started.result().shutdown(wait=False)
+
     def _spawn(self) -> ProcessPoolExecutor:
         pool = ProcessPoolExecutor(self._processes, mp_context=multiprocessing.get_context("spawn"))
         for _ in range(self._processes):
@@ -118,6 +146,7 @@ class BodyParser:
         return pool
 
     async def aclose(self) -> None:
+        self._closed = True
         started, self._pool = self._pool, None
         if started is None:
             return
@@ -126,15 +155,9 @@ class BodyParser:
             await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
 
 
-def _spill(body: bytes) -> str:
-    """``body`` in a new private temporary file (of the system's temporary directory)."""
-    fd, path = tempfile.mkstemp(prefix="prefixgate-body-")
-    try:
-        with open(fd, "wb", buffering=0) as f:  # unbuffered: one copy, by the kernel
-            view, written = memoryview(body), 0
-            while written < len(body):
-                written += f.write(view[written:])
-    except BaseException:
-        os.unlink(path)
-        raise
-    return path
+def _spill(fd: int, body: bytes) -> None:
+    """``body`` into the temporary file open at ``fd`` (closed after)."""
+    with open(fd, "wb", buffering=0) as f:  # unbuffered: one copy, by the kernel
+        view, written = memoryview(body), 0
+        while written < len(body):
+            written += f.write(view[written:])

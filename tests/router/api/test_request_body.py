@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
+from router.api import request_body
 from router.api.request_body import BodyParser
 from router.core.errors import BadRequestError
 from router.protocol.parsing import Api, digest_body, parse_request, prompt_hashes
@@ -99,6 +102,53 @@ async def test_a_pool_that_breaks_hands_the_body_to_a_thread_and_is_started_anew
     assert parser._pool is None
     assert await parser.digest("completions", body, 64, 10) == first
     assert parser.digested == 2 and parser._pool is not None
+
+
+async def test_no_room_for_the_file_keeps_the_pool_and_parses_in_a_thread(
+    parser: BodyParser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = orjson.dumps({"model": "m", "prompt": "p" * 300})
+    first = await parser.digest("completions", body, 64, 10)
+    pool = parser._pool
+
+    def full(fd: int, data: bytes) -> None:
+        os.close(fd)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(request_body, "_spill", full)
+    assert await parser.digest("completions", body, 64, 10) == first
+    assert parser.digested == 1 and parser._pool is pool, "the pool is not at fault"
+
+
+async def test_a_request_cancelled_while_its_body_is_spilled_leaves_no_file(
+    parser: BodyParser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writing, release = threading.Event(), threading.Event()
+    spill = request_body._spill
+
+    def slow(fd: int, data: bytes) -> None:
+        writing.set()
+        release.wait(30)
+        spill(fd, data)
+
+    monkeypatch.setattr(request_body, "_spill", slow)
+    task = asyncio.create_task(parser.digest("completions", b'{"model": "m"}', 64, 10))
+    await asyncio.to_thread(writing.wait, 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()  # the thread finishes writing into the file already removed
+    # (the fixture checks that the temporary directory is empty)
+
+
+async def test_after_close_a_large_body_is_parsed_in_a_thread_and_no_pool_starts() -> None:
+    parser = BodyParser(1)
+    await parser.aclose()
+    body = orjson.dumps({"model": "m", "prompt": "p" * 300})
+    assert await parser.digest("completions", body, 64, 10) == digest_body(
+        "completions", body, 64, 10
+    )
+    assert parser._pool is None and parser.digested == 0
 
 
 def test_a_parser_needs_a_process() -> None:
