@@ -141,17 +141,23 @@ class TTFTCostScorer:
         return request.uncached_at(share)
 
     def least_uncached(self, request: RoutingRequest) -> int:
-        """The fewest uncached tokens this request has on any endpoint holding part of it."""
+        """The fewest uncached tokens this request has on any endpoint holding part of it
+        (for one endpoint's explanation; scoring takes the least among its candidates)."""
         hits = request.prefix_hits
         return min((self._uncached(request, e) for e in hits), default=request.prompt_tokens)
 
     def terms(
-        self, request: RoutingRequest, endpoint: EndpointSnapshot, least: int | None = None
+        self,
+        request: RoutingRequest,
+        endpoint: EndpointSnapshot,
+        least: int | None = None,
+        uncached: int | None = None,
     ) -> CostTerms:
         p = self._p
         price = self._calibrator.price(endpoint.id)
         per_token = price.per_token_s
-        uncached = self._uncached(request, endpoint.id)
+        if uncached is None:
+            uncached = self._uncached(request, endpoint.id)
         evicted = self._evicted_tokens(request, endpoint, uncached)
         copied = 0
         if request.session_id is None:
@@ -226,8 +232,18 @@ class TTFTCostScorer:
             # Matches the request once (speculative entries of the picks before it included);
             # the tracker keeps the result for _uncached, and for explain() after the pick.
             self._precise.scores(request, endpoints)
-        least = None if request.session_id else self.least_uncached(request)
-        costs = [self.terms(request, e, least).total_s for e in endpoints]
+        # The least among the candidates: a holder the filters left out (a prefill-only
+        # endpoint, for a decode pick) is no copy this request could be spared.
+        uncached = [self._uncached(request, e.id) for e in endpoints]
+        hits = request.prefix_hits
+        least = min(
+            (u for e, u in zip(endpoints, uncached, strict=True) if e.id in hits),
+            default=request.prompt_tokens,
+        )
+        costs = [
+            self.terms(request, e, least, u).total_s
+            for e, u in zip(endpoints, uncached, strict=True)
+        ]
         if not costs:
             return []
         best = min(costs)

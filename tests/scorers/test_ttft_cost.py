@@ -211,6 +211,16 @@ def test_a_shared_prefix_stays_where_it_is_cached_unless_moving_pays_for_the_cop
     assert s.score(first, [home, idle])[1] == 1.0
 
 
+def test_a_holder_the_filters_left_out_charges_no_copy() -> None:
+    # A prefill-only endpoint holds the prefix; the decode pick chooses between two endpoints
+    # that hold none of it: neither can be spared the recompute, so neither pays a copy.
+    request = req(tokens=10_000, hits={"prefiller": 140})
+    busy, idle = snap("busy", pending_prefill_tokens=2_000), snap("idle")
+    s = scorer()
+    assert s.score(request, [busy, idle]) == scorer(copy_weight=0).score(request, [busy, idle])
+    assert s.score(request, [busy, idle])[1] == 1.0
+
+
 def test_explain_reports_every_term() -> None:
     request = req(tokens=1_000, cache_room={"a": 0})
     terms = scorer().explain(request, snap("a", in_flight=2, pending_prefill_requests=3))
