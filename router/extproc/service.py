@@ -322,7 +322,7 @@ class Exchange:
             self._ticket.release()
         if self._destination is not None:
             endpoint = self._destination.split(",")[0]
-            self._gw.metrics.requests.labels(endpoint, self._status, self._api).inc()
+            self._gw.metrics.count_request(endpoint, self._status, self._api)
 
 
 class ExtProcService:

@@ -22,7 +22,7 @@ class GatewayMetrics:
         self._pool = pool
         # The requests counter's children by label values: ``labels`` validates the values,
         # builds its key and takes a lock on every call, once per request.
-        self._request_children: dict[tuple[str, int, str], Counter] = {}
+        self._request_children: dict[tuple[str, int | str, str], Counter] = {}
         self._add_traffic(self.registry)
         self._add_failures(self.registry)
         self._add_endpoint_gauges(self.registry)
@@ -70,7 +70,7 @@ class GatewayMetrics:
             registry=r,
         )
 
-    def count_request(self, endpoint: str, status: int, api: str) -> None:
+    def count_request(self, endpoint: str, status: int | str, api: str) -> None:
         """One answered request in ``prefixgate_requests``."""
         key = (endpoint, status, api)
         child = self._request_children.get(key)
