@@ -153,6 +153,9 @@ class Engine:
         self.clock.restart(min(fresh, default=None))
 
     async def _run(self) -> None:
+        # The request that started us arrived after the clock was anchored, by however long
+        # this task took to run: simulated time starts at its arrival, as after any idle.
+        self._resync()
         while True:
             if not self.running and not self.waiting:
                 self._wake.clear()

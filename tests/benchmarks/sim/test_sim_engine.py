@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -223,6 +224,19 @@ async def test_remote_prefill_skips_prefill_compute(engine_factory: type[Engine]
     assert ttft(req) == pytest.approx(4000 * 0.00002 + 0.012, abs=0.01)
     # Its blocks are cached locally like any request's.
     assert engine.kv.num_cached_blocks >= 4000 // 16
+
+
+async def test_simulated_time_starts_at_the_first_arrival(engine_factory: type[Engine]) -> None:
+    # The engine's clock is anchored when it starts; the first request may arrive later (a
+    # loaded machine deschedules us in between). Its TTFT is counted from its arrival.
+    engine = engine_factory(SimConfig(speed=20))
+    engine._ensure_started()
+    time.sleep(0.01)  # noqa: ASYNC251 (on purpose: 0.2 simulated s pass before the arrival)
+    req = make(engine, unique(4000, 0), 3, remote_prefill=True)
+    engine.add_request(req)
+    await done(req)
+    assert req.arrival >= 0.2
+    assert ttft(req) == pytest.approx(4000 * 0.00002 + 0.012, abs=0.01)
 
 
 async def test_zero_latency_answers_at_once_and_accounts_cache(
