@@ -223,3 +223,22 @@ def test_the_fleet_price_is_recomputed_when_a_sample_or_the_priors_change() -> N
     calibrator.priors = CostPriors(overhead_s=0.1, per_token_s=0.0002)
     assert calibrator.fleet_price() is not learned
     assert calibrator.fleet_price().overhead_s > learned.overhead_s
+
+
+def test_the_fit_is_solved_when_read_at_most_every_interval_or_batch_of_samples() -> None:
+    from router.estimators.calibration import REFIT_INTERVAL_S, REFIT_SAMPLES
+
+    clock = FakeClock()
+    calibrator = Calibrator(clock=clock)
+    calibrator.observe("a", 1000, 5.0)
+    first = calibrator.fleet_cost()  # the first sample is learned at once
+    assert first != Calibrator().fleet_cost()
+    for _ in range(REFIT_SAMPLES - 2):  # within the interval: the fit read stays as it was
+        calibrator.observe("a", 1000, 5.0)
+    assert calibrator.fleet_cost() == first
+    clock.now += REFIT_INTERVAL_S  # the interval passed: solved on this read
+    second = calibrator.fleet_cost()
+    assert second != first
+    for _ in range(REFIT_SAMPLES):  # a whole batch of samples: solved without waiting
+        calibrator.observe("a", 1000, 5.0)
+    assert calibrator.fleet_cost() != second
