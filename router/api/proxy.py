@@ -123,9 +123,12 @@ class Proxy:
             registry=metrics.registry,
         )
 
-    async def read_body(self, request: Request) -> bytes:
+    async def read_body(self, request: Request, headers: Mapping[str, str] | None = None) -> bytes:
         server = self._config.server
-        return await read_body(request, server.max_body_bytes, server.body_timeout_seconds)
+        declared = (headers or request.headers).get("content-length")
+        return await read_body(
+            request.receive, declared, server.max_body_bytes, server.body_timeout_seconds
+        )
 
     async def handle(self, request: Request, api: Api) -> Response:
         headers = RequestHeaders(request.scope["headers"])
@@ -153,7 +156,7 @@ class Proxy:
         if self.auth is not None:
             ex.tenant = self.auth.authenticate(headers)
             headers = TenantHeaders(headers, ex.tenant)
-        body = await self.read_body(request)
+        body = await self.read_body(request, headers)
         prepared = await self._prepare(ex.api, body)
         parsed = prepared.parsed
         ex.model, ex.stream = parsed.model, parsed.stream
