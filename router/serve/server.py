@@ -27,6 +27,7 @@ from router.api.streaming import ServerSend
 from router.app import Gateway, create_app
 from router.config.model import GatewayConfig
 from router.core.heap import freeze_startup_heap
+from router.serve.http_protocol import GatewayHttpProtocol
 
 log = logging.getLogger("prefixgate.server")
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -35,7 +36,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 def uvicorn_config(
     app: ASGIApp, host: str, port: int, log_level: str = "info", own_logging: bool = False
 ) -> uvicorn.Config:
-    # "auto" picks uvloop and httptools when installed (they are, via uvicorn[standard]).
+    # uvloop and httptools come with uvicorn[standard]; the protocol is httptools' own with
+    # a response's head and first body part written at once.
     return uvicorn.Config(
         ServerSend(app),
         host=host,
@@ -43,7 +45,7 @@ def uvicorn_config(
         log_level=log_level,
         access_log=False,
         loop="auto",
-        http="auto",
+        http=GatewayHttpProtocol,
         timeout_keep_alive=30,
         timeout_graceful_shutdown=30,
         # Our own handlers (text or JSON, off the event loop) instead of uvicorn's.

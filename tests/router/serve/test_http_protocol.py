@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+from router.serve.http_protocol import GatewayHttpProtocol, HeadWithBody
+from router.serve.server import bind_socket, uvicorn_config
+
+
+class RecordingTransport:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[bytes, ...]]] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.calls.append(("write", (data,)))
+
+    def writelines(self, data: tuple[bytes, ...]) -> None:
+        self.calls.append(("writelines", tuple(data)))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def wrapped(transport: RecordingTransport) -> HeadWithBody:
+    return HeadWithBody(transport, asyncio.get_running_loop())  # type: ignore[arg-type]
+
+
+async def test_the_head_leaves_with_the_first_body_part_in_one_call() -> None:
+    transport = RecordingTransport()
+    head = wrapped(transport)
+    head.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    head.write(b"body")
+    head.write(b"more")
+    await asyncio.sleep(0)  # the turn's flush finds nothing held
+    assert transport.calls == [
+        ("writelines", (b"HTTP/1.1 200 OK\r\n\r\n", b"body")),
+        ("write", (b"more",)),
+    ]
+
+
+async def test_a_head_without_a_body_in_the_same_turn_leaves_at_the_turn_end() -> None:
+    transport = RecordingTransport()
+    head = wrapped(transport)
+    head.write(b"head")
+    assert transport.calls == []
+    await asyncio.sleep(0)
+    assert transport.calls == [("write", (b"head",))]
+    head.write(b"later")
+    assert transport.calls[-1] == ("write", (b"later",))
+
+
+async def test_closing_writes_what_is_held_first_and_other_calls_reach_the_socket() -> None:
+    transport = RecordingTransport()
+    head = wrapped(transport)
+    head.write(b"head")
+    head.close()
+    assert transport.calls == [("write", (b"head",))] and transport.closed
+    assert head.is_closing()
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[int]:
+    sock = bind_socket()
+    config = uvicorn_config(app, "127.0.0.1", sock.getsockname()[1], log_level="warning")
+    assert config.http is GatewayHttpProtocol
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(10):
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.01)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        async with asyncio.timeout(10):
+            await task
+        sock.close()
+
+
+async def test_over_a_socket_a_late_body_does_not_hold_back_the_head() -> None:
+    release = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await release.wait()  # the client must see the head before any body is sent
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": False})
+
+    async with serving(app) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            async with asyncio.timeout(10):
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200")
+                release.set()
+                assert await reader.readuntil(b"0\r\n\r\n") == b"9\r\ndata: 1\n\n\r\n0\r\n\r\n"
+        finally:
+            writer.close()
+
+
+@pytest.mark.parametrize("requests", [2])
+async def test_over_a_socket_kept_alive_answers_are_whole(requests: int) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        body = scope["path"].encode()
+        headers = [(b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async with serving(app) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            async with asyncio.timeout(10):
+                for n in range(requests):
+                    writer.write(f"GET /r{n} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    assert b"content-length: 3" in head
+                    assert await reader.readexactly(3) == f"/r{n}".encode()
+        finally:
+            writer.close()
