@@ -13,9 +13,14 @@ import orjson
 import pytest
 
 from router.api import request_body
-from router.api.request_body import BodyParser
+from router.api.request_body import BodyParser, BodyPreparer
+from router.app import build_gateway
+from router.config.model import PrefixIndexConfig
 from router.core.errors import BadRequestError
-from router.protocol.parsing import Api, digest_body, parse_request, prompt_hashes
+from router.protocol.parsing import Api, ParsedRequest, digest_body, parse_request, prompt_hashes
+from router.scheduling import routing
+from router.scheduling.routing import Prepared, Router
+from tests.gateways import MODEL, gateway_config
 
 BODIES: list[tuple[Api, dict[str, Any]]] = [
     ("chat", {
@@ -154,3 +159,57 @@ async def test_after_close_a_large_body_is_parsed_in_a_thread_and_no_pool_starts
 def test_a_parser_needs_a_process() -> None:
     with pytest.raises(ValueError):
         BodyParser(0)
+
+
+def _router(offload_bytes: int) -> tuple[Any, Router]:
+    endpoint = {"url": "http://127.0.0.1:1", "models": [MODEL]}
+    server = {"offloadBodyBytes": offload_bytes}
+    config = gateway_config([], pool={"endpoints": [endpoint]}, server=server)
+    return config, build_gateway(config).router
+
+
+class RecordingParser(BodyParser):
+    """The pool's part, recorded (no process started)."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.bodies: list[int] = []
+
+    async def prepare(self, api: Api, body: bytes, index: PrefixIndexConfig) -> Prepared:
+        self.bodies.append(len(body))
+        return Prepared(parse_request(api, body), 0, [])
+
+
+@pytest.mark.parametrize(
+    ("size", "with_parser", "decodes", "reads_payload", "where"),
+    [
+        (100, True, False, False, "loop"),
+        (5000, True, False, False, "pool"),
+        (5000, True, True, False, "thread"),  # disaggregation's prefill request decodes it
+        (5000, True, False, True, "thread"),  # precise routing tokenizes the payload
+        (5000, False, False, False, "thread"),  # offloadProcesses: 0
+    ],
+)
+async def test_where_a_body_is_prepared(
+    monkeypatch: pytest.MonkeyPatch,
+    size: int, with_parser: bool, decodes: bool, reads_payload: bool, where: str,
+) -> None:
+    config, router = _router(4096)
+    monkeypatch.setattr(router, "reads_payload", reads_payload)
+    threads: list[threading.Thread] = []
+    parse = routing.parse_request
+
+    def parse_spy(api: Api, body: bytes) -> ParsedRequest:
+        threads.append(threading.current_thread())
+        return parse(api, body)
+
+    monkeypatch.setattr(routing, "parse_request", parse_spy)
+    parser = RecordingParser() if with_parser else None
+    body = orjson.dumps({"model": MODEL, "prompt": "p" * size})
+    preparer = BodyPreparer(config, router, parser)
+    prepared = await preparer.prepare("completions", body, decodes_payload=decodes)
+    assert prepared.parsed.model == MODEL
+    pooled = parser.bodies if parser is not None else []
+    found = "pool" if pooled else "loop" if threads == [threading.current_thread()] else "thread"
+    assert found == where
+    assert len(pooled) + len(threads) == 1, "parsed once"
