@@ -70,8 +70,8 @@ async def test_a_body_parsed_in_the_pool_routes_as_one_parsed_in_place(
     assert parsed.decoded is None and parsed.prompt is None, "nothing decoded in the gateway"
     for field in ("model", "stream", "session_hint", "previous_response_id", "answer_span"):
         assert getattr(parsed, field) == getattr(inline, field), field
-    # Whatever reads the payload or the prompt later still gets them, decoded on demand.
-    assert (parsed.payload, parsed.rendered) == (inline.payload, inline.rendered)
+    # A path that reads the payload still gets it, decoded on demand (never the prompt: below).
+    assert parsed.payload == inline.payload
 
 
 async def test_a_bad_body_is_refused_by_the_pool_as_in_place(parser: BodyParser) -> None:
@@ -166,6 +166,35 @@ def _router(offload_bytes: int) -> tuple[Any, Router]:
     server = {"offloadBodyBytes": offload_bytes}
     config = gateway_config([], pool={"endpoints": [endpoint]}, server=server)
     return config, build_gateway(config).router
+
+
+async def test_a_body_parsed_in_the_pool_is_never_rendered_again_on_the_loop(
+    parser: BodyParser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, router = _router(0)
+    reparsed: list[int] = []
+    parse = routing.parse_request
+
+    def parse_spy(api: Api, body: bytes) -> ParsedRequest:
+        reparsed.append(len(body))
+        return parse(api, body)
+
+    monkeypatch.setattr(routing, "parse_request", parse_spy)
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x " * 500}]})
+    prepared = await BodyPreparer(config, router, parser).prepare(
+        "chat", body, decodes_payload=False
+    )
+    assert parser.digested == 1
+    parsed = prepared.parsed
+    # Routing reads the prompt first (to hash it) when it is not handed the Prepared: a
+    # clear error then, not the whole body parsed again on the loop.
+    with pytest.raises(RuntimeError, match="Prepared"):
+        _ = parsed.rendered
+    with pytest.raises(RuntimeError, match="Prepared"):
+        router.routing_request(parsed, {}, "r")
+    request = router.routing_request(parsed, {}, "r", prepared)
+    assert request.block_hashes == prepared.block_hashes and request.prompt_bytes > 1000
+    assert reparsed == [] and parsed.prompt is None and parsed.decoded is None
 
 
 class RecordingParser(BodyParser):
