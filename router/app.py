@@ -24,7 +24,7 @@ from router.api.asgi import GatewayApp
 from router.api.loop_lag import LoopLagMonitor
 from router.api.prediction import PredictionTracker
 from router.api.proxy import Proxy
-from router.api.request_body import BodyParser
+from router.api.request_body import BodyParser, BodyPreparer
 from router.api.routes import add_routes
 from router.api.stored_responses import StoredResponses, make_probe
 from router.config.model import (
@@ -332,10 +332,10 @@ def build_gateway(
         answers=routing.answers,
     )
     proxy = Proxy(
-        config, routing.router, metrics, upstream, upstream_keys=keys,
+        config, routing.router, metrics, upstream,
+        preparer=BodyPreparer(config, routing.router, _build_parser(config)), upstream_keys=keys,
         auth=build_authenticator(config.auth, environ), prediction=prediction, sizer=sizer,
         disagg=_build_disagg(config, routing, metrics),
-        parser=_build_parser(config),
     )
     hc, ms = config.pool.health_check, config.pool.metrics_scrape
     connect = max(hc.timeout_seconds, ms.timeout_seconds)
@@ -373,8 +373,9 @@ async def gateway_running(gateway: Gateway) -> AsyncIterator[None]:
         gateway.flow.start()
         stack.push_async_callback(gateway.flow.stop)
         gateway.stores.start()
-        if gateway.proxy.parser is not None:  # its processes start with the first large body
-            stack.push_async_callback(gateway.proxy.parser.aclose)
+        parser = gateway.proxy.preparer.parser
+        if parser is not None:  # its processes start with the first large body
+            stack.push_async_callback(parser.aclose)
         gateway.lag.start()
         stack.push_async_callback(gateway.lag.stop)
         # First at exit: streams cut by the drain deadline are still writing their closing

@@ -25,7 +25,7 @@ from starlette.responses import Response
 from flow_control.request import Ticket
 from router.api.logs import AccessLog
 from router.api.prediction import PredictionTracker, UsageTap
-from router.api.request_body import BodyParser, read_body
+from router.api.request_body import BodyPreparer, read_body
 from router.api.streaming import DisconnectWatch, ErrorEvent, UpstreamResponse, sse_error_event
 from router.config.model import GatewayConfig
 from router.core.endpoints import EndpointSnapshot, Lease
@@ -50,7 +50,7 @@ from router.protocol.headers import (
 )
 from router.protocol.parsing import UPSTREAM_PATHS, Api, ParsedRequest
 from router.scheduling.disagg import Disaggregator
-from router.scheduling.routing import Prepared, Router
+from router.scheduling.routing import Router
 from router.upstream.client import UPSTREAM_ERRORS, UpstreamClient, UpstreamReply
 
 log = logging.getLogger("prefixgate.proxy")
@@ -79,12 +79,12 @@ class Proxy:
         metrics: GatewayMetrics,
         client: UpstreamClient,
         *,
+        preparer: BodyPreparer,
         upstream_keys: UpstreamKeys,
         auth: Authenticator | None = None,
         prediction: PredictionTracker | None = None,
         sizer: IndexSizer | None = None,
         disagg: Disaggregator | None = None,
-        parser: BodyParser | None = None,
     ) -> None:
         self._config = config
         self._router = router
@@ -93,8 +93,8 @@ class Proxy:
         # Prefill/decode disaggregation, when it is enabled.
         self.disagg = disagg
         self.prediction = prediction
-        # Large bodies' parser (None: they are parsed in a worker thread).
-        self.parser = parser
+        # Where each body is parsed (the ext_proc picker's too): large ones off the loop.
+        self.preparer = preparer
         # Learns bytes per token from each answer's usage and sizes the index from it.
         self.sizer = sizer
         self.auth = auth
@@ -157,7 +157,10 @@ class Proxy:
             ex.tenant = self.auth.authenticate(headers)
             headers = TenantHeaders(headers, ex.tenant)
         body = await self.read_body(request, headers)
-        prepared = await self._prepare(ex.api, body)
+        # Disaggregation reads the decoded body to build its prefill request.
+        prepared = await self.preparer.prepare(
+            ex.api, body, decodes_payload=self.disagg is not None
+        )
         parsed = prepared.parsed
         ex.model, ex.stream = parsed.model, parsed.stream
         routing = self._router.routing_request(parsed, headers, ex.request_id, prepared)
@@ -195,15 +198,6 @@ class Proxy:
                 watch.stop()
                 if ticket is not None:
                     ticket.release()
-
-    async def _prepare(self, api: Api, body: bytes) -> Prepared:
-        """Parse and hash a small body here, a large one in the parser's process (in a thread
-        when the path reads the decoded body, as precise routing and disaggregation do)."""
-        if len(body) < self._config.server.offload_body_bytes:
-            return self._router.prepare(api, body)
-        if self.parser is not None and self.disagg is None and not self._router.reads_payload:
-            return await self.parser.prepare(api, body, self._config.prefix_index)
-        return await asyncio.to_thread(self._router.prepare, api, body)
 
     def upstream_headers(
         self, request: Request, request_id: str, tenant: str | None, endpoint_id: str

@@ -1,6 +1,6 @@
 """Reading a request's body: bounded in size and in time, refused early when it says it is
 too big (an unauthenticated or careless client must not make the gateway buffer 32 MB); and
-parsing a large one in another process (:class:`BodyParser`)."""
+parsing a large one off the event loop (:class:`BodyPreparer`, :class:`BodyParser`)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from concurrent.futures.process import BrokenProcessPool
 from starlette.types import Receive
 
 from router.api.streaming import IdleTimer
-from router.config.model import PrefixIndexConfig
+from router.config.model import GatewayConfig, PrefixIndexConfig
 from router.core.errors import PayloadTooLargeError, RequestTimeoutError
 from router.protocol.parsing import Api, Digest, digest_body, digest_file
-from router.scheduling.routing import Prepared
+from router.scheduling.routing import Prepared, Router
 
 log = logging.getLogger("prefixgate.proxy")
 # CPython's bytes.join releases the GIL from 1 MiB on (Objects/stringlib/join.h).
@@ -168,6 +168,29 @@ class BodyParser:
         with contextlib.suppress(OSError):
             pool = await started
             await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+
+
+class BodyPreparer:
+    """Where a body is parsed, rendered and hashed, for every front door alike (the HTTP
+    proxy, the ext_proc picker): a small one here, on the loop; a large one in the parser's
+    process, or in a thread when the caller reads the decoded body."""
+
+    def __init__(self, config: GatewayConfig, router: Router, parser: BodyParser | None) -> None:
+        self._offload_bytes = config.server.offload_body_bytes
+        self._index = config.prefix_index
+        self._router = router
+        # Large bodies' parser (None: they are parsed in a worker thread).
+        self.parser = parser
+
+    async def prepare(self, api: Api, body: bytes, *, decodes_payload: bool) -> Prepared:
+        """``decodes_payload``: the caller reads the decoded body (disaggregation's prefill
+        request), as precise routing does: then a large body is parsed in a thread, since
+        one parsed in the pool comes back undecoded and would be decoded on the loop."""
+        if len(body) < self._offload_bytes:
+            return self._router.prepare(api, body)
+        if self.parser is not None and not decodes_payload and not self._router.reads_payload:
+            return await self.parser.prepare(api, body, self._index)
+        return await asyncio.to_thread(self._router.prepare, api, body)
 
 
 def _spill(fd: int, body: bytes) -> None:

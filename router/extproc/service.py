@@ -42,7 +42,7 @@ from router.extproc.messages import (
     trailers,
 )
 from router.protocol.headers import DESTINATION_HEADER
-from router.protocol.parsing import Api, parse_request
+from router.protocol.parsing import Api
 from router.scheduling.disagg import PREFILLER_HEADER
 
 log = logging.getLogger("prefixgate.extproc")
@@ -217,12 +217,15 @@ class Exchange:
         return lambda candidate: in_subset(candidate.id, subset)
 
     async def _pick(self, api: Api, body: bytes) -> str:
-        """The full routing path of the HTTP gateway: admit, rank, lease, learn."""
-        parsed = parse_request(api, body)
+        """The full routing path of the HTTP gateway: parse (a large body off the loop), admit,
+        rank, lease, learn."""
+        # The picker only names a prefiller (the decode endpoint's sidecar sends the prefill
+        # request): nothing here reads the decoded body.
+        prepared = await self._gw.proxy.preparer.prepare(api, body, decodes_payload=False)
         self._api = api
         router = self._gw.router
         request_id = self._headers.get("x-request-id") or uuid.uuid4().hex
-        routing = router.routing_request(parsed, self._headers, request_id)
+        routing = router.routing_request(prepared.parsed, self._headers, request_id, prepared)
         self._ticket = await router.admit(routing, self._headers, len(body))
         ranked = await router.rank(routing, self._allowed())
         picked = ranked[0].id

@@ -39,7 +39,8 @@ class ParsedRequest:
     api: Api
     body: bytes
     # The decoded body and its rendered prompt (see the properties): None for a body parsed
-    # in another process (:func:`digest_body`), which hands back only what routing reads.
+    # in another process (:func:`digest_body`), which hands back only what routing reads
+    # (the payload is decoded on demand, the prompt never rendered again).
     decoded: dict[str, Any] | None
     model: str
     stream: bool
@@ -62,10 +63,14 @@ class ParsedRequest:
 
     @property
     def rendered(self) -> str:
-        """The prompt rendered for the index (rendered here on first use, likewise)."""
+        """The prompt rendered for the index. Not for a body parsed in another process: its
+        size and block hashes came back in its ``Prepared``, and rendering it here would parse
+        the whole (large) body again, on the event loop."""
         if self.prompt is None:
-            object.__setattr__(self, "prompt", parse_request(self.api, self.body).rendered)
-        assert self.prompt is not None
+            raise RuntimeError(
+                "the prompt of a body parsed in the body parser's process is not kept: "
+                "pass its Prepared (prompt_bytes, block_hashes) to routing_request"
+            )
         return self.prompt
 
 

@@ -39,7 +39,7 @@ async def test_a_large_body_is_parsed_and_hashed_in_the_body_parsers_process(
             small = await http.post("/v1/chat/completions", json=_chat("hello"))
             # Over a MiB: joined in a thread, parsed in the pool, written upstream in slices.
             large = await http.post("/v1/chat/completions", content=LARGE)
-            parser = gw.gateway.proxy.parser
+            parser = gw.gateway.proxy.preparer.parser
             assert parser is not None and parser.digested == 1, "the large body, in the pool"
     assert (small.status_code, large.status_code) == (200, 200)
     assert parsed_in == [(small_size := parsed_in[0][0], loop_thread)] and small_size < 4096
@@ -62,6 +62,6 @@ async def test_without_parser_processes_a_large_body_is_parsed_in_a_thread(
         config = gateway_config([echo.url], server=server)
         async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
             large = await http.post("/v1/chat/completions", json=_chat("x" * 8192))
-            assert gw.gateway.proxy.parser is None
+            assert gw.gateway.proxy.preparer.parser is None
     assert large.status_code == 200
     assert threads and threads[0] is not threading.current_thread()

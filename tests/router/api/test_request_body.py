@@ -13,9 +13,14 @@ import orjson
 import pytest
 
 from router.api import request_body
-from router.api.request_body import BodyParser
+from router.api.request_body import BodyParser, BodyPreparer
+from router.app import build_gateway
+from router.config.model import PrefixIndexConfig
 from router.core.errors import BadRequestError
-from router.protocol.parsing import Api, digest_body, parse_request, prompt_hashes
+from router.protocol.parsing import Api, ParsedRequest, digest_body, parse_request, prompt_hashes
+from router.scheduling import routing
+from router.scheduling.routing import Prepared, Router
+from tests.gateways import MODEL, gateway_config
 
 BODIES: list[tuple[Api, dict[str, Any]]] = [
     ("chat", {
@@ -65,8 +70,8 @@ async def test_a_body_parsed_in_the_pool_routes_as_one_parsed_in_place(
     assert parsed.decoded is None and parsed.prompt is None, "nothing decoded in the gateway"
     for field in ("model", "stream", "session_hint", "previous_response_id", "answer_span"):
         assert getattr(parsed, field) == getattr(inline, field), field
-    # Whatever reads the payload or the prompt later still gets them, decoded on demand.
-    assert (parsed.payload, parsed.rendered) == (inline.payload, inline.rendered)
+    # A path that reads the payload still gets it, decoded on demand (never the prompt: below).
+    assert parsed.payload == inline.payload
 
 
 async def test_a_bad_body_is_refused_by_the_pool_as_in_place(parser: BodyParser) -> None:
@@ -154,3 +159,86 @@ async def test_after_close_a_large_body_is_parsed_in_a_thread_and_no_pool_starts
 def test_a_parser_needs_a_process() -> None:
     with pytest.raises(ValueError):
         BodyParser(0)
+
+
+def _router(offload_bytes: int) -> tuple[Any, Router]:
+    endpoint = {"url": "http://127.0.0.1:1", "models": [MODEL]}
+    server = {"offloadBodyBytes": offload_bytes}
+    config = gateway_config([], pool={"endpoints": [endpoint]}, server=server)
+    return config, build_gateway(config).router
+
+
+async def test_a_body_parsed_in_the_pool_is_never_rendered_again_on_the_loop(
+    parser: BodyParser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, router = _router(0)
+    reparsed: list[int] = []
+    parse = routing.parse_request
+
+    def parse_spy(api: Api, body: bytes) -> ParsedRequest:
+        reparsed.append(len(body))
+        return parse(api, body)
+
+    monkeypatch.setattr(routing, "parse_request", parse_spy)
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x " * 500}]})
+    prepared = await BodyPreparer(config, router, parser).prepare(
+        "chat", body, decodes_payload=False
+    )
+    assert parser.digested == 1
+    parsed = prepared.parsed
+    # Routing reads the prompt first (to hash it) when it is not handed the Prepared: a
+    # clear error then, not the whole body parsed again on the loop.
+    with pytest.raises(RuntimeError, match="Prepared"):
+        _ = parsed.rendered
+    with pytest.raises(RuntimeError, match="Prepared"):
+        router.routing_request(parsed, {}, "r")
+    request = router.routing_request(parsed, {}, "r", prepared)
+    assert request.block_hashes == prepared.block_hashes and request.prompt_bytes > 1000
+    assert reparsed == [] and parsed.prompt is None and parsed.decoded is None
+
+
+class RecordingParser(BodyParser):
+    """The pool's part, recorded (no process started)."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.bodies: list[int] = []
+
+    async def prepare(self, api: Api, body: bytes, index: PrefixIndexConfig) -> Prepared:
+        self.bodies.append(len(body))
+        return Prepared(parse_request(api, body), 0, [])
+
+
+@pytest.mark.parametrize(
+    ("size", "with_parser", "decodes", "reads_payload", "where"),
+    [
+        (100, True, False, False, "loop"),
+        (5000, True, False, False, "pool"),
+        (5000, True, True, False, "thread"),  # disaggregation's prefill request decodes it
+        (5000, True, False, True, "thread"),  # precise routing tokenizes the payload
+        (5000, False, False, False, "thread"),  # offloadProcesses: 0
+    ],
+)
+async def test_where_a_body_is_prepared(
+    monkeypatch: pytest.MonkeyPatch,
+    size: int, with_parser: bool, decodes: bool, reads_payload: bool, where: str,
+) -> None:
+    config, router = _router(4096)
+    monkeypatch.setattr(router, "reads_payload", reads_payload)
+    threads: list[threading.Thread] = []
+    parse = routing.parse_request
+
+    def parse_spy(api: Api, body: bytes) -> ParsedRequest:
+        threads.append(threading.current_thread())
+        return parse(api, body)
+
+    monkeypatch.setattr(routing, "parse_request", parse_spy)
+    parser = RecordingParser() if with_parser else None
+    body = orjson.dumps({"model": MODEL, "prompt": "p" * size})
+    preparer = BodyPreparer(config, router, parser)
+    prepared = await preparer.prepare("completions", body, decodes_payload=decodes)
+    assert prepared.parsed.model == MODEL
+    pooled = parser.bodies if parser is not None else []
+    found = "pool" if pooled else "loop" if threads == [threading.current_thread()] else "thread"
+    assert found == where
+    assert len(pooled) + len(threads) == 1, "parsed once"
