@@ -166,7 +166,7 @@ class Proxy:
         routing = self._router.routing_request(parsed, headers, ex.request_id, prepared)
         # Watch from here on: a client leaving while queued or waiting for the first byte
         # must leave its queue or cancel the upstream request at once.
-        watch = DisconnectWatch(request.receive)
+        watch = DisconnectWatch(request.receive, request.scope)
         watch.start()
         ticket: Ticket | None = None
         handed_over = False

@@ -94,7 +94,7 @@ class StoredResponses:
             raise
         if request.method == "DELETE" and reply.status == 200:
             self._routes.forget(response_id)
-        watch = DisconnectWatch(request.receive)
+        watch = DisconnectWatch(request.receive, request.scope)
         watch.start()
         return UpstreamResponse(
             reply,

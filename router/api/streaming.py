@@ -24,31 +24,50 @@ from starlette.types import Receive, Scope, Send
 from router.core.endpoints import Lease
 from router.upstream.client import UPSTREAM_ERRORS, UpstreamReply
 
+# Where a server that calls back when a client leaves (the gateway's own HTTP protocol,
+# router/serve/http_protocol.py) puts the set of callbacks to call: a watch then needs no task.
+DISCONNECT_CALLBACKS = "prefixgate.disconnect_callbacks"
+
 
 class DisconnectWatch:
-    """Cancels the current task when the client disconnects, until :meth:`stop`."""
+    """Cancels the current task when the client disconnects, until :meth:`stop`.
 
-    def __init__(self, receive: Receive) -> None:
+    With the server's callbacks in the scope (``DISCONNECT_CALLBACKS``) it registers one;
+    otherwise a task listens on the ASGI receive channel (a task per request: its creation and
+    cancellation were a measurable share of a short request's CPU)."""
+
+    def __init__(self, receive: Receive, scope: Scope | None = None) -> None:
         self._receive = receive
         self._owner = asyncio.current_task()
+        self._callbacks: set[Callable[[], None]] | None = (
+            scope.get(DISCONNECT_CALLBACKS) if scope is not None else None
+        )
         self._watcher: asyncio.Task[None] | None = None
         self.disconnected = False
 
     def start(self) -> None:
-        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        if self._callbacks is not None:
+            self._callbacks.add(self._left)
+        else:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
         while True:
             message = await self._receive()
             if message["type"] == "http.disconnect":
-                self.disconnected = True
-                if self._owner is not None:
-                    self._owner.cancel()
+                self._left()
                 return
+
+    def _left(self) -> None:
+        self.disconnected = True
+        if self._owner is not None:
+            self._owner.cancel()
 
     def stop(self) -> None:
         # Must run before the last body message: once the response is complete, uvicorn's
         # receive() reports a disconnect at once, which must not cancel the finished request.
+        if self._callbacks is not None:
+            self._callbacks.discard(self._left)
         if self._watcher is not None and not self._watcher.done():
             self._watcher.cancel()
         self._watcher = None

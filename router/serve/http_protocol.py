@@ -11,9 +11,12 @@ at once.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from router.api.streaming import DISCONNECT_CALLBACKS
 
 
 class HeadWithBody:
@@ -56,7 +59,8 @@ class HeadWithBody:
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):
-    """Each request's cycle writes through a :class:`HeadWithBody`."""
+    """Each request's cycle writes through a :class:`HeadWithBody`, and its scope carries the
+    callbacks to call when the client leaves before the response ends (DisconnectWatch)."""
 
     def on_headers_complete(self) -> None:
         before = self.cycle
@@ -65,3 +69,16 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if cycle is not None and cycle is not before:
             # Its task was created, not run: no write has happened yet.
             cycle.transport = HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
+            callbacks: set[Callable[[], None]] = set()
+            cycle.scope[DISCONNECT_CALLBACKS] = callbacks  # type: ignore[literal-required]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        super().connection_lost(exc)
+        if cycle is None or cycle.response_complete:
+            return
+        callbacks: set[Callable[[], None]] = cycle.scope.get(  # type: ignore[assignment]
+            DISCONNECT_CALLBACKS, set()
+        )
+        for callback in list(callbacks):
+            callback()

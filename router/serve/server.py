@@ -46,6 +46,8 @@ def uvicorn_config(
         access_log=False,
         loop="auto",
         http=GatewayHttpProtocol,
+        # The gateway never reads the client's address: no X-Forwarded-For layer per request.
+        proxy_headers=False,
         timeout_keep_alive=30,
         timeout_graceful_shutdown=30,
         # Our own handlers (text or JSON, off the event loop) instead of uvicorn's.

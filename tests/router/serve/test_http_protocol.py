@@ -134,3 +134,36 @@ async def test_over_a_socket_kept_alive_answers_are_whole(requests: int) -> None
                     assert await reader.readexactly(3) == f"/r{n}".encode()
         finally:
             writer.close()
+
+
+async def test_over_a_socket_a_client_that_leaves_cancels_the_request_without_a_task() -> None:
+    from router.api.streaming import DISCONNECT_CALLBACKS, DisconnectWatch
+
+    waiting, ended = asyncio.Event(), asyncio.Event()
+    seen: dict[str, object] = {}
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        watch = DisconnectWatch(receive, scope)
+        watch.start()
+        seen["callbacks"] = scope.get(DISCONNECT_CALLBACKS)
+        seen["task"] = watch._watcher
+        try:
+            waiting.set()
+            await asyncio.Event().wait()  # a request waiting for its first byte
+        except asyncio.CancelledError:
+            seen["absorbed"] = watch.absorb_cancel()
+            ended.set()
+        finally:
+            watch.stop()
+
+    async with serving(app) as port:
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        async with asyncio.timeout(10):
+            await waiting.wait()
+            writer.close()
+            await ended.wait()
+    assert seen["task"] is None and seen["absorbed"] is True
+    assert seen["callbacks"] == set()  # the watch took its callback back
