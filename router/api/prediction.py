@@ -104,11 +104,18 @@ def find_usage(data: bytes) -> Mapping[str, Any] | None:
             return None
         usage = body.get("usage") if isinstance(body, dict) else None
         return usage if isinstance(usage, dict) else None
-    for line in reversed(text.split(b"\n")):
-        if line.startswith(b"data:") and b'"usage"' in line:
+    # From the end, only the lines that name a usage (splitting a 16 KB tail into lines
+    # cost more than the rest of this).
+    end = len(text)
+    while (at := text.rfind(b'"usage"', 0, end)) >= 0:
+        start = text.rfind(b"\n", 0, at) + 1
+        stop = text.find(b"\n", at)
+        line = text[start : stop if stop >= 0 else len(text)]
+        if line.startswith(b"data:"):
             found = find_usage(line[5:])
             if found is not None:
                 return found
+        end = start
     return None
 
 

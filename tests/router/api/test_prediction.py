@@ -73,3 +73,20 @@ def test_the_answers_found_cached_teach_the_answer_share() -> None:
         answered(512)  # the prefix up to the answer, and none of it (a reasoning template)
     assert answers.share("m") < 0.2
     assert tracker.summary["approximate"].count == 42
+
+
+def test_find_usage_takes_the_last_event_naming_a_usage_in_a_stream() -> None:
+    usage = {"prompt_tokens": 7, "completion_tokens": 2}
+    first = {"choices": [{"text": 'say "usage" twice'}], "usage": None}
+    last = {"choices": [], "usage": usage}
+    stream = (
+        b"data: " + orjson.dumps(first) + b"\r\n\r\n"
+        + b"data: " + orjson.dumps(last) + b"\r\n\r\n"
+        + b"data: " + orjson.dumps({"choices": [], "usage": None}) + b"\n\n"
+        + b": a comment naming \"usage\"\n\n"
+        + b"data: [DONE]\n\n"
+    )
+    assert find_usage(stream) == usage
+    assert find_usage(b"data: " + orjson.dumps(first) + b"\n\ndata: [DONE]\n\n") is None
+    assert find_usage(b'data: {"usage": {"prompt_tokens": 1}}') == {"prompt_tokens": 1}
+    assert find_usage(b'data: {"usage": broken\n\n') is None
