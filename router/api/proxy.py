@@ -26,7 +26,13 @@ from flow_control.request import Ticket
 from router.api.logs import AccessLog
 from router.api.prediction import PredictionTracker, UsageTap
 from router.api.request_body import BodyPreparer, read_body
-from router.api.streaming import DisconnectWatch, ErrorEvent, UpstreamResponse, sse_error_event
+from router.api.streaming import (
+    DisconnectWatch,
+    ErrorEvent,
+    IdleTimer,
+    UpstreamResponse,
+    sse_error_event,
+)
 from router.config.model import GatewayConfig
 from router.core.endpoints import EndpointSnapshot, Lease
 from router.core.errors import (
@@ -312,14 +318,19 @@ class Proxy:
         self, endpoint: EndpointSnapshot, path: str, headers: list[tuple[str, str]], body: bytes
     ) -> Attempt:
         reply: UpstreamReply | None = None
+        # One timer handle, not asyncio.timeout's context (a share of a short request's CPU).
+        timer = IdleTimer(self._config.proxy.first_byte_timeout_seconds)
         try:
-            async with asyncio.timeout(self._config.proxy.first_byte_timeout_seconds):
-                reply = await self.client.post(endpoint.url + path, headers, body)
-                first = await reply.next_chunk()
-        except BaseException:
+            reply = await self.client.post(endpoint.url + path, headers, body)
+            first = await reply.next_chunk()
+        except BaseException as exc:
             if reply is not None:
                 reply.close()
+            if isinstance(exc, asyncio.CancelledError) and timer.absorb_expiry():
+                raise TimeoutError("no first byte within the timeout") from None
             raise
+        finally:
+            timer.stop()
         return Attempt(reply, first)
 
     def _relay(
