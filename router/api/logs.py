@@ -7,9 +7,13 @@ thread wakes every ``FLUSH_INTERVAL_S`` and writes what came meanwhile in one ca
 record (a queue's notify, a thread switch, the GIL handed over and back, a write and a flush
 per line), it cost the process more CPU than the rest of the access log.
 
-Every request gets one access line on the ``prefixgate.access`` logger with its fields as a
-``fields`` mapping: the JSON formatter merges them into the object, the text one appends them as
-``key=value`` pairs. Nothing here ever logs a header: keys cannot leak through the access log.
+Every request gets one access line on the ``prefixgate.access`` logger with its fields: the
+JSON formatter merges them into the object, the text one appends them as ``key=value`` pairs.
+When logging would hand that line to the writer's queue alone (as ``configure_logging`` sets
+it up), the loop skips ``logging`` and queues a tuple: a ``LogRecord`` (the clock, the pid, the
+thread's and process's names) and the handlers' locks cost more than the rest of the request's
+logging, and the writer formats the tuple straight into the same line. Nothing here ever logs
+a header: keys cannot leak through the access log.
 """
 
 from __future__ import annotations
@@ -25,15 +29,24 @@ from typing import Any, Literal, TextIO
 
 import orjson
 
+from router.protocol.exchange import Exchange, ExchangeFields
+
 ACCESS_LOGGER = "prefixgate.access"
 LogFormat = Literal["text", "json"]
 QUEUE_SIZE = 10_000
 FLUSH_INTERVAL_S = 0.05
+# Strings remembered with their logfmt text (see Words); past this many, forgotten.
+WORDS_SIZE = 1024
 
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # A logfmt value with one of these (or empty, or unprintable) is quoted.
 _QUOTED = re.compile(r'[ "=\\]')
 _NUMBERS = frozenset({int, float, bool})
+
+# A request's access line as queued by the loop: its exchange, the perf_counter when it
+# finished, and the wall-clock time (a record's ``created``).
+AccessEntry = tuple[Exchange, float, float]
+Queued = logging.LogRecord | AccessEntry
 
 
 def _fields(record: logging.LogRecord) -> Mapping[str, Any] | None:
@@ -41,19 +54,53 @@ def _fields(record: logging.LogRecord) -> Mapping[str, Any] | None:
     return fields if isinstance(fields, Mapping) else None
 
 
+def logfmt_value(value: object) -> str:
+    if value is None:
+        return "-"
+    text = str(value)
+    if type(value) in _NUMBERS:
+        return text  # never quoted: skip the checks
+    if not text or _QUOTED.search(text) or not text.isprintable():
+        return orjson.dumps(text).decode()
+    return text
+
+
 def logfmt(fields: Mapping[str, Any]) -> str:
-    parts = []
-    for key, value in fields.items():
-        if value is None:
-            text = "-"
-        elif type(value) in _NUMBERS:
-            text = str(value)  # never quoted: skip the checks
-        else:
-            text = str(value)
-            if not text or _QUOTED.search(text) or not text.isprintable():
-                text = orjson.dumps(text).decode()
-        parts.append(f"{key}={text}")
-    return " ".join(parts)
+    return " ".join(f"{key}={logfmt_value(value)}" for key, value in fields.items())
+
+
+class Words:
+    """The logfmt text of strings that come back line after line (an api, a model, a tenant, an
+    endpoint, an outcome): checked for quoting once rather than once a line. Bounded: when
+    ``size`` are known it starts over."""
+
+    __slots__ = ("_known", "_size")
+
+    def __init__(self, size: int = WORDS_SIZE) -> None:
+        self._known: dict[str | None, str] = {None: "-"}
+        self._size = size
+
+    def __call__(self, value: str | None) -> str:
+        text = self._known.get(value)
+        if text is None:
+            if len(self._known) >= self._size:
+                self._known = {None: "-"}
+            text = self._known[value] = logfmt_value(value)
+        return text
+
+
+def access_logfmt(ex: Exchange, finished: float, word: Words) -> str:
+    """``logfmt(ex.fields(finished))`` without the mapping, with each value's type known; the
+    same fields in the same order (a test holds the two equal)."""
+    stream, ttfb, match = ex.stream, ex.ttfb, ex.prefix_match
+    return (
+        f"request_id={logfmt_value(ex.request_id)} api={word(ex.api)} model={word(ex.model)}"
+        f" stream={'-' if stream is None else stream} tenant={word(ex.tenant)}"
+        f" endpoint={word(ex.endpoint)} status={ex.status} outcome={word(ex.outcome)}"
+        f" attempts={ex.attempts} ttfb_ms={'-' if ttfb is None else round(ttfb * 1000, 2)}"
+        f" duration_ms={round((finished - ex.started) * 1000, 2)}"
+        f" prefix_match={'-' if match is None else round(match, 3)}"
+    )
 
 
 class Stamps:
@@ -76,10 +123,19 @@ class Stamps:
         return last[1]
 
 
-class TextFormatter(logging.Formatter):
+class AccessFormatter(logging.Formatter):
+    """A formatter that also writes a queued access entry's line, with no ``LogRecord``: the
+    same line as ``format`` gives the record ``AccessLog.emit`` makes."""
+
+    def access_line(self, ex: Exchange, finished: float, created: float) -> str:
+        raise NotImplementedError
+
+
+class TextFormatter(AccessFormatter):
     def __init__(self) -> None:
         super().__init__(_TEXT_FORMAT)
         self._stamps = Stamps(self.default_time_format, self.converter)
+        self._words = Words()
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         if datefmt is not None or not self.default_msec_format:
@@ -91,17 +147,27 @@ class TextFormatter(logging.Formatter):
         fields = _fields(record)
         return f"{line} {logfmt(fields)}" if fields else line
 
+    def access_line(self, ex: Exchange, finished: float, created: float) -> str:
+        # What _TEXT_FORMAT makes of the record, msecs computed as LogRecord does.
+        stamp = self._stamps(created)
+        msecs = int((created - int(created)) * 1000)
+        fields = access_logfmt(ex, finished, self._words)
+        return f"{stamp},{msecs:03d} INFO {ACCESS_LOGGER}: request {fields}"
 
-class JsonFormatter(logging.Formatter):
+
+class JsonFormatter(AccessFormatter):
     """One JSON object per line: ts, level, logger, msg, then the record's ``fields``."""
 
     def __init__(self) -> None:
         super().__init__()
         self._stamps = Stamps("%Y-%m-%dT%H:%M:%S", time.gmtime)
 
+    def _ts(self, created: float) -> str:
+        return f"{self._stamps(created)}.{int(created % 1 * 1000):03d}Z"
+
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": f"{self._stamps(record.created)}.{int(record.created % 1 * 1000):03d}Z",
+            "ts": self._ts(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -113,33 +179,54 @@ class JsonFormatter(logging.Formatter):
             out["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(out, default=str).decode()
 
+    def access_line(self, ex: Exchange, finished: float, created: float) -> str:
+        out: dict[str, Any] = {
+            "ts": self._ts(created), "level": "info", "logger": ACCESS_LOGGER, "msg": "request"
+        }
+        out.update(ex.fields(finished))
+        return orjson.dumps(out, default=str).decode()
+
+
+def access_record(entry: AccessEntry) -> logging.LogRecord:
+    """The record ``AccessLog.emit`` would have made for a queued entry (for a formatter that
+    does not write entries itself, and for reporting an error)."""
+    ex, finished, created = entry
+    record = logging.LogRecord(ACCESS_LOGGER, logging.INFO, "", 0, "request", (), None)
+    record.created = created
+    record.msecs = int((created - int(created)) * 1000) + 0.0
+    record.fields = ExchangeFields(ex, finished)
+    return record
+
+
+def _as_record(item: Queued) -> logging.LogRecord:
+    return item if isinstance(item, logging.LogRecord) else access_record(item)
+
 
 class DroppingQueueHandler(logging.Handler):
-    """Hands records to the writer thread: an append to a deque, which needs no lock and wakes
-    nobody; drops (and counts) a record when ``capacity`` of them wait."""
+    """Hands records (and access entries) to the writer thread: an append to a deque, which
+    needs no lock and wakes nobody; drops (and counts) one when ``capacity`` of them wait."""
 
     def __init__(self, capacity: int = QUEUE_SIZE) -> None:
         super().__init__()
-        self._records: deque[logging.LogRecord] = deque()
+        self._queued: deque[Queued] = deque()
         self._capacity = capacity
         self.dropped = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         # Not formatted here: that happens in the writer thread, off the event loop.
-        if len(self._records) >= self._capacity:
+        self.put(record)
+
+    def put(self, item: Queued) -> None:
+        if len(self._queued) >= self._capacity:
             self.dropped += 1
         else:
-            self._records.append(record)
+            self._queued.append(item)
 
-    def take(self) -> list[logging.LogRecord]:
+    def take(self) -> list[Queued]:
         """Every record waiting, oldest first."""
-        records: list[logging.LogRecord] = []
-        pop = self._records.popleft
-        while True:
-            try:
-                records.append(pop())
-            except IndexError:
-                return records
+        pop = self._queued.popleft
+        # Only this thread pops: the length read is a floor of what can be taken.
+        return [pop() for _ in range(len(self._queued))]
 
 
 class BatchWriter:
@@ -172,29 +259,37 @@ class BatchWriter:
             self.flush()
 
     def flush(self) -> None:
-        records = self._source.take()
-        if records:
-            self._write(records)
+        items = self._source.take()
+        if items:
+            self._write(items)
 
-    def _write(self, records: list[logging.LogRecord]) -> None:
+    def _line(self, item: Queued) -> str:
+        if isinstance(item, logging.LogRecord):
+            return self._sink.format(item)
+        formatter = self._sink.formatter
+        if isinstance(formatter, AccessFormatter):
+            return formatter.access_line(*item)
+        return self._sink.format(access_record(item))
+
+    def _write(self, items: list[Queued]) -> None:
         sink = self._sink
         lines = []
-        for record in records:
+        for item in items:
             try:
-                lines.append(sink.format(record) + sink.terminator)
+                lines.append(self._line(item) + sink.terminator)
             except Exception:
-                sink.handleError(record)
+                sink.handleError(_as_record(item))
         sink.acquire()
         try:
             sink.stream.write("".join(lines))
             sink.flush()
         except Exception:
-            sink.handleError(records[-1])
+            sink.handleError(_as_record(items[-1]))
         finally:
             sink.release()
 
 
-def make_formatter(fmt: LogFormat) -> logging.Formatter:
+def make_formatter(fmt: LogFormat) -> AccessFormatter:
     return JsonFormatter() if fmt == "json" else TextFormatter()
 
 
@@ -218,8 +313,6 @@ def configure_logging(
 class AccessLog:
     """One line per request, or per sampled request; costs one level check when off.
 
-    The line's record is made directly (no caller lookup, which walks the stack) and its
-    ``fields`` may be a lazy mapping, so building the line's text falls to the writer thread.
     With ``sample_rate`` below 1, successful requests are logged one in 1/rate (a running
     credit, so the share is exact and no random number is drawn); failures always are.
     """
@@ -244,9 +337,42 @@ class AccessLog:
         self._credit -= 1.0
         return True
 
+    def record(self, ex: Exchange, finished: float) -> None:
+        """The exchange's line (call when ``active``): queued as a tuple for the writer when
+        logging would hand it to the writer's queue and nothing else, else through ``emit``."""
+        queue = self._sole_queue()
+        if queue is not None:
+            queue.put((ex, finished, time.time()))
+        else:
+            self.emit(ExchangeFields(ex, finished))
+
     def emit(self, fields: Mapping[str, Any]) -> None:
+        """A line with these fields, through ``logging``. The record is made directly (no
+        caller lookup, which walks the stack); ``fields`` may be lazy, built when formatted."""
         log = self._log
         record = log.makeRecord(
             log.name, logging.INFO, "", 0, "request", (), None, extra={"fields": fields}
         )
         log.handle(record)
+
+    def _sole_queue(self) -> DroppingQueueHandler | None:
+        """The queue ``logging`` would give this logger's INFO records to, when it is the only
+        handler they would reach and no filter would see them; looked up per line (cheap: the
+        logger and root), since handlers come and go (tests capture logs by adding one)."""
+        logger: logging.Logger | None = self._log
+        if self._log.filters:
+            return None
+        found: DroppingQueueHandler | None = None
+        while logger is not None:
+            for handler in logger.handlers:
+                if handler.level > logging.INFO:
+                    continue
+                if found is not None or type(handler) is not DroppingQueueHandler:
+                    return None
+                if handler.filters:
+                    return None
+                found = handler
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        return found

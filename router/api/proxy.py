@@ -46,7 +46,7 @@ from router.index.sizing import IndexSizer
 from router.pool.metrics import GatewayMetrics
 from router.protocol import anthropic, responses_api
 from router.protocol.auth import Authenticator, TenantHeaders, UpstreamKeys
-from router.protocol.exchange import Exchange, ExchangeFields
+from router.protocol.exchange import Exchange
 from router.protocol.headers import (
     ForwardedHeaders,
     RequestHeaders,
@@ -405,7 +405,7 @@ class Proxy:
         self._metrics.count_request(ex.endpoint or "none", ex.status, ex.api)
         access = self._access
         if access.active and access.sampled(ex.status >= 400 or ex.outcome != "ok"):
-            access.emit(ExchangeFields(ex, time.perf_counter()))
+            access.record(ex, time.perf_counter())
 
     async def wait_idle(self, seconds: float) -> bool:
         """Wait (bounded) until no request is inside the gateway; True if none is."""
