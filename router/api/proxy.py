@@ -23,13 +23,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from flow_control.request import Ticket
+from router.api.deadlines import Deadlines
 from router.api.logs import AccessLog
 from router.api.prediction import PredictionTracker, UsageTap
 from router.api.request_body import BodyPreparer, read_body
 from router.api.streaming import (
     DisconnectWatch,
     ErrorEvent,
-    IdleTimer,
     UpstreamResponse,
     sse_error_event,
 )
@@ -111,6 +111,8 @@ class Proxy:
         server = config.server
         self._access = AccessLog(server.access_log, server.access_log_sample_rate)
         self._ids = RequestIds()
+        # The timeouts of every request's waits, on one coarse tick (router/api/deadlines.py).
+        self.deadlines = Deadlines()
         # Set on SIGTERM: /ready answers 503, and requests cut by the drain deadline end cleanly.
         self.draining = False
         self.active = 0
@@ -133,7 +135,8 @@ class Proxy:
         server = self._config.server
         declared = (headers or request.headers).get("content-length")
         return await read_body(
-            request.receive, declared, server.max_body_bytes, server.body_timeout_seconds
+            request.receive, declared, server.max_body_bytes, server.body_timeout_seconds,
+            self.deadlines,
         )
 
     async def handle(self, request: Request, api: Api) -> Response:
@@ -318,8 +321,7 @@ class Proxy:
         self, endpoint: EndpointSnapshot, path: str, headers: list[tuple[str, str]], body: bytes
     ) -> Attempt:
         reply: UpstreamReply | None = None
-        # One timer handle, not asyncio.timeout's context (a share of a short request's CPU).
-        timer = IdleTimer(self._config.proxy.first_byte_timeout_seconds)
+        timer = self.deadlines.start(self._config.proxy.first_byte_timeout_seconds)
         try:
             reply = await self.client.post(endpoint.url + path, headers, body)
             first = await reply.next_chunk()
@@ -368,6 +370,7 @@ class Proxy:
             lease=lease,
             watch=watch,
             idle_timeout=self._config.proxy.idle_timeout_seconds,
+            deadlines=self.deadlines,
             on_finish=finish,
             draining=lambda: self.draining,
             error_event=_ERROR_EVENTS.get(ex.api, sse_error_event),

@@ -15,7 +15,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from starlette.types import Receive
 
-from router.api.streaming import IdleTimer
+from router.api.deadlines import Deadlines
 from router.config.model import GatewayConfig, PrefixIndexConfig
 from router.core.errors import PayloadTooLargeError, RequestTimeoutError
 from router.protocol.parsing import Api, Digest, digest_body, digest_file
@@ -27,19 +27,19 @@ JOIN_IN_THREAD_BYTES = 1024 * 1024
 
 
 async def read_body(
-    receive: Receive, declared: str | None, limit: int, deadline_s: float
+    receive: Receive, declared: str | None, limit: int, deadline_s: float, deadlines: Deadlines
 ) -> bytes:
     """The whole body; a 413 beyond ``limit`` bytes (at once when the Content-Length,
     ``declared``, says so), a 408 when it takes over ``deadline_s`` seconds, and the task
     cancelled when the client leaves meanwhile.
 
-    Read from the ASGI messages directly, under one timer: Starlette's stream generator and
-    ``asyncio.timeout`` cost more than the read itself for the usual body in one message."""
+    Read from the ASGI messages directly, under a coarse deadline: Starlette's stream
+    generator and ``asyncio.timeout`` cost more than the read itself for the usual body."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    timer = IdleTimer(deadline_s)
+    timer = deadlines.start(deadline_s)
     try:
         while True:
             message = await receive()

@@ -103,6 +103,7 @@ class StoredResponses:
             lease=lease,
             watch=watch,
             idle_timeout=self._config.proxy.idle_timeout_seconds,
+            deadlines=self._proxy.deadlines,
             on_finish=lambda outcome: None,
         )
 

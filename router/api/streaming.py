@@ -21,6 +21,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from router.api.deadlines import Deadlines
 from router.core.endpoints import Lease
 from router.upstream.client import UPSTREAM_ERRORS, UpstreamReply
 
@@ -94,53 +95,6 @@ class ErrorEvent(Protocol):
     def __call__(self, message: str, error_type: str = ..., code: int = ...) -> bytes: ...
 
 
-class IdleTimer:
-    """Cancels the current task once ``timeout`` seconds pass without a :meth:`touch`.
-
-    Unlike ``asyncio.timeout`` around each step, a touch costs a clock read: the one timer
-    re-arms itself only when it fires early."""
-
-    __slots__ = ("_base", "_handle", "_last", "_loop", "_task", "_timeout", "expired")
-
-    def __init__(self, timeout: float) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
-        self._base = self._task.cancelling() if self._task is not None else 0
-        self._timeout = timeout
-        self._last = self._loop.time()
-        self.expired = False
-        self._handle: asyncio.TimerHandle | None = self._loop.call_at(
-            self._last + timeout, self._check
-        )
-
-    def touch(self) -> None:
-        self._last = self._loop.time()
-
-    def _check(self) -> None:
-        due = self._last + self._timeout
-        if self._loop.time() < due:
-            self._handle = self._loop.call_at(due, self._check)
-            return
-        self._handle = None
-        # A task already being cancelled (client gone, shutdown) keeps that reason.
-        if self._task is not None and not self._task.cancelling():
-            self.expired = True
-            self._task.cancel()
-
-    def absorb_expiry(self) -> bool:
-        """After a CancelledError: True (and the cancel undone) if this timer caused it."""
-        if not self.expired:
-            return False
-        self.expired = False
-        # Another cancellation on top of ours (a disconnect, the drain deadline) still stands.
-        return self._task is None or self._task.uncancel() <= self._base
-
-    def stop(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-
 # Where the server's own ``send`` travels in the scope (set by :class:`ServerSend`).
 SERVER_SEND = "prefixgate.server_send"
 
@@ -179,6 +133,7 @@ class UpstreamResponse(Response):
         lease: Lease,
         watch: DisconnectWatch,
         idle_timeout: float,
+        deadlines: Deadlines,
         on_finish: Callable[[str], None],
         draining: Callable[[], bool] = lambda: False,
         error_event: ErrorEvent = sse_error_event,
@@ -192,6 +147,7 @@ class UpstreamResponse(Response):
         self._lease = lease
         self._watch = watch
         self._idle_timeout = idle_timeout
+        self._deadlines = deadlines
         self._on_finish = on_finish
         self._draining = draining
         self._error_event = error_event
@@ -256,7 +212,7 @@ class UpstreamResponse(Response):
         # measurable share of the gateway's CPU): the deadline moves with each chunk relayed,
         # and covers both sides, the replica producing the next chunk and the client taking it
         # (a client that stopped reading would block send forever).
-        idle = IdleTimer(self._idle_timeout)
+        idle = self._deadlines.start(self._idle_timeout)
         sending = False
         try:
             while True:
@@ -285,8 +241,7 @@ class UpstreamResponse(Response):
             idle.stop()
 
     async def _send_chunk(self, send: Send, chunk: bytes, more: bool = True) -> None:
-        # An IdleTimer rather than asyncio.timeout: the same deadline, fewer steps per answer.
-        idle = IdleTimer(self._idle_timeout)
+        idle = self._deadlines.start(self._idle_timeout)
         try:
             await send({"type": "http.response.body", "body": chunk, "more_body": more})
         except asyncio.CancelledError:
