@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge
@@ -25,7 +25,7 @@ from starlette.responses import Response
 from flow_control.request import Ticket
 from router.api.deadlines import Deadlines
 from router.api.logs import AccessLog
-from router.api.prediction import PredictionTracker, UsageTap
+from router.api.prediction import PredictionTracker, answer_taps
 from router.api.request_body import BodyPreparer, read_body
 from router.api.streaming import (
     DisconnectWatch,
@@ -349,7 +349,10 @@ class Proxy:
         ex.status = upstream.status
         explained = routing.explanation if routing.explain_to_client else None
         headers = response_headers(upstream.raw_headers, endpoint.id, ex.request_id, explained)
-        observe, usage = self._taps(ex.api, upstream.status, endpoint.id, routing)
+        observe, usage = answer_taps(
+            upstream.status, endpoint.id, routing, self.prediction, self.sizer,
+            self._router.responses if ex.api == "responses" else None,
+        )
 
         def finish(outcome: str) -> None:
             ticket.release()
@@ -376,30 +379,6 @@ class Proxy:
             error_event=_ERROR_EVENTS.get(ex.api, sse_error_event),
             observe=observe,
         )
-
-    def _taps(
-        self, api: str, status: int, endpoint_id: str, routing: RoutingRequest
-    ) -> tuple[Callable[[bytes], None] | None, UsageTap | None]:
-        """What reads the relayed answer: the usage (how right the prefix index was) and,
-        for the Responses API, which endpoint stores the answer."""
-        if status != 200:
-            return None, None
-        usage = None
-        if self.prediction is not None:
-            also = self.sizer.observe if self.sizer is not None else None
-            usage = UsageTap(self.prediction, endpoint_id, routing, also)
-        responses = self._router.responses
-        stored = None
-        if api == "responses" and responses is not None:
-            stored = responses.tap(endpoint_id)  # learn which endpoint stores the answer
-        if stored is None or usage is None:
-            return (stored or usage), usage
-
-        def both(chunk: bytes) -> None:
-            usage(chunk)
-            stored(chunk)
-
-        return both, usage
 
     def _finish(self, ex: Exchange) -> None:
         self.active -= 1
