@@ -14,6 +14,8 @@ from router.core.framework import RoutingRequest
 
 PREFILL_ROLES: frozenset[Role] = frozenset({"prefill", "both"})
 DECODE_ROLES: frozenset[Role] = frozenset({"decode", "both"})
+PREFILL_FILTER = "prefill-filter"
+DECODE_FILTER = "decode-filter"
 
 
 class RoleFilter:
@@ -33,8 +35,8 @@ class RoleFilter:
 
 
 def prefill_filter() -> RoleFilter:
-    return RoleFilter("prefill-filter", PREFILL_ROLES)
+    return RoleFilter(PREFILL_FILTER, PREFILL_ROLES)
 
 
 def decode_filter() -> RoleFilter:
-    return RoleFilter("decode-filter", DECODE_ROLES)
+    return RoleFilter(DECODE_FILTER, DECODE_ROLES)

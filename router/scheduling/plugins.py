@@ -28,7 +28,7 @@ from router.core.framework import (
 )
 from router.core.strict import Strict
 from router.estimators.calibration import Calibrator
-from router.scheduling.filters import decode_filter, prefill_filter
+from router.scheduling.filters import DECODE_FILTER, PREFILL_FILTER, decode_filter, prefill_filter
 from router.scheduling.pickers import MaxScorePicker, RandomPicker, RoundRobinPicker
 from scorers.inflight import InFlightScorer
 from scorers.kv_cache_utilization import KVCacheUtilizationScorer
@@ -129,21 +129,21 @@ def _no_hit_lru(raw: Mapping[str, Any], context: PluginContext) -> Plugin:
 
 def default_registry() -> PluginRegistry:
     registry = PluginRegistry()
-    registry.register("prefix-cache-scorer", _simple(PrefixCacheScorer))
-    registry.register("queue-scorer", _simple(QueueScorer))
-    registry.register("kv-cache-utilization-scorer", _simple(KVCacheUtilizationScorer))
-    registry.register("inflight-scorer", _simple(InFlightScorer))
-    registry.register("session-affinity-scorer", _simple(SessionAffinityScorer))
-    registry.register("session-hash-scorer", _simple(SessionHashScorer))
-    registry.register("ttft-cost-scorer", _ttft_cost)
-    registry.register("precise-prefix-cache-scorer", _precise)
-    registry.register("load-aware-scorer", _load_aware)
-    registry.register("no-hit-lru-scorer", _no_hit_lru)
-    registry.register("max-score-picker", _seeded(MaxScorePicker))
-    registry.register("random-picker", _seeded(RandomPicker))
-    registry.register("round-robin-picker", _simple(RoundRobinPicker))
-    registry.register("prefill-filter", _simple(prefill_filter))
-    registry.register("decode-filter", _simple(decode_filter))
+    registry.register(PrefixCacheScorer.type_name, _simple(PrefixCacheScorer))
+    registry.register(QueueScorer.type_name, _simple(QueueScorer))
+    registry.register(KVCacheUtilizationScorer.type_name, _simple(KVCacheUtilizationScorer))
+    registry.register(InFlightScorer.type_name, _simple(InFlightScorer))
+    registry.register(SessionAffinityScorer.type_name, _simple(SessionAffinityScorer))
+    registry.register(SessionHashScorer.type_name, _simple(SessionHashScorer))
+    registry.register(TTFTCostScorer.type_name, _ttft_cost)
+    registry.register(PrecisePrefixCacheScorer.type_name, _precise)
+    registry.register(LoadAwareScorer.type_name, _load_aware)
+    registry.register(NoHitLRUScorer.type_name, _no_hit_lru)
+    registry.register(MaxScorePicker.type_name, _seeded(MaxScorePicker))
+    registry.register(RandomPicker.type_name, _seeded(RandomPicker))
+    registry.register(RoundRobinPicker.type_name, _simple(RoundRobinPicker))
+    registry.register(PREFILL_FILTER, _simple(prefill_filter))
+    registry.register(DECODE_FILTER, _simple(decode_filter))
     return registry
 
 
