@@ -59,10 +59,15 @@ async def read_body(
         raise
     finally:
         timer.stop()
+    return await join_body(chunks, size)
+
+
+async def join_body(chunks: list[bytes], size: int) -> bytes:
+    """A body's pieces as one, joined in a thread when large: bytes.join copies this much
+    without the GIL, 20 ms for 30 MB not spent on the loop."""
     if len(chunks) == 1:
         return chunks[0]
     if size >= JOIN_IN_THREAD_BYTES:
-        # bytes.join copies this much without the GIL: 20 ms for 30 MB not spent on the loop.
         return await asyncio.to_thread(b"".join, chunks)
     return b"".join(chunks)
 

@@ -22,6 +22,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from flow_control.request import Ticket
+from router.api.request_body import join_body
 from router.app import Gateway
 from router.config.model import ExtProcConfig
 from router.core.endpoints import EndpointSnapshot, Lease
@@ -110,7 +111,9 @@ class Exchange:
         self._request_mode = _MODE.FULL_DUPLEX_STREAMED if duplex else _MODE.BUFFERED
         self._response_mode = self._request_mode
         self._headers: dict[str, str] = {}
-        self._body = bytearray()
+        # The request body's pieces, joined once it is whole (off the loop when large).
+        self._parts: list[bytes] = []
+        self._size = 0
         self._subset: frozenset[str] | None = None
         self._destination: str | None = None
         self._api = "none"
@@ -184,9 +187,10 @@ class Exchange:
             if self._duplex:
                 return [streamed_body(part.body, part.end_of_stream, "request")]
             return [continue_body("request")]
-        self._body += part.body
+        self._parts.append(part.body)
+        self._size += len(part.body)
         limit = self._gw.config.server.max_body_bytes
-        if len(self._body) > limit:
+        if self._size > limit:
             raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
         if part.end_of_stream or part.end_of_stream_without_message:
             return await self._route(end_of_stream=True)
@@ -195,8 +199,8 @@ class Exchange:
     async def _route(self, end_of_stream: bool) -> list[Any]:
         path = self._headers.get(":path", "")
         api = api_for(path)
-        body = bytes(self._body)
-        self._body = bytearray()
+        body = await join_body(self._parts, self._size)
+        self._parts, self._size = [], 0
         stored = stored_response_id(path)
         if api is not None:
             destination = await self._pick(api, body)

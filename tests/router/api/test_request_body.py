@@ -242,3 +242,21 @@ async def test_where_a_body_is_prepared(
     found = "pool" if pooled else "loop" if threads == [threading.current_thread()] else "thread"
     assert found == where
     assert len(pooled) + len(threads) == 1, "parsed once"
+
+
+async def test_a_large_body_is_joined_in_a_thread_and_a_small_one_on_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    joined_in: list[str] = []
+    real = asyncio.to_thread
+
+    async def recording(func: Any, /, *args: Any) -> Any:
+        joined_in.append("thread")
+        return await real(func, *args)
+
+    monkeypatch.setattr(request_body.asyncio, "to_thread", recording)
+    big = [b"x" * (request_body.JOIN_IN_THREAD_BYTES // 2)] * 2
+    assert await request_body.join_body(big, sum(map(len, big))) == b"".join(big)
+    assert await request_body.join_body([b"a", b"b"], 2) == b"ab"
+    assert await request_body.join_body([b"whole"], 5) == b"whole"
+    assert joined_in == ["thread"]
