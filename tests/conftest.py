@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -11,8 +12,10 @@ import pytest
 
 from benchmarks.sim.cli import Replica, start_replicas
 from benchmarks.sim.config import SimConfig
+from router.protocol.parsing import Api, ParsedRequest
+from router.scheduling import routing
 from router.serve.server import RunningGateway, running_gateway
-from tests.gateways import gateway_config
+from tests.gateways import Parses, gateway_config
 from tests.redis_cluster import redis_cluster_url as cluster_url
 from tests.redis_server import namespace_for, redis_server_url
 
@@ -65,3 +68,17 @@ def certificate(tmp_path: Path) -> tuple[Path, Path]:
         check=True, capture_output=True, timeout=30,
     )
     return cert, key
+
+
+@pytest.fixture
+def parses(monkeypatch: pytest.MonkeyPatch) -> Parses:
+    """Records each parse of a request body by routing (where large bodies are parsed)."""
+    seen = Parses()
+    parse = routing.parse_request
+
+    def spy(api: Api, body: bytes) -> ParsedRequest:
+        seen.append((len(body), threading.current_thread()))
+        return parse(api, body)
+
+    monkeypatch.setattr(routing, "parse_request", spy)
+    return seen

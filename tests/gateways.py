@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from router.config.model import parse_config
@@ -21,3 +22,15 @@ def gateway_config(urls: list[str], **overrides: Any) -> Any:
     }
     data.update(overrides)
     return parse_config(data)
+
+
+class Parses(list[tuple[int, threading.Thread]]):
+    """Every request body routing parsed: its size and the thread it was parsed on."""
+
+    @property
+    def sizes(self) -> list[int]:
+        return [size for size, _ in self]
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return [thread for _, thread in self]

@@ -5,13 +5,10 @@ from typing import Any
 
 import httpx
 import orjson
-import pytest
 
-from router.protocol.parsing import Api, ParsedRequest
-from router.scheduling import routing
 from router.serve.server import running_gateway
 from tests.e2e.test_reliability_support import echo_upstream
-from tests.gateways import MODEL, gateway_config
+from tests.gateways import MODEL, Parses, gateway_config
 
 
 def _chat(text: str) -> dict[str, Any]:
@@ -22,16 +19,8 @@ LARGE = orjson.dumps(_chat("x y " * 300_000))
 
 
 async def test_a_large_body_is_parsed_and_hashed_in_the_body_parsers_process(
-    monkeypatch: pytest.MonkeyPatch,
+    parses: Parses,
 ) -> None:
-    parsed_in: list[tuple[int, threading.Thread]] = []
-    parse = routing.parse_request
-
-    def parse_spy(api: Api, body: bytes) -> ParsedRequest:
-        parsed_in.append((len(body), threading.current_thread()))
-        return parse(api, body)
-
-    monkeypatch.setattr(routing, "parse_request", parse_spy)
     loop_thread = threading.current_thread()  # the in-process gateway shares this loop
     async with echo_upstream() as echo:
         config = gateway_config([echo.url], server={"port": 0, "offloadBodyBytes": 4096})
@@ -42,21 +31,13 @@ async def test_a_large_body_is_parsed_and_hashed_in_the_body_parsers_process(
             parser = gw.gateway.proxy.preparer.parser
             assert parser is not None and parser.digested == 1, "the large body, in the pool"
     assert (small.status_code, large.status_code) == (200, 200)
-    assert parsed_in == [(small_size := parsed_in[0][0], loop_thread)] and small_size < 4096
+    assert parses == [(small_size := parses[0][0], loop_thread)] and small_size < 4096
     assert echo.bodies[-1] == LARGE, "forwarded unchanged"
 
 
 async def test_without_parser_processes_a_large_body_is_parsed_in_a_thread(
-    monkeypatch: pytest.MonkeyPatch,
+    parses: Parses,
 ) -> None:
-    threads: list[threading.Thread] = []
-    parse = routing.parse_request
-
-    def parse_spy(api: Api, body: bytes) -> ParsedRequest:
-        threads.append(threading.current_thread())
-        return parse(api, body)
-
-    monkeypatch.setattr(routing, "parse_request", parse_spy)
     async with echo_upstream() as echo:
         server = {"port": 0, "offloadBodyBytes": 4096, "offloadProcesses": 0}
         config = gateway_config([echo.url], server=server)
@@ -64,4 +45,4 @@ async def test_without_parser_processes_a_large_body_is_parsed_in_a_thread(
             large = await http.post("/v1/chat/completions", json=_chat("x" * 8192))
             assert gw.gateway.proxy.preparer.parser is None
     assert large.status_code == 200
-    assert threads and threads[0] is not threading.current_thread()
+    assert parses.threads and parses.threads[0] is not threading.current_thread()

@@ -17,10 +17,9 @@ from router.api.request_body import BodyParser, BodyPreparer
 from router.app import build_gateway
 from router.config.model import PrefixIndexConfig
 from router.core.errors import BadRequestError
-from router.protocol.parsing import Api, ParsedRequest, digest_body, parse_request, prompt_hashes
-from router.scheduling import routing
+from router.protocol.parsing import Api, digest_body, parse_request, prompt_hashes
 from router.scheduling.routing import Prepared, Router
-from tests.gateways import MODEL, gateway_config
+from tests.gateways import MODEL, Parses, gateway_config
 
 BODIES: list[tuple[Api, dict[str, Any]]] = [
     ("chat", {
@@ -169,17 +168,9 @@ def _router(offload_bytes: int) -> tuple[Any, Router]:
 
 
 async def test_a_body_parsed_in_the_pool_is_never_rendered_again_on_the_loop(
-    parser: BodyParser, monkeypatch: pytest.MonkeyPatch
+    parser: BodyParser, parses: Parses
 ) -> None:
     config, router = _router(0)
-    reparsed: list[int] = []
-    parse = routing.parse_request
-
-    def parse_spy(api: Api, body: bytes) -> ParsedRequest:
-        reparsed.append(len(body))
-        return parse(api, body)
-
-    monkeypatch.setattr(routing, "parse_request", parse_spy)
     body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x " * 500}]})
     prepared = await BodyPreparer(config, router, parser).prepare(
         "chat", body, decodes_payload=False
@@ -194,7 +185,7 @@ async def test_a_body_parsed_in_the_pool_is_never_rendered_again_on_the_loop(
         router.routing_request(parsed, {}, "r")
     request = router.routing_request(parsed, {}, "r", prepared)
     assert request.block_hashes == prepared.block_hashes and request.prompt_bytes > 1000
-    assert reparsed == [] and parsed.prompt is None and parsed.decoded is None
+    assert parses.sizes == [] and parsed.prompt is None and parsed.decoded is None
 
 
 class RecordingParser(BodyParser):
@@ -220,28 +211,21 @@ class RecordingParser(BodyParser):
     ],
 )
 async def test_where_a_body_is_prepared(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, parses: Parses,
     size: int, with_parser: bool, decodes: bool, reads_payload: bool, where: str,
 ) -> None:
     config, router = _router(4096)
     monkeypatch.setattr(router, "reads_payload", reads_payload)
-    threads: list[threading.Thread] = []
-    parse = routing.parse_request
-
-    def parse_spy(api: Api, body: bytes) -> ParsedRequest:
-        threads.append(threading.current_thread())
-        return parse(api, body)
-
-    monkeypatch.setattr(routing, "parse_request", parse_spy)
     parser = RecordingParser() if with_parser else None
     body = orjson.dumps({"model": MODEL, "prompt": "p" * size})
     preparer = BodyPreparer(config, router, parser)
     prepared = await preparer.prepare("completions", body, decodes_payload=decodes)
     assert prepared.parsed.model == MODEL
     pooled = parser.bodies if parser is not None else []
-    found = "pool" if pooled else "loop" if threads == [threading.current_thread()] else "thread"
+    on_loop = parses.threads == [threading.current_thread()]
+    found = "pool" if pooled else "loop" if on_loop else "thread"
     assert found == where
-    assert len(pooled) + len(threads) == 1, "parsed once"
+    assert len(pooled) + len(parses.threads) == 1, "parsed once"
 
 
 async def test_a_large_body_is_joined_in_a_thread_and_a_small_one_on_the_loop(

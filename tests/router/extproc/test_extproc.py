@@ -14,9 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.sim.cli import Replica
 from router.extproc.server import EXT_PROC_SERVICE, RunningEpp, running_epp
-from router.protocol.parsing import Api, ParsedRequest
-from router.scheduling import routing
-from tests.gateways import MODEL
+from tests.gateways import MODEL, Parses
 from tests.router.extproc.envoy import (
     DEST,
     GRPC_DEFAULT_LIMIT,
@@ -49,16 +47,8 @@ async def test_routes_small_and_large_bodies(
 
 
 async def test_a_large_body_is_parsed_and_hashed_in_the_body_parsers_process(
-    two_replicas: list[Replica], monkeypatch: pytest.MonkeyPatch
+    two_replicas: list[Replica], parses: Parses
 ) -> None:
-    parsed_in: list[tuple[int, threading.Thread]] = []
-    parse = routing.parse_request
-
-    def parse_spy(api: Api, body: bytes) -> ParsedRequest:
-        parsed_in.append((len(body), threading.current_thread()))
-        return parse(api, body)
-
-    monkeypatch.setattr(routing, "parse_request", parse_spy)
     loop_thread = threading.current_thread()  # the in-process picker shares this loop
     config = epp_config(two_replicas, server={"offloadBodyBytes": 4096})
     async with running_epp(config) as epp, grpc.aio.insecure_channel(epp.target) as channel:
@@ -69,20 +59,12 @@ async def test_a_large_body_is_parsed_and_hashed_in_the_body_parsers_process(
             await envoy.finish(call)
         parser = epp.gateway.proxy.preparer.parser
         assert parser is not None and parser.digested == 1, "the large body, in the pool"
-    assert len(parsed_in) == 1 and parsed_in[0][0] < 4096 and parsed_in[0][1] is loop_thread
+    assert len(parses) == 1 and parses[0][0] < 4096 and parses[0][1] is loop_thread
 
 
 async def test_without_parser_processes_a_large_body_is_parsed_in_a_thread(
-    two_replicas: list[Replica], monkeypatch: pytest.MonkeyPatch
+    two_replicas: list[Replica], parses: Parses
 ) -> None:
-    threads: list[threading.Thread] = []
-    parse = routing.parse_request
-
-    def parse_spy(api: Api, body: bytes) -> ParsedRequest:
-        threads.append(threading.current_thread())
-        return parse(api, body)
-
-    monkeypatch.setattr(routing, "parse_request", parse_spy)
     config = epp_config(two_replicas, server={"offloadBodyBytes": 4096, "offloadProcesses": 0})
     async with running_epp(config) as epp, grpc.aio.insecure_channel(epp.target) as channel:
         envoy = Envoy(channel)
@@ -90,7 +72,7 @@ async def test_without_parser_processes_a_large_body_is_parsed_in_a_thread(
         assert routed.header in {s.endpoint.id for s in epp.gateway.pool}
         await envoy.finish(call, duplex=False)
         assert epp.gateway.proxy.preparer.parser is None
-    assert len(threads) == 1 and threads[0] is not threading.current_thread()
+    assert len(parses.threads) == 1 and parses.threads[0] is not threading.current_thread()
 
 
 async def test_same_prefix_goes_to_the_same_endpoint(envoy: Envoy) -> None:
