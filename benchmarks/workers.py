@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--stream", action="store_true", help="streamed completions")
+    parser.add_argument("--replica", choices=["sim", "static"], default="sim",
+                        help="the zero-latency simulator, or benchmarks.static_replica (prepared "
+                        "answers: far less CPU a request, so the gateway gets more of the cores)")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
         print("needs wrk on the PATH (apt-get install wrk)", file=sys.stderr)
@@ -191,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     sim_url = f"http://{HOST}:{sim_port}"
     sim = [sys.executable, "-m", "router.cli", "sim", "--zero-latency", "--host", HOST,
            "--port", str(sim_port), "--log-level", "warning"]
+    if args.replica == "static":
+        sim = [sys.executable, "-m", "benchmarks.static_replica", "--port", str(sim_port),
+               "--tokens", "16"]
     runs: list[Run] = []
     with tempfile.TemporaryDirectory() as tmp, process(sim, sim_url, "/health"):
         script = wrk_script(Path(tmp), args.stream)
