@@ -254,9 +254,9 @@ class Router:
 
         def first_byte(seconds: float) -> None:
             if routing.stream:  # a non-streaming first byte is the answer's last
-                predicted = calibrator.predict(endpoint_id, uncached, queued, running, requests)
-                errors.record(predicted, seconds)
-                idle = calibrator.predict(endpoint_id, uncached)
+                price = calibrator.price(endpoint_id)
+                errors.record(price.predict(uncached, queued, running, requests), seconds)
+                idle = price.predict(uncached)
                 calibrator.observe(endpoint_id, uncached, seconds, queued, running, requests)
                 flow.observe(endpoint_id, seconds / idle if idle > 0 else math.inf, int(requests))
             else:
