@@ -1,3 +1,4 @@
-"""Running the gateway as processes: the uvicorn server, the multi-worker supervisor and its
-workers, their metrics, and the private Redis the workers share.
+"""Running the gateway as processes: the uvicorn server (with the gateway's own HTTP protocol:
+a response's head and body in one write, disconnects reported by callback), the multi-worker
+supervisor and its workers, their metrics, and the private Redis the workers share.
 """
