@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.core.framework import RoutingRequest
 from router.estimators.answer_cache import AnswerCache
+from router.index.response_store import ResponseRoutes
 
 
 class PreciseFacts(Protocol):
@@ -68,14 +69,6 @@ class PreciseStates(Protocol):
 
 # Another reader of each answer's usage (the index sizer): endpoint, request, usage.
 UsageObserver = Callable[[str, RoutingRequest, Mapping[str, Any] | None], None]
-
-
-class UsageObserverOwner(Protocol):
-    """Something that learns from each answer's usage (the index sizer)."""
-
-    def observe(
-        self, endpoint_id: str, routing: RoutingRequest, usage: Mapping[str, Any] | None
-    ) -> None: ...
 
 MODES = ("approximate", "precise", "precise_confirmed")
 _TOKEN_BUCKETS = tuple(
@@ -312,34 +305,20 @@ class UsageTap:
             self._also(self._endpoint_id, self._routing, usage)
 
 
-class ChunkTap(Protocol):
-    """What sees each relayed chunk of an answer as it passes."""
-
-    def __call__(self, chunk: bytes, /) -> None: ...
-
-
-class AnswerStores(Protocol):
-    """Learns which endpoint stores an answer (the Responses API's response routes)."""
-
-    def tap(self, endpoint_id: str) -> ChunkTap: ...
-
-
 def answer_taps(
     status: int,
     endpoint_id: str,
     routing: RoutingRequest,
     tracker: PredictionTracker | None,
-    sizer: UsageObserverOwner | None,
-    stores: AnswerStores | None,
-) -> tuple[ChunkTap | None, UsageTap | None]:
-    """What reads a relayed answer: its usage (how right the prefix index was, what a token
-    weighs) and, for the Responses API (``stores``), which endpoint keeps it; the chunk tap
-    and the usage tap to finish when the answer ends."""
+    also: UsageObserver | None,
+    stores: ResponseRoutes | None,
+) -> tuple[Callable[[bytes], None] | None, UsageTap | None]:
+    """What reads a relayed answer: its usage (how right the prefix index was, and ``also``:
+    what a token weighs) and, for the Responses API (``stores``), which endpoint keeps it; the
+    chunk tap and the usage tap to finish when the answer ends."""
     if status != 200:
         return None, None
-    usage = None
-    if tracker is not None:
-        usage = UsageTap(tracker, endpoint_id, routing, sizer.observe if sizer else None)
+    usage = UsageTap(tracker, endpoint_id, routing, also) if tracker is not None else None
     stored = stores.tap(endpoint_id) if stores is not None else None
     if stored is None or usage is None:
         return (stored or usage), usage

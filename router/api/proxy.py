@@ -350,7 +350,8 @@ class Proxy:
         explained = routing.explanation if routing.explain_to_client else None
         headers = response_headers(upstream.raw_headers, endpoint.id, ex.request_id, explained)
         observe, usage = answer_taps(
-            upstream.status, endpoint.id, routing, self.prediction, self.sizer,
+            upstream.status, endpoint.id, routing, self.prediction,
+            self.sizer.observe if self.sizer is not None else None,
             self._router.responses if ex.api == "responses" else None,
         )
 

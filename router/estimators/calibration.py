@@ -267,7 +267,9 @@ class Calibrator:
 
     def price(self, endpoint_id: str) -> Price:
         """The endpoint's figures: the fleet's, times its speed factor."""
-        fleet = self.fleet_price()
+        return self._price(endpoint_id, self.fleet_price())
+
+    def _price(self, endpoint_id: str, fleet: Price) -> Price:
         return fleet.scaled(self._factor(endpoint_id, fleet))
 
     def cost(self, endpoint_id: str) -> tuple[float, float]:
@@ -306,7 +308,7 @@ class Calibrator:
         self._fleet.add(x, self._clipped(fleet.predict(*counts), seconds), p.decay)
         self._unsolved += 1  # solved when next read (fleet_price)
         # The endpoint's speed is judged against the prediction made before this sample.
-        own = fleet.scaled(self._factor(endpoint_id, fleet))
+        own = self._price(endpoint_id, fleet)
         y = self._clipped(own.predict(*counts), seconds)
         speed = self._speeds.setdefault(endpoint_id, _Speed())
         d = p.endpoint_decay
