@@ -205,10 +205,13 @@ class SharedInFlight:
     def remote_pending(self, endpoint_id: str) -> tuple[int, int, int]:
         """The other replicas' queued prefill on ``endpoint_id``: (tokens, requests, recent
         average of the tokens)."""
+        if self._clock() - self._read_at > self._expiry:
+            return (0, 0, 0)
+        remote = self._remote
         return (
-            self.remote_in_flight(endpoint_id + PENDING_TOKENS),
-            self.remote_in_flight(endpoint_id + PENDING_REQUESTS),
-            self.remote_in_flight(endpoint_id + RECENT_TOKENS),
+            remote.get(endpoint_id + PENDING_TOKENS, 0),
+            remote.get(endpoint_id + PENDING_REQUESTS, 0),
+            remote.get(endpoint_id + RECENT_TOKENS, 0),
         )
 
     def remote_counts(self) -> dict[str, int]:

@@ -96,6 +96,45 @@ async def test_own_batches_are_not_applied_twice(pair: tuple[Process, Process]) 
     assert applied == [("k", b"v")]
 
 
+async def test_picks_made_while_a_batch_lingers_leave_in_one_publish(
+    redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lingered: list[float] = []
+    release = asyncio.Event()
+
+    async def linger(seconds: float) -> None:
+        lingered.append(seconds)
+        await release.wait()
+
+    metrics = RedisMetrics(CollectorRegistry())
+    replicator = Replicator(redis_url, redis_namespace, metrics, linger=0.25, sleep=linger)
+    index = ReplicatedPrefixIndex(InMemoryPrefixIndex(1000), replicator)
+    published: list[int] = []
+    publish = replicator._publish
+
+    async def counted(batch: list[tuple[str, str, bytes]]) -> None:
+        published.append(len(batch))
+        await publish(batch)
+
+    monkeypatch.setattr(replicator, "_publish", counted)
+    replicator.start()
+    try:
+        for block in range(5):  # one pick a loop turn, as requests finish under load
+            index.record("e1:8000", [block])
+            for _ in range(3):
+                await asyncio.sleep(0)
+        assert lingered == [0.25] and published == [], "the first pick waits for the others"
+        release.set()
+        for _ in range(200):
+            if published:
+                break
+            await asyncio.sleep(0.01)
+        assert published == [5]
+    finally:
+        release.set()
+        await replicator.aclose()
+
+
 def test_replicated_needs_a_url_and_one_server() -> None:
     with pytest.raises(ConfigError, match="url: the replicated backend needs url"):
         parse_config({"prefixIndex": {"backend": "replicated"}})
