@@ -243,8 +243,9 @@ class Proxy:
             else:
                 self._router.picked(routing, endpoint.id)
             try:
-                attempt = await self._attempt(
-                    endpoint, path, self._headers.keyed(headers, endpoint.id), parsed.body
+                attempt = await self.open_upstream(
+                    "POST", endpoint.url + path, self._headers.keyed(headers, endpoint.id),
+                    parsed.body,
                 )
             except UPSTREAM_ERRORS as exc:
                 lease.release()
@@ -317,13 +318,15 @@ class Proxy:
             hits = routing.prefix_hits.get(endpoint_id, 0)
             ex.prefix_match = hits / len(routing.block_hashes)
 
-    async def _attempt(
-        self, endpoint: EndpointSnapshot, path: str, headers: list[tuple[str, str]], body: bytes
+    async def open_upstream(
+        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes
     ) -> Attempt:
+        """Send a request upstream and wait for the first chunk of its answer, under the
+        first-byte timeout (TimeoutError); a transport error propagates as it is."""
         reply: UpstreamReply | None = None
         timer = self.deadlines.start(self._config.proxy.first_byte_timeout_seconds)
         try:
-            reply = await self.client.post(endpoint.url + path, headers, body)
+            reply = await self.client.request(method, url, headers, body)
             first = await reply.next_chunk()
         except BaseException as exc:
             if reply is not None:

@@ -110,22 +110,13 @@ class StoredResponses:
     async def _send(
         self, method: str, url: str, headers: list[tuple[str, str]], body: bytes
     ) -> tuple[UpstreamReply, bytes]:
-        client = self._proxy.client
-        reply = None
         try:
-            async with asyncio.timeout(self._config.proxy.first_byte_timeout_seconds):
-                reply = await client.request(method, url, headers, body)
-                return reply, await reply.next_chunk()
-        except BaseException as exc:
-            if reply is not None:
-                reply.close()
-            if isinstance(exc, TimeoutError):
-                raise UpstreamTimeoutError(
-                    "the endpoint holding the response did not answer"
-                ) from None
-            if isinstance(exc, UPSTREAM_ERRORS):
-                kind = type(exc).__name__
-                raise UpstreamError(
-                    f"the endpoint holding the response is unreachable ({kind})"
-                ) from None
-            raise
+            attempt = await self._proxy.open_upstream(method, url, headers, body)
+        except TimeoutError:
+            raise UpstreamTimeoutError("the endpoint holding the response did not answer") from None
+        except UPSTREAM_ERRORS as exc:
+            kind = type(exc).__name__
+            raise UpstreamError(
+                f"the endpoint holding the response is unreachable ({kind})"
+            ) from None
+        return attempt.reply, attempt.first_chunk

@@ -243,3 +243,46 @@ async def test_full_history_sessions_capture_as_much_prefix_reuse_as_chat() -> N
     print(f"captured share: chat {chat:.3f}, responses {responses:.3f}")
     assert outcome.errors == 0 and reuse.reusable_tokens == chat_reuse.reusable_tokens
     assert responses >= chat - 0.04 and responses >= 0.9
+
+
+async def test_a_holder_that_never_answers_is_a_504_after_the_first_byte_timeout() -> None:
+    """Retrieving a stored response waits on its holder under the first-byte timeout, like any
+    request, and the client gets the OpenAI-shaped timeout error, not a hung request."""
+    stored = {"id": "resp_held", "object": "response", "status": "completed", "output": []}
+    hold = asyncio.Event()
+
+    async def create(request: Request) -> Response:
+        return Response(orjson.dumps(stored), media_type="application/json")
+
+    async def retrieve(request: Request) -> Response:
+        await hold.wait()  # the holder hangs
+        return Response(orjson.dumps(stored), media_type="application/json")
+
+    async def models(request: Request) -> Response:
+        return Response(orjson.dumps({"data": [{"id": MODEL}]}), media_type="application/json")
+
+    async def ok(request: Request) -> Response:
+        return Response(b"", media_type="text/plain")
+
+    app = Starlette(routes=[
+        Route("/v1/responses", create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", retrieve, methods=["GET"]),
+        Route("/v1/models", models),
+        Route("/health", ok),
+        Route("/metrics", ok),
+    ])
+    try:
+        async with serve_app(app) as url:
+            config = gateway_config(
+                [url], responses={"probeTimeoutSeconds": 0},
+                proxy={"firstByteTimeoutSeconds": 0.2},
+            )
+            async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+                made = await http.post("/v1/responses", json={"model": MODEL, "input": "hi"})
+                assert made.status_code == 200 and made.json()["id"] == "resp_held", made.text
+                async with asyncio.timeout(10):
+                    got = await http.get("/v1/responses/resp_held")
+    finally:
+        hold.set()
+    assert got.status_code == 504
+    assert got.json()["error"]["code"] == "upstream_timeout"
