@@ -72,6 +72,8 @@ class Gateway:
     flow: FlowController
     router: Router
     proxy: Proxy
+    # Where and how request bodies are parsed: the HTTP proxy's and ext_proc's, one object.
+    preparer: BodyPreparer
     calibrator: Calibrator
     sizer: IndexSizer
     prediction: PredictionTracker
@@ -331,9 +333,9 @@ def build_gateway(
         precise.expect_events if precise else None,
         answers=routing.answers,
     )
+    preparer = BodyPreparer(config, routing.router, _build_parser(config))
     proxy = Proxy(
-        config, routing.router, metrics, upstream,
-        preparer=BodyPreparer(config, routing.router, _build_parser(config)), upstream_keys=keys,
+        config, routing.router, metrics, upstream, preparer=preparer, upstream_keys=keys,
         auth=build_authenticator(config.auth, environ), prediction=prediction, sizer=sizer,
         disagg=_build_disagg(config, routing, metrics),
     )
@@ -345,7 +347,7 @@ def build_gateway(
     )
     return Gateway(
         config, pool, stores, routing.scheduler, metrics, routing.flow, routing.router, proxy,
-        routing.calibrator, sizer, prediction, monitor, LoopLagMonitor(metrics.loop_lag),
+        preparer, routing.calibrator, sizer, prediction, monitor, LoopLagMonitor(metrics.loop_lag),
         upstream, monitor_client, precise,
         _build_discovery(config, pool, monitor, stores, routing, sizer),
     )
@@ -373,7 +375,7 @@ async def gateway_running(gateway: Gateway) -> AsyncIterator[None]:
         gateway.flow.start()
         stack.push_async_callback(gateway.flow.stop)
         gateway.stores.start()
-        parser = gateway.proxy.preparer.parser
+        parser = gateway.preparer.parser
         if parser is not None:  # its processes start with the first large body
             stack.push_async_callback(parser.aclose)
         gateway.lag.start()

@@ -225,7 +225,7 @@ class Exchange:
         rank, lease, learn."""
         # The picker only names a prefiller (the decode endpoint's sidecar sends the prefill
         # request): nothing here reads the decoded body.
-        prepared = await self._gw.proxy.preparer.prepare(api, body, decodes_payload=False)
+        prepared = await self._gw.preparer.prepare(api, body, decodes_payload=False)
         self._api = api
         router = self._gw.router
         request_id = self._headers.get("x-request-id") or uuid.uuid4().hex
