@@ -25,6 +25,10 @@ from urllib.parse import urlsplit
 log = logging.getLogger("prefixgate.endpoints")
 
 Role = Literal["both", "prefill", "decode"]
+# The load other gateway processes put on an endpoint, added to a snapshot: requests in flight,
+# prefill tokens and requests queued, and the recent average of those tokens.
+RemoteLoad = tuple[int, int, int, float]
+NO_REMOTE_LOAD: RemoteLoad = (0, 0, 0, 0.0)
 
 # Time constant of the queue average: about one agent turn (an answer plus a think gap), so the
 # average remembers the queue a session's replica kept while the session was away.
@@ -144,23 +148,24 @@ class EndpointState:
         self.pending_prefill_tokens += tokens
         self.pending_prefill_requests += requests
 
-    def snapshot(self, now: float) -> EndpointSnapshot:
+    def snapshot(self, now: float, remote: RemoteLoad = NO_REMOTE_LOAD) -> EndpointSnapshot:
         m = self.metrics
         age = now - m.scraped_at if m.scraped_at else float("inf")
+        in_flight, tokens, requests, recent = remote
         return EndpointSnapshot(
             id=self.endpoint.id,
             url=self.endpoint.url,
             role=self.endpoint.role,
-            in_flight=self.in_flight,
-            pending_prefill_tokens=self.pending_prefill_tokens,
+            in_flight=self.in_flight + in_flight,
+            pending_prefill_tokens=self.pending_prefill_tokens + tokens,
             waiting=m.waiting,
             running=m.running,
             kv_usage=m.kv_usage,
             metrics_age=age,
             block_size=m.block_size,
             num_gpu_blocks=m.num_gpu_blocks,
-            pending_prefill_requests=self.pending_prefill_requests,
-            recent_prefill_tokens=self.recent_prefill_tokens(now),
+            pending_prefill_requests=self.pending_prefill_requests + requests,
+            recent_prefill_tokens=self.recent_prefill_tokens(now) + recent,
             scraped_in_flight=m.gateway_in_flight,
         )
 
@@ -287,14 +292,16 @@ class EndpointPool:
     def any_healthy(self) -> bool:
         return any(s.healthy for s in self._states.values())
 
-    def candidates(self, model: str) -> list[EndpointSnapshot]:
-        """Healthy, not ejected endpoints serving ``model``, as snapshots."""
+    def candidates(
+        self, model: str, remote: Callable[[str], RemoteLoad] | None = None
+    ) -> list[EndpointSnapshot]:
+        """Healthy, not ejected endpoints serving ``model``, as snapshots (with the load of
+        other gateway processes from ``remote``, by endpoint id)."""
         now = self.clock()
-        return [
-            s.snapshot(now)
-            for s in self._states.values()
-            if s.healthy and not s.ejected and s.serves(model)
-        ]
+        eligible = [s for s in self._states.values() if s.healthy and not s.ejected]
+        if remote is None:
+            return [s.snapshot(now) for s in eligible if s.serves(model)]
+        return [s.snapshot(now, remote(s.endpoint.id)) for s in eligible if s.serves(model)]
 
     def lease(
         self,

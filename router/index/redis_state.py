@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from router.core.endpoints import EndpointPool
+from router.core.endpoints import NO_REMOTE_LOAD, EndpointPool, RemoteLoad
 from router.core.tasks import cancel_and_wait
 from router.index.affinity import InMemoryAffinityStore
 from router.index.redis_link import (
@@ -202,13 +202,15 @@ class SharedInFlight:
             return 0
         return self._remote.get(endpoint_id, 0)
 
-    def remote_pending(self, endpoint_id: str) -> tuple[int, int, int]:
-        """The other replicas' queued prefill on ``endpoint_id``: (tokens, requests, recent
-        average of the tokens)."""
+    def remote_load(self, endpoint_id: str) -> RemoteLoad:
+        """The other replicas' load on ``endpoint_id``: in flight, and the prefill they have
+        queued (tokens, requests, recent average of the tokens); nothing once the read is
+        stale."""
         if self._clock() - self._read_at > self._expiry:
-            return (0, 0, 0)
+            return NO_REMOTE_LOAD
         remote = self._remote
         return (
+            remote.get(endpoint_id, 0),
             remote.get(endpoint_id + PENDING_TOKENS, 0),
             remote.get(endpoint_id + PENDING_REQUESTS, 0),
             remote.get(endpoint_id + RECENT_TOKENS, 0),

@@ -45,8 +45,10 @@ class Stores:
         if shared is None:
             return pool.candidates
 
+        remote = shared.remote_load
+
         def with_remote(model: str) -> list[EndpointSnapshot]:
-            return [_with_remote(s, shared) for s in pool.candidates(model)]
+            return pool.candidates(model, remote)
 
         return with_remote
 
@@ -66,17 +68,6 @@ class Stores:
             await closer()
         await self.responses.aclose()
         await self.index.aclose()
-
-
-def _with_remote(snapshot: EndpointSnapshot, shared: SharedInFlight) -> EndpointSnapshot:
-    tokens, requests, recent = shared.remote_pending(snapshot.id)
-    return dataclasses.replace(
-        snapshot,
-        in_flight=snapshot.in_flight + shared.remote_in_flight(snapshot.id),
-        pending_prefill_tokens=snapshot.pending_prefill_tokens + tokens,
-        pending_prefill_requests=snapshot.pending_prefill_requests + requests,
-        recent_prefill_tokens=snapshot.recent_prefill_tokens + recent,
-    )
 
 
 def build_stores(
