@@ -89,12 +89,17 @@ class Replicator:
         # Ends on the flag too: redis-py may swallow a cancellation that lands mid-command.
         while not self._closing:
             await self._wake.wait()
-            await self._sleep(self._linger)  # a batch a linger, not a publish a pick
+            # Every batch waits a linger, the ones left over from a long publish too: at load a
+            # publish a request is what the linger is for.
+            await self._sleep(self._linger)
             self._wake.clear()
-            while self._pending and not self._closing:
-                # What accumulates while one publish is on the wire goes in the next.
-                batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+            if self._closing:
+                break
+            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+            if batch:
                 await self._publish(batch)
+            if self._pending:
+                self._wake.set()
 
     async def _publish(self, batch: list[Op]) -> None:
         message = msgpack.packb([self._sender, batch])

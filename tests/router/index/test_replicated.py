@@ -99,39 +99,55 @@ async def test_own_batches_are_not_applied_twice(pair: tuple[Process, Process]) 
 async def test_picks_made_while_a_batch_lingers_leave_in_one_publish(
     redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    lingered: list[float] = []
-    release = asyncio.Event()
+    lingers: list[asyncio.Event] = []
 
     async def linger(seconds: float) -> None:
-        lingered.append(seconds)
-        await release.wait()
+        assert seconds == 0.25
+        lingers.append(asyncio.Event())
+        await lingers[-1].wait()
 
     metrics = RedisMetrics(CollectorRegistry())
     replicator = Replicator(redis_url, redis_namespace, metrics, linger=0.25, sleep=linger)
     index = ReplicatedPrefixIndex(InMemoryPrefixIndex(1000), replicator)
     published: list[int] = []
+    on_the_wire = asyncio.Event()
     publish = replicator._publish
 
     async def counted(batch: list[tuple[str, str, bytes]]) -> None:
         published.append(len(batch))
+        await on_the_wire.wait()
         await publish(batch)
+
+    async def turns(n: int = 3) -> None:
+        for _ in range(n):
+            await asyncio.sleep(0)
 
     monkeypatch.setattr(replicator, "_publish", counted)
     replicator.start()
     try:
         for block in range(5):  # one pick a loop turn, as requests finish under load
             index.record("e1:8000", [block])
-            for _ in range(3):
-                await asyncio.sleep(0)
-        assert lingered == [0.25] and published == [], "the first pick waits for the others"
-        release.set()
-        for _ in range(200):
-            if published:
+            await turns()
+        assert len(lingers) == 1 and published == [], "the first pick waits for the others"
+        lingers[0].set()
+        await turns()
+        assert published == [5]
+        for block in range(5, 8):  # picks made while that batch is on the wire
+            index.record("e1:8000", [block])
+            await turns()
+        on_the_wire.set()
+        for _ in range(500):  # the first batch's real publish, bounded
+            if len(lingers) == 2:
                 break
             await asyncio.sleep(0.01)
-        assert published == [5]
+        assert published == [5] and len(lingers) == 2, "they wait a linger of their own"
+        lingers[1].set()
+        await turns()
+        assert published == [5, 3]
     finally:
-        release.set()
+        on_the_wire.set()
+        for event in lingers:
+            event.set()
         await replicator.aclose()
 
 
