@@ -298,10 +298,12 @@ class EndpointPool:
         """Healthy, not ejected endpoints serving ``model``, as snapshots (with the load of
         other gateway processes from ``remote``, by endpoint id)."""
         now = self.clock()
-        eligible = [s for s in self._states.values() if s.healthy and not s.ejected]
+        states = [
+            s for s in self._states.values() if s.healthy and not s.ejected and s.serves(model)
+        ]
         if remote is None:
-            return [s.snapshot(now) for s in eligible if s.serves(model)]
-        return [s.snapshot(now, remote(s.endpoint.id)) for s in eligible if s.serves(model)]
+            return [s.snapshot(now) for s in states]
+        return [s.snapshot(now, remote(s.endpoint.id)) for s in states]
 
     def lease(
         self,

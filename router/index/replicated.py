@@ -41,9 +41,9 @@ Apply = Callable[[str, bytes], None]
 MAX_PENDING = 100_000  # ops waiting to be published; past it new ones are dropped
 MAX_BATCH = 1024  # ops per published message
 PUBLISH_TIMEOUT_S = 1.0
-# How long a first pending op waits for others before its batch is published: bounds the
-# publishes (and every other process's reads) to ~100 a second whatever the request rate, for a
-# delay far under any session's turn time.
+# How long each batch gathers ops before it is published: bounds the publishes (and every other
+# process's reads) to ~100 a second whatever the request rate, for a delay far under any
+# session's turn time.
 LINGER_S = 0.01
 RETRY_S = 0.5
 READ_TIMEOUT_S = 0.5  # how often the subscription loop looks at its stop flag
