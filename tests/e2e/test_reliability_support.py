@@ -20,6 +20,21 @@ from router.serve.server import bind_socket
 from tests.gateways import MODEL
 
 
+def replica_routes(models_headers: list[dict[str, str]] | None = None) -> list[Route]:
+    """What the gateway's monitor asks of a replica: its models (serving ``MODEL``; the
+    request headers appended to ``models_headers``), health and metrics."""
+
+    async def models(request: Request) -> Response:
+        if models_headers is not None:
+            models_headers.append(dict(request.headers))
+        return Response(orjson.dumps({"data": [{"id": MODEL}]}), media_type="application/json")
+
+    async def ok(request: Request) -> Response:
+        return Response(b"", media_type="text/plain")
+
+    return [Route("/v1/models", models), Route("/health", ok), Route("/metrics", ok)]
+
+
 @dataclass
 class EchoUpstream:
     """An OpenAI-ish upstream answering every completion with the headers it received."""
@@ -42,20 +57,11 @@ class EchoUpstream:
             body = {"id": "x", "object": "chat.completion", "choices": [], "headers": headers}
             return Response(orjson.dumps(body), media_type="application/json")
 
-        async def models(request: Request) -> Response:
-            self.models_headers.append(dict(request.headers))
-            return Response(orjson.dumps({"data": [{"id": MODEL}]}), media_type="application/json")
-
-        async def ok(request: Request) -> Response:
-            return Response(b"", media_type="text/plain")
-
         return Starlette(
             routes=[
                 Route("/v1/chat/completions", completion, methods=["POST"]),
                 Route("/v1/completions", completion, methods=["POST"]),
-                Route("/v1/models", models),
-                Route("/health", ok),
-                Route("/metrics", ok),
+                *replica_routes(self.models_headers),
             ]
         )
 

@@ -20,7 +20,7 @@ from benchmarks.agent_reuse import agentic_sessions, captured_share
 from benchmarks.sim.cli import Replica, start_replicas
 from benchmarks.sim.config import SimConfig
 from router.serve.server import RunningGateway, running_gateway
-from tests.e2e.test_reliability_support import serve_app
+from tests.e2e.test_reliability_support import replica_routes, serve_app
 from tests.gateways import MODEL, gateway_config
 from tests.router.protocol.test_responses_api import DESTINATION
 
@@ -258,18 +258,10 @@ async def test_a_holder_that_never_answers_is_a_504_after_the_first_byte_timeout
         await hold.wait()  # the holder hangs
         return Response(orjson.dumps(stored), media_type="application/json")
 
-    async def models(request: Request) -> Response:
-        return Response(orjson.dumps({"data": [{"id": MODEL}]}), media_type="application/json")
-
-    async def ok(request: Request) -> Response:
-        return Response(b"", media_type="text/plain")
-
     app = Starlette(routes=[
         Route("/v1/responses", create, methods=["POST"]),
         Route("/v1/responses/{response_id}", retrieve, methods=["GET"]),
-        Route("/v1/models", models),
-        Route("/health", ok),
-        Route("/metrics", ok),
+        *replica_routes(),
     ])
     try:
         async with serve_app(app) as url:
