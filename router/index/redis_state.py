@@ -196,19 +196,21 @@ class SharedInFlight:
         self._read_at = -float("inf")
         self._task: asyncio.Task[None] | None = None
 
+    def _live(self) -> Mapping[str, int]:
+        """The other replicas' counts from the last read; none once that read is stale."""
+        return {} if self._clock() - self._read_at > self._expiry else self._remote
+
     def remote_in_flight(self, endpoint_id: str) -> int:
         """The other replicas' in-flight count for ``endpoint_id`` (0 once the read is stale)."""
-        if self._clock() - self._read_at > self._expiry:
-            return 0
-        return self._remote.get(endpoint_id, 0)
+        return self._live().get(endpoint_id, 0)
 
     def remote_load(self, endpoint_id: str) -> RemoteLoad:
         """The other replicas' load on ``endpoint_id``: in flight, and the prefill they have
         queued (tokens, requests, recent average of the tokens); nothing once the read is
         stale."""
-        if self._clock() - self._read_at > self._expiry:
+        remote = self._live()
+        if not remote:
             return NO_REMOTE_LOAD
-        remote = self._remote
         return (
             remote.get(endpoint_id, 0),
             remote.get(endpoint_id + PENDING_TOKENS, 0),
@@ -217,9 +219,7 @@ class SharedInFlight:
         )
 
     def remote_counts(self) -> dict[str, int]:
-        if self._clock() - self._read_at > self._expiry:
-            return {}
-        return dict(self._remote)
+        return dict(self._live())
 
     async def sync_once(self) -> bool:
         """Publish our counts and read the others' in one round trip; False on failure."""
