@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from router.core.framework import RoutingRequest
+from router.core.histogram import LoopHistogram
 from router.estimators.answer_cache import AnswerCache
 from router.index.response_store import ResponseRoutes
 
@@ -156,12 +157,12 @@ class PredictionTracker:
         self._expect_events = expect_events
         self._answers = answers
         r = registry
-        self.error_tokens = Histogram(
+        self.error_tokens = LoopHistogram(
             "prefixgate_prefix_prediction_error_tokens",
             "Predicted minus actual cached prompt tokens on the chosen endpoint, by index mode.",
             ["mode"], buckets=_TOKEN_BUCKETS, registry=r,
         )
-        self.error_blocks = Histogram(
+        self.error_blocks = LoopHistogram(
             "prefixgate_prefix_prediction_error_blocks",
             "Predicted minus actual cached prompt tokens, in engine blocks, by index mode.",
             ["mode"], buckets=_BLOCK_BUCKETS, registry=r,
@@ -180,6 +181,14 @@ class PredictionTracker:
         self._recent = {m: deque[bool](maxlen=max(1, window)) for m in MODES}
         self._within = dict.fromkeys(MODES, 0)
         self.summary = {m: ModeSummary() for m in MODES}
+        # Each mode's series, found once: ``labels`` per observation cost more than the rest.
+        self._series = {
+            m: (
+                self.error_tokens.labels(m), self.error_blocks.labels(m),
+                self.within_ratio.labels(m),
+            )
+            for m in MODES
+        }
 
     def _cap(self, tokens: float, prompt_tokens: int) -> int:
         bs = self.block_size
@@ -247,15 +256,16 @@ class PredictionTracker:
         error = predicted - actual.cached_tokens
         blocks = error / self.block_size
         within = abs(error) <= self.block_size
-        self.error_tokens.labels(mode).observe(error)
-        self.error_blocks.labels(mode).observe(blocks)
+        tokens, blocks_seen, within_ratio = self._series[mode]
+        tokens.observe(error)
+        blocks_seen.observe(blocks)
         recent = self._recent[mode]
         # A running count: summing the window on every request cost more than the rest here.
         if len(recent) == recent.maxlen:
             self._within[mode] -= recent[0]
         recent.append(within)
         self._within[mode] += within
-        self.within_ratio.labels(mode).set(self._within[mode] / len(recent))
+        within_ratio.set(self._within[mode] / len(recent))
         s = self.summary[mode]
         s.count += 1
         s.within_one_block += within

@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 from urllib.parse import urlsplit
 
 log = logging.getLogger("prefixgate.endpoints")
@@ -75,9 +75,12 @@ class EngineMetrics:
     gateway_in_flight: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class EndpointSnapshot:
-    """What a scorer knows of one candidate endpoint for one request."""
+class EndpointSnapshot(NamedTuple):
+    """What a scorer knows of one candidate endpoint for one request.
+
+    A named tuple rather than a frozen dataclass: as immutable, and built in a third of the
+    time (a frozen dataclass sets each field through ``object.__setattr__``); the request path
+    builds one per candidate, twice a request."""
 
     id: str
     url: str
@@ -152,21 +155,22 @@ class EndpointState:
         m = self.metrics
         age = now - m.scraped_at if m.scraped_at else float("inf")
         in_flight, tokens, requests, recent = remote
+        endpoint = self.endpoint
         return EndpointSnapshot(
-            id=self.endpoint.id,
-            url=self.endpoint.url,
-            role=self.endpoint.role,
-            in_flight=self.in_flight + in_flight,
-            pending_prefill_tokens=self.pending_prefill_tokens + tokens,
-            waiting=m.waiting,
-            running=m.running,
-            kv_usage=m.kv_usage,
-            metrics_age=age,
-            block_size=m.block_size,
-            num_gpu_blocks=m.num_gpu_blocks,
-            pending_prefill_requests=self.pending_prefill_requests + requests,
-            recent_prefill_tokens=self.recent_prefill_tokens(now) + recent,
-            scraped_in_flight=m.gateway_in_flight,
+            endpoint.id,
+            endpoint.url,
+            endpoint.role,
+            self.in_flight + in_flight,
+            self.pending_prefill_tokens + tokens,
+            m.waiting,
+            m.running,
+            m.kv_usage,
+            age,
+            m.block_size,
+            m.num_gpu_blocks,
+            self.pending_prefill_requests + requests,
+            self.recent_prefill_tokens(now) + recent,
+            m.gateway_in_flight,
         )
 
 

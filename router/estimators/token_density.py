@@ -84,10 +84,11 @@ class TokenDensity:
         sums = self._sums.get(model)
         if sums is None:
             sums = self._sums[model] = _Sums()
+            # Read when scraped, not set per answer.
+            self._gauge.labels(model).set_function(lambda: self.ratio(model))
         sums.bytes = sums.bytes * self._decay + prompt_bytes
         sums.tokens = sums.tokens * self._decay + tokens
         sums.samples += 1
-        self._gauge.labels(model).set(self.ratio(model))
         return True
 
     def ratio(self, model: str) -> float:

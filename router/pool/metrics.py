@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from router.core.endpoints import EndpointPool
+from router.core.histogram import LoopHistogram
 
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
@@ -34,7 +35,7 @@ class GatewayMetrics:
             ["endpoint", "status", "api"],
             registry=r,
         )
-        self.decision_seconds = Histogram(
+        self.decision_seconds = LoopHistogram(
             "prefixgate_routing_decision_seconds",
             "Time to pick an endpoint: index lookup, scoring and picking.",
             buckets=_DECISION_BUCKETS,
@@ -42,14 +43,14 @@ class GatewayMetrics:
         )
         # Split a client's time to first token into the gateway's part and the endpoint's:
         # the first is gateway_delay, the second first_byte minus it.
-        self.gateway_delay = Histogram(
+        self.gateway_delay = LoopHistogram(
             "prefixgate_request_gateway_delay_seconds",
             "From a request's arrival to its routing: body read, flow-control queueing and "
             "the routing decision.",
             buckets=_GATEWAY_DELAY_BUCKETS,
             registry=r,
         )
-        self.first_byte = Histogram(
+        self.first_byte = LoopHistogram(
             "prefixgate_time_to_first_byte_seconds",
             "From a request's arrival to the first byte of the endpoint's answer, retries "
             "included.",
@@ -63,7 +64,7 @@ class GatewayMetrics:
             buckets=_LAG_BUCKETS,
             registry=r,
         )
-        self.prefix_match_ratio = Histogram(
+        self.prefix_match_ratio = LoopHistogram(
             "prefixgate_prefix_match_ratio",
             "Share of the request's prompt blocks the chosen endpoint was estimated to hold.",
             buckets=_RATIO_BUCKETS,
