@@ -22,7 +22,7 @@ from flow_control.controller import FlowController
 from router import __version__
 from router.api.asgi import GatewayApp
 from router.api.loop_lag import LoopLagMonitor
-from router.api.prediction import PredictionTracker
+from router.api.prediction import ANSWERS_READ_BURST, ANSWERS_READ_PER_S, PredictionTracker
 from router.api.proxy import Proxy
 from router.api.request_body import BodyParser, BodyPreparer
 from router.api.routes import add_routes
@@ -36,6 +36,7 @@ from router.config.model import (
 )
 from router.core.endpoints import Endpoint, EndpointPool, OutlierSettings
 from router.core.framework import PickObserver, Producer, Scheduler, SchedulingProfile
+from router.core.sampling import RateSampler
 from router.estimators.answer_cache import AnswerCache
 from router.estimators.calibration import Calibrator
 from router.estimators.live_sessions import LiveSessions
@@ -332,6 +333,7 @@ def build_gateway(
         precise.tracker if precise else None,
         precise.expect_events if precise else None,
         answers=routing.answers,
+        sampler=RateSampler(ANSWERS_READ_PER_S, ANSWERS_READ_BURST),
     )
     preparer = BodyPreparer(config, routing.router, _build_parser(config))
     proxy = Proxy(

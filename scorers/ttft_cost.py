@@ -10,8 +10,7 @@ terms of the cost and why each is there: docs/routing.md.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import Field, model_validator
 
@@ -99,8 +98,10 @@ class TTFTCostParameters(Strict):
         return self
 
 
-@dataclass(frozen=True, slots=True)
-class CostTerms:
+class CostTerms(NamedTuple):
+    """One endpoint's priced terms (a named tuple: built for every candidate of every request,
+    in a third of a frozen dataclass's time)."""
+
     endpoint: str
     queued_tokens: float
     queued_requests: float

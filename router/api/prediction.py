@@ -20,6 +20,10 @@ chosen endpoint at pick time is compared with it:
 Both are capped like vLLM's lookup (at most ``prompt_tokens - 1`` tokens, whole blocks). The
 signed error (predicted - actual; positive = over-prediction) goes to histograms in tokens and
 in blocks, and a gauge gives the share of the last ``window`` predictions within one block.
+
+With a ``sampler`` (router/core/sampling.py), answers beyond its rate are not read at all (the
+skipped counter says how many, reason ``sampled_out``): neither compared nor handed to the other
+usage reader (the index sizer's bytes per token).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from router.core.framework import RoutingRequest
 from router.core.histogram import LoopHistogram
+from router.core.sampling import RateSampler
 from router.estimators.answer_cache import AnswerCache
 from router.index.response_store import ResponseRoutes
 
@@ -67,6 +72,11 @@ class PreciseStates(Protocol):
 
     def finish(self, request_id: str) -> PreciseFacts | None: ...
 
+
+# How many answers a second the gateway reads the usage of (router/core/sampling.py): every
+# answer at agents' rates; at a synthetic thousands a second, a share.
+ANSWERS_READ_PER_S = 200.0
+ANSWERS_READ_BURST = 200.0
 
 # Another reader of each answer's usage (the index sizer): endpoint, request, usage.
 UsageObserver = Callable[[str, RoutingRequest, Mapping[str, Any] | None], None]
@@ -151,8 +161,10 @@ class PredictionTracker:
         expect_events: Callable[[str, float], None] | None = None,
         window: int = 1000,
         answers: AnswerCache | None = None,
+        sampler: RateSampler | None = None,
     ) -> None:
         self.block_size = block_size
+        self._sampler = sampler
         self._precise = precise
         self._expect_events = expect_events
         self._answers = answers
@@ -174,10 +186,11 @@ class PredictionTracker:
         )
         self.skipped = Counter(
             "prefixgate_prefix_prediction_skipped",
-            "Responses not compared, by reason (no_usage, untrusted, untokenized).",
+            "Responses not compared, by reason (no_usage, untrusted, untokenized, sampled_out).",
             ["reason"], registry=r,
         )
         self.skips: dict[str, int] = {}  # the skipped counter's values, by reason
+        self._skipped: dict[str, Counter] = {}  # its children
         self._recent = {m: deque[bool](maxlen=max(1, window)) for m in MODES}
         self._within = dict.fromkeys(MODES, 0)
         self.summary = {m: ModeSummary() for m in MODES}
@@ -189,6 +202,16 @@ class PredictionTracker:
             )
             for m in MODES
         }
+
+    def sampled(self, routing: RoutingRequest) -> bool:
+        """Whether this answer's usage is to be read (``observe``); if not, what precise
+        routing kept for the request is dropped now."""
+        if self._sampler is None or self._sampler.take():
+            return True
+        if self._precise is not None:
+            self._precise.finish(routing.request_id)
+        self._skip("sampled_out")
+        return False
 
     def _cap(self, tokens: float, prompt_tokens: int) -> int:
         bs = self.block_size
@@ -249,7 +272,10 @@ class PredictionTracker:
         answers.observe(routing.model, credited, actual.cached_tokens - matched)
 
     def _skip(self, reason: str) -> None:
-        self.skipped.labels(reason).inc()
+        child = self._skipped.get(reason)
+        if child is None:
+            child = self._skipped[reason] = self.skipped.labels(reason)
+        child.inc()
         self.skips[reason] = self.skips.get(reason, 0) + 1
 
     def _record(self, mode: str, predicted: int, actual: Usage) -> None:
@@ -328,7 +354,9 @@ def answer_taps(
     chunk tap and the usage tap to finish when the answer ends."""
     if status != 200:
         return None, None
-    usage = UsageTap(tracker, endpoint_id, routing, also) if tracker is not None else None
+    usage = None
+    if tracker is not None and tracker.sampled(routing):
+        usage = UsageTap(tracker, endpoint_id, routing, also)
     stored = stores.tap(endpoint_id) if stores is not None else None
     if stored is None or usage is None:
         return (stored or usage), usage

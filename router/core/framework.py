@@ -176,6 +176,7 @@ class WeightedScorer:
 class Decision:
     ranked: list[EndpointSnapshot]
     scores: dict[str, float]
+    # Each scorer's clipped score by endpoint: filled only when the request is explained.
     breakdown: dict[str, dict[str, float]]
     profile: str = ""
 
@@ -210,17 +211,22 @@ class SchedulingProfile:
             if not candidates:
                 return Decision([], {}, {})
         totals = [0.0] * len(candidates)
-        breakdown: dict[str, dict[str, float]] = {e.id: {} for e in candidates}
+        # Each scorer's part, kept only for an explanation (per candidate and scorer, a dict
+        # entry nobody else reads).
+        explain = request.explain
+        breakdown: dict[str, dict[str, float]] = {e.id: {} for e in candidates} if explain else {}
         for ws in self.scorers:
             values = ws.scorer.score(request, candidates)
+            weight = ws.weight
             for i, value in enumerate(values):
                 clipped = min(1.0, max(0.0, value))
-                totals[i] += ws.weight * clipped
-                breakdown[candidates[i].id][ws.name] = clipped
+                totals[i] += weight * clipped
+                if explain:
+                    breakdown[candidates[i].id][ws.name] = clipped
         ranked = self.picker.pick(request, candidates, totals)
         scores = {e.id: t for e, t in zip(candidates, totals, strict=True)}
         decision = Decision(ranked, scores, breakdown, self.name)
-        if request.explain:
+        if explain:
             request.explanation = decision.explanation(request, self.scorers)
         return decision
 

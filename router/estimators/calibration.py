@@ -66,6 +66,10 @@ _REGRESSORS = 4
 # thousand requests a second, while the fit moves over tens of samples).
 REFIT_INTERVAL_S = 0.05
 REFIT_SAMPLES = 16
+# An endpoint's price is kept this long while neither the fleet's price nor the endpoint's own
+# samples change: all that moves it meanwhile is the staleness decay of its speed factor
+# (half-life ``stale_half_life_s``, 30 s), and the scorer reads it for every candidate.
+PRICE_TTL_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +205,8 @@ class Calibrator:
         self._unsolved = 0  # samples added to the fit since it was last solved
         self._solved_at = -math.inf
         self._speeds: dict[str, _Speed] = {}
+        # endpoint -> (the fleet price it was scaled from, when, the price)
+        self._prices: dict[str, tuple[Price, float, Price]] = {}
         if registry is not None:
             registry.register(self)
 
@@ -267,7 +273,14 @@ class Calibrator:
 
     def price(self, endpoint_id: str) -> Price:
         """The endpoint's figures: the fleet's, times its speed factor."""
-        return self._price(endpoint_id, self.fleet_price())
+        fleet = self.fleet_price()
+        now = self._clock()
+        cached = self._prices.get(endpoint_id)
+        if cached is not None and cached[0] is fleet and now - cached[1] < PRICE_TTL_S:
+            return cached[2]
+        price = self._price(endpoint_id, fleet)
+        self._prices[endpoint_id] = (fleet, now, price)
+        return price
 
     def _price(self, endpoint_id: str, fleet: Price) -> Price:
         return fleet.scaled(self._factor(endpoint_id, fleet))
@@ -315,6 +328,7 @@ class Calibrator:
         speed.w, speed.sy = speed.w * d + 1.0, speed.sy * d + y
         speed.sx = [s * d + v for s, v in zip(speed.sx, counts, strict=True)]
         speed.last_sample = self._clock()
+        self._prices.pop(endpoint_id, None)
 
     def _clipped(self, predicted: float, seconds: float) -> float:
         """The observation with its residual clipped (Huber) to clip_s or the prediction,
@@ -326,6 +340,7 @@ class Calibrator:
     def forget(self, endpoint_id: str) -> None:
         """Drop an endpoint's factor (it left the pool); what the fleet learned from it stays."""
         self._speeds.pop(endpoint_id, None)
+        self._prices.pop(endpoint_id, None)
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
         self.forget(endpoint_id)

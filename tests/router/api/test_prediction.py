@@ -8,8 +8,9 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry
 
-from router.api.prediction import PredictionTracker, UsageTap, find_usage
+from router.api.prediction import PredictionTracker, UsageTap, answer_taps, find_usage
 from router.core.framework import RoutingRequest
+from router.core.sampling import RateSampler
 from router.estimators.answer_cache import AnswerCache
 
 
@@ -90,3 +91,50 @@ def test_find_usage_takes_the_last_event_naming_a_usage_in_a_stream() -> None:
     assert find_usage(b"data: " + orjson.dumps(first) + b"\n\ndata: [DONE]\n\n") is None
     assert find_usage(b'data: {"usage": {"prompt_tokens": 1}}') == {"prompt_tokens": 1}
     assert find_usage(b'data: {"usage": broken\n\n') is None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Finishes:
+    """Precise routing's state table, as far as the tracker uses it."""
+
+    def __init__(self) -> None:
+        self.finished: list[str] = []
+
+    def finish(self, request_id: str) -> None:
+        self.finished.append(request_id)
+
+
+def test_answers_beyond_the_sampling_rate_are_not_read() -> None:
+    clock = Clock()
+    precise = Finishes()
+    tracker = PredictionTracker(
+        CollectorRegistry(), precise=precise, sampler=RateSampler(2.0, 2.0, clock)
+    )
+    body = orjson.dumps(
+        {"usage": {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 0}}}
+    )
+    taps = []
+    for n in range(4):
+        chunk_tap, usage_tap = answer_taps(
+            200, "e1", RoutingRequest(f"r{n}", "m"), tracker, None, None
+        )
+        assert chunk_tap is usage_tap
+        taps.append(usage_tap)
+    assert [t is not None for t in taps] == [True, True, False, False]
+    # The two left out are done with: precise routing's state for them is dropped at once.
+    assert precise.finished == ["r2", "r3"]
+    assert tracker.skips == {"sampled_out": 2}
+    clock.now += 0.5  # one answer's worth at 2 a second
+    assert answer_taps(200, "e1", RoutingRequest("r4", "m"), tracker, None, None)[1] is not None
+    for tap in taps[:2]:
+        assert tap is not None
+        tap(body)
+        tap.finish()
+    assert precise.finished == ["r2", "r3", "r0", "r1"]

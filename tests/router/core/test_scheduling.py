@@ -41,6 +41,9 @@ def test_weighted_sum_and_breakdown() -> None:
     decision = profile.run(request, [snap("a", waiting=4), snap("b", waiting=0)])
     assert decision.scores == {"a": 3.0, "b": 2.0}
     assert [e.id for e in decision.ranked] == ["a", "b"]
+    assert decision.breakdown == {}, "kept only for an explanation"
+    explained = req(block_hashes=(1, 2), prefix_hits={"a": 2}, explain=True)
+    decision = profile.run(explained, [snap("a", waiting=4), snap("b", waiting=0)])
     assert decision.breakdown["b"] == {"prefix": 0.0, "q": 1.0}
 
 
