@@ -51,7 +51,11 @@ from router.protocol.auth import UpstreamKeys, build_authenticator, build_upstre
 from router.scheduling.disagg import Disaggregator, build_disagg_profiles
 from router.scheduling.plugins import PluginContext, PluginRegistry, build_profile, default_registry
 from router.scheduling.producers import AffinityTracker, PrefixTracker
-from router.scheduling.routing import Router
+from router.scheduling.routing import (
+    FIRST_BYTES_LEARNED_BURST,
+    FIRST_BYTES_LEARNED_PER_S,
+    Router,
+)
 from router.upstream.client import UpstreamClient
 
 log = logging.getLogger("prefixgate.app")
@@ -216,16 +220,18 @@ def _build_routing(
     )
     candidates = stores.candidates(pool)
     flow = _build_flow(config, candidates, metrics.registry)
+    learning = RateSampler(FIRST_BYTES_LEARNED_PER_S, FIRST_BYTES_LEARNED_BURST)
     router: Router
     if precise is not None:
         router = PreciseRouter(
             config, pool, candidates, scheduler, flow, metrics, tracker=precise.tracker,
             responses=stores.responses, calibrator=calibrator, answers=answers, density=density,
+            learning=learning,
         )
     else:
         router = Router(
             config, pool, candidates, scheduler, flow, metrics, responses=stores.responses,
-            calibrator=calibrator, answers=answers, density=density,
+            calibrator=calibrator, answers=answers, density=density, learning=learning,
         )
     return _Routing(
         scheduler, flow, router, calibrator, density, answers, precise, prefill_profile

@@ -22,6 +22,7 @@ from router.core.endpoints import EndpointPool, EndpointSnapshot, Lease
 from router.core.errors import BadRequestError, ModelNotFoundError, NoEndpointsError
 from router.core.framework import RoutingRequest, Scheduler, SchedulingProfile
 from router.core.hashing import estimate_tokens
+from router.core.sampling import RateSampler
 from router.estimators.answer_cache import AnswerCache
 from router.estimators.calibration import Calibrator
 from router.estimators.token_density import TokenDensity
@@ -47,6 +48,12 @@ class Prepared:
     block_hashes: list[int]
 
 
+# How many streamed first bytes a second the calibrator learns from: every one at agents'
+# rates; at thousands a second, a share (its fit is an average over hundreds of samples).
+FIRST_BYTES_LEARNED_PER_S = 200.0
+FIRST_BYTES_LEARNED_BURST = 200.0
+
+
 class Router:
     # Whether routing reads a request's decoded payload (precise routing tokenizes it): then a
     # large body is parsed in a thread, since one parsed elsewhere would be decoded here again.
@@ -65,6 +72,7 @@ class Router:
         calibrator: Calibrator | None = None,
         answers: AnswerCache | None = None,
         density: TokenDensity | None = None,
+        learning: RateSampler | None = None,
     ) -> None:
         self._config = config
         self._pool = pool
@@ -77,6 +85,9 @@ class Router:
         self._calibrator = calibrator or Calibrator()
         self._answers = answers or AnswerCache()
         self._errors = PredictionErrors()
+        # Which streamed first bytes the calibrator and the prediction errors learn from: all
+        # of them below the sampler's rate (router/core/sampling.py); None: every one.
+        self._learning = learning
         affinity = config.session_affinity
         self._identity = AgentIdentity(affinity.headers, affinity.agent_headers)
         # Bytes per token learned from the answers: the prompt's token estimate follows it.
@@ -250,14 +261,15 @@ class Router:
             requests = float(state.pending_prefill_requests)
         calibrator, flow = self._calibrator, self._flow
 
-        errors = self._errors
+        errors, learning = self._errors, self._learning
 
         def first_byte(seconds: float) -> None:
             if routing.stream:  # a non-streaming first byte is the answer's last
                 price = calibrator.price(endpoint_id)
-                errors.record(price.predict(uncached, queued, running, requests), seconds)
+                if learning is None or learning.take():
+                    errors.record(price.predict(uncached, queued, running, requests), seconds)
+                    calibrator.observe(endpoint_id, uncached, seconds, queued, running, requests)
                 idle = price.predict(uncached)
-                calibrator.observe(endpoint_id, uncached, seconds, queued, running, requests)
                 flow.observe(endpoint_id, seconds / idle if idle > 0 else math.inf, int(requests))
             else:
                 flow.poke()

@@ -1,0 +1,79 @@
+"""The router's leases: what a streamed first byte teaches, and how many it learns from."""
+
+from __future__ import annotations
+
+from router.app import build_gateway
+from router.config.model import parse_config
+from router.core.framework import RoutingRequest
+from router.core.sampling import RateSampler
+from router.estimators.calibration import Calibrator
+from router.scheduling.routing import Router
+
+URL = "http://127.0.0.1:9"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Observed(Calibrator):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_bytes: list[str] = []
+
+    def observe(
+        self,
+        endpoint_id: str,
+        tokens: float,
+        seconds: float,
+        queued: float = 0.0,
+        running: float = 0.0,
+        queued_requests: float = 0.0,
+    ) -> None:
+        self.first_bytes.append(endpoint_id)
+        super().observe(endpoint_id, tokens, seconds, queued, running, queued_requests)
+
+
+def test_streamed_first_bytes_beyond_the_learning_rate_are_not_learned_from() -> None:
+    gw = build_gateway(parse_config({"pool": {"endpoints": [{"url": URL}]}}))
+    calibrator, clock = Observed(), Clock()
+    router = Router(
+        gw.config, gw.pool, gw.pool.candidates, gw.scheduler, gw.flow, gw.metrics,
+        calibrator=calibrator, learning=RateSampler(10.0, 2.0, clock),
+    )
+    endpoint = next(iter(gw.pool)).endpoint.id
+
+    def answered() -> None:
+        lease = router.lease(RoutingRequest("r", "m", stream=True, prompt_tokens=100), endpoint)
+        lease.first_byte()
+        lease.release()
+
+    for _ in range(5):
+        answered()
+    assert calibrator.first_bytes == [endpoint] * 2, "a burst of two, then the rate"
+    clock.now += 0.1  # one more at 10 a second
+    answered()
+    answered()
+    assert len(calibrator.first_bytes) == 3
+    # Every lease still counted and released: only the learning was skipped.
+    state = gw.pool.get(endpoint)
+    assert state is not None and state.in_flight == 0
+
+
+def test_without_a_sampler_every_streamed_first_byte_is_learned_from() -> None:
+    gw = build_gateway(parse_config({"pool": {"endpoints": [{"url": URL}]}}))
+    calibrator = Observed()
+    router = Router(
+        gw.config, gw.pool, gw.pool.candidates, gw.scheduler, gw.flow, gw.metrics,
+        calibrator=calibrator,
+    )
+    endpoint = next(iter(gw.pool)).endpoint.id
+    for _ in range(300):
+        lease = router.lease(RoutingRequest("r", "m", stream=True, prompt_tokens=100), endpoint)
+        lease.first_byte()
+        lease.release()
+    assert len(calibrator.first_bytes) == 300
