@@ -97,7 +97,7 @@ class Replicator:
                 break
             batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
             if batch:
-                await self._publish(batch)
+                await self._publish(coalesced(batch))
             if self._pending:
                 self._wake.set()
 
@@ -163,6 +163,16 @@ class Replicator:
                 log.warning("replication: %d task(s) did not stop in time", len(late))
         self._tasks = []
         await self._client.aclose()
+
+
+def coalesced(batch: list[Op]) -> list[Op]:
+    """The batch without the earlier copies of an op repeated in it (the last copy stays where
+    it was). Every op is a record or a set: the last copy leaves what all of them would (the
+    last write, the latest recency). A burst on one prefix repeats its record many times in a
+    linger, and every other process applied each copy."""
+    if len(batch) < 2:
+        return batch
+    return list(dict.fromkeys(reversed(batch)))[::-1]
 
 
 class ReplicatedPrefixIndex:

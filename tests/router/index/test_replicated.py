@@ -15,7 +15,12 @@ from router.core.errors import ConfigError
 from router.index.affinity import InMemoryAffinityStore
 from router.index.prefix_index import InMemoryPrefixIndex
 from router.index.redis_link import RedisMetrics
-from router.index.replicated import ReplicatedAffinityStore, ReplicatedPrefixIndex, Replicator
+from router.index.replicated import (
+    ReplicatedAffinityStore,
+    ReplicatedPrefixIndex,
+    Replicator,
+    coalesced,
+)
 
 pytestmark = pytest.mark.redis
 T = TypeVar("T")
@@ -158,3 +163,44 @@ def test_replicated_needs_a_url_and_one_server() -> None:
         parse_config(
             {"prefixIndex": {"backend": "replicated", "url": "redis://r:6379", "cluster": True}}
         )
+
+
+def test_a_batch_keeps_the_last_copy_of_each_repeated_op() -> None:
+    a, b, c = ("r", "e1", b"chain-a"), ("s", "session", b"e1"), ("r", "e2", b"chain-a")
+    assert coalesced([a, b, a, c, a]) == [b, c, a]
+    assert coalesced([a, ("s", "session", b"e2"), b]) == [a, ("s", "session", b"e2"), b]
+    assert coalesced([a]) == [a] and coalesced([]) == []
+
+
+async def test_a_burst_on_one_prefix_is_published_once_a_linger(
+    redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lingered = asyncio.Event()
+
+    async def linger(seconds: float) -> None:
+        await lingered.wait()
+
+    replicator = Replicator(
+        redis_url, redis_namespace, RedisMetrics(CollectorRegistry()), sleep=linger
+    )
+    index = ReplicatedPrefixIndex(InMemoryPrefixIndex(1000), replicator)
+    published: list[list[tuple[str, str, bytes]]] = []
+    sent = asyncio.Event()
+
+    async def counted(batch: list[tuple[str, str, bytes]]) -> None:
+        published.append(batch)
+        sent.set()
+
+    monkeypatch.setattr(replicator, "_publish", counted)
+    replicator.start()
+    try:
+        for _ in range(6):  # sub-agents of one parent: the same chain on the same endpoint
+            index.record("e1:8000", [1, 2, 3])
+        index.record("e2:8000", [1, 2, 3])
+        lingered.set()
+        await asyncio.wait_for(sent.wait(), 10)
+        keys = [(kind, key) for kind, key, _ in published[0]]
+        assert keys == [("r", "e1:8000"), ("r", "e2:8000")]
+    finally:
+        lingered.set()
+        await replicator.aclose()
