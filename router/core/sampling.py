@@ -1,9 +1,10 @@
 """A token bucket that says yes to at most ``rate`` events a second, after a burst of ``burst``.
 
-For the work done once per answer that only feeds averages (how right the prefix index was,
-bytes per token, how much of an answer is found cached): at the rates of agents' traffic every
-answer is read, and at thousands a second a few hundred pin the averages down as well. Reading
-an answer's usage was an eighth of a short request's CPU in the gateway.
+For the work done once per answer that only feeds averages: reading an answer's usage (how
+right the prefix index was, bytes per token, how much of an answer is found cached) and
+learning from a streamed first byte (the calibrator's fit). At the rates of agents' traffic
+every answer is taken; at thousands a second a few hundred pin the averages down as well, and
+the two were a quarter of a short request's CPU in the gateway (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from collections.abc import Callable
 
 
 class RateSampler:
+    """``take()`` is True for at most ``rate`` calls a second; ``taken`` and ``declined`` count
+    the answers."""
+
     __slots__ = ("_burst", "_clock", "_last", "_rate", "_tokens", "declined", "taken")
 
     def __init__(

@@ -12,6 +12,7 @@ from router.api.prediction import PredictionTracker, UsageTap, answer_taps, find
 from router.core.framework import RoutingRequest
 from router.core.sampling import RateSampler
 from router.estimators.answer_cache import AnswerCache
+from tests.manual_clock import ManualClock
 
 
 class Recorder(PredictionTracker):
@@ -93,14 +94,6 @@ def test_find_usage_takes_the_last_event_naming_a_usage_in_a_stream() -> None:
     assert find_usage(b'data: {"usage": broken\n\n') is None
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class Finishes:
     """Precise routing's state table, as far as the tracker uses it."""
 
@@ -112,7 +105,7 @@ class Finishes:
 
 
 def test_answers_beyond_the_sampling_rate_are_not_read() -> None:
-    clock = Clock()
+    clock = ManualClock()
     precise = Finishes()
     tracker = PredictionTracker(
         CollectorRegistry(), precise=precise, sampler=RateSampler(2.0, 2.0, clock)

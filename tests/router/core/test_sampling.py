@@ -3,18 +3,11 @@ from __future__ import annotations
 import pytest
 
 from router.core.sampling import RateSampler
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.manual_clock import ManualClock
 
 
 def test_a_burst_then_the_rate() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     sampler = RateSampler(rate=4.0, burst=3.0, clock=clock)
     assert [sampler.take() for _ in range(5)] == [True, True, True, False, False]
     clock.now += 0.25  # one event's worth at 4 a second
@@ -25,7 +18,7 @@ def test_a_burst_then_the_rate() -> None:
 
 
 def test_over_a_long_run_the_share_follows_the_rate() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     sampler = RateSampler(rate=50.0, burst=5.0, clock=clock)
     taken = 0
     for _ in range(10_000):  # 1,000 events a second for 10 seconds

@@ -6,6 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from router.estimators.calibration import Calibrator, CostPriors
+from tests.manual_clock import ManualClock
 
 
 def test_priors_until_samples_arrive() -> None:
@@ -94,14 +95,6 @@ def test_prompts_of_nearly_one_size_do_not_make_tokens_free() -> None:
     assert overhead + per_token * 60 == pytest.approx(0.035, abs=0.01)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def fast_replica(calibrator: Calibrator, endpoint: str, rng: random.Random) -> None:
     """A first byte from a replica eight times faster than the prior, as the gateway timed it
     on the simulator at --speed 2 (four times faster prefill, half the wall-clock time)."""
@@ -114,7 +107,7 @@ def test_a_replica_priced_out_by_a_cold_start_burst_comes_back() -> None:
     # waited for each other, so later-sent ones answered sooner; fitted alone, that replica
     # learned a quarter-second overhead, was priced out of all traffic, and never got the
     # samples that would have corrected it (8 requests of 856 while others served 200).
-    clock = FakeClock()
+    clock = ManualClock()
     calibrator = Calibrator(clock=clock)
     for i in range(8):
         calibrator.observe("unlucky", 3_583 + 319 * i, 0.2747 - 0.003 * i)
@@ -131,7 +124,7 @@ def test_a_replica_priced_out_by_a_cold_start_burst_comes_back() -> None:
 
 
 def test_a_truly_slower_replica_stays_slower() -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     calibrator = Calibrator(clock=clock)
     rng = random.Random(6)
     for _ in range(300):
@@ -228,7 +221,7 @@ def test_the_fleet_price_is_recomputed_when_a_sample_or_the_priors_change() -> N
 def test_the_fit_is_solved_when_read_at_most_every_interval_or_batch_of_samples() -> None:
     from router.estimators.calibration import REFIT_INTERVAL_S, REFIT_SAMPLES
 
-    clock = FakeClock()
+    clock = ManualClock()
     calibrator = Calibrator(clock=clock)
     calibrator.observe("a", 1000, 5.0)
     first = calibrator.fleet_cost()  # the first sample is learned at once

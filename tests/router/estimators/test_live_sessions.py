@@ -7,15 +7,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from router.core.framework import RoutingRequest
 from router.estimators.live_sessions import MIN_HORIZON_S, LiveSessions
+from tests.manual_clock import ManualClock
 from tests.snapshots import snap
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def req(session: str | None, tokens: int) -> RoutingRequest:
@@ -23,7 +16,7 @@ def req(session: str | None, tokens: int) -> RoutingRequest:
 
 
 async def test_a_session_counts_once_it_comes_back_and_leaves_its_old_home() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     live = LiveSessions(clock=clock)
     live.on_pick(req("s", 4_000), "a")
     assert live.live_tokens("a") == 0  # one request: it may never come back
@@ -45,7 +38,7 @@ async def test_a_session_counts_once_it_comes_back_and_leaves_its_old_home() -> 
 
 
 def test_sessions_expire_after_a_few_of_their_usual_gaps() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     live = LiveSessions(clock=clock)
     for _ in range(60):  # a session every 2 s: the typical gap converges there
         live.on_pick(req("s", 1_000), "a")
@@ -65,7 +58,7 @@ def test_sessions_expire_after_a_few_of_their_usual_gaps() -> None:
 
 
 def test_the_live_contexts_are_exported() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     registry = CollectorRegistry()
     live = LiveSessions(clock=clock, registry=registry)
     for _ in range(2):
@@ -77,7 +70,7 @@ def test_the_live_contexts_are_exported() -> None:
 
 
 def test_the_table_is_bounded() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     live = LiveSessions(max_sessions=3, clock=clock)
     for i in range(6):
         for _ in range(2):
@@ -87,7 +80,7 @@ def test_the_table_is_bounded() -> None:
 
 
 async def test_a_new_sessions_first_request_is_told_how_many_requests_follow_it() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     registry = CollectorRegistry()
     live = LiveSessions(clock=clock, registry=registry)
     for n in range(10):  # sessions of twelve requests each

@@ -1,18 +1,11 @@
 from __future__ import annotations
 
 from router.index.affinity import InMemoryAffinityStore
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.manual_clock import ManualClock
 
 
 async def test_ttl_and_lru_bound() -> None:
-    clock = Clock()
+    clock = ManualClock()
     store = InMemoryAffinityStore(ttl_seconds=10, max_sessions=2, clock=clock)
     store.set("s1", "a")
     assert await store.get("s1") == "a"

@@ -22,16 +22,9 @@ from router.index.prefix_index import InMemoryPrefixIndex
 from router.index.redis_link import CircuitBreaker, RedisLink, RedisMetrics
 from router.index.redis_state import RedisAffinityStore, SharedInFlight, gateway_load
 from router.index.stores import Stores
+from tests.manual_clock import ManualClock
 
 pytestmark = pytest.mark.redis
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def dead_url() -> str:
@@ -53,7 +46,7 @@ async def closing() -> AsyncIterator[list[Any]]:
 
 
 def test_breaker_opens_after_threshold_and_probes_once() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     breaker = CircuitBreaker(threshold=2, initial_seconds=1.0, max_seconds=3.0, clock=clock)
     breaker.failure()
     assert breaker.allow() and not breaker.is_open
@@ -172,7 +165,7 @@ async def test_the_prefill_queued_by_other_gateways_is_priced_here(
     redis_url: str, redis_namespace: str, closing: list[Any]
 ) -> None:
     """A replica's queue is what every gateway sent there: each sees the others' share too."""
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     here, there = gateway_pool(clock), gateway_pool(clock)
     busy, idle = (s.endpoint.id for s in there)
     leases = [there.lease(busy, prefill_tokens=700), there.lease(busy, prefill_tokens=300)]
@@ -245,7 +238,7 @@ async def test_periodic_publishing_and_clean_leave(
 
 
 async def test_stale_remote_counts_read_as_zero(redis_namespace: str, closing: list[Any]) -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     shared = inflight(dead_url(), redis_namespace, closing, {"e1": 1}, clock=clock, expiry=1.0)
     shared._remote, shared._read_at = {"e1": 3}, clock.now
     assert shared.remote_in_flight("e1") == 3

@@ -7,16 +7,9 @@ from array import array
 import pytest
 
 from router.precise.index import KEY_SEED, PreciseIndex, block_keys
+from tests.manual_clock import ManualClock
 
 BS = 4
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def tokens(n: int, start: int = 0) -> list[int]:
@@ -125,7 +118,7 @@ def test_memory_is_bounded_per_endpoint() -> None:
 
 
 def test_speculative_entries_expire_and_can_be_excluded() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     index = PreciseIndex(BS, clock=clock)
     keys = block_keys(tokens(12), BS)
     index.speculate("a", keys, ttl=2.0)
@@ -143,7 +136,7 @@ def test_speculative_entries_expire_and_can_be_excluded() -> None:
 def test_settled_entries_are_what_a_finished_prefill_computed() -> None:
     """The lower bound a replica certainly holds: announced blocks and the blocks of a prefill
     whose first byte came back; a pick still in flight counts only with ``speculative``."""
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     index = PreciseIndex(BS, clock=clock)
     keys = block_keys(tokens(16), BS)
     index.stored("a", [1], None, tokens(4), BS)  # the first block, announced
@@ -159,14 +152,14 @@ def test_settled_entries_are_what_a_finished_prefill_computed() -> None:
 
 
 def test_speculative_entries_are_bounded() -> None:
-    index = PreciseIndex(BS, max_speculative=4, clock=FakeClock())
+    index = PreciseIndex(BS, max_speculative=4, clock=ManualClock(100.0))
     for i in range(10):
         index.speculate("a", block_keys(tokens(8, i * 100), BS), ttl=60.0)
     assert index.speculative_entries() <= 4
 
 
 def test_forget_drops_everything_and_frees_the_bit() -> None:
-    index = PreciseIndex(BS, clock=FakeClock())
+    index = PreciseIndex(BS, clock=ManualClock(100.0))
     toks = tokens(8)
     stored_chain(index, "a", toks, [1, 2])
     index.speculate("a", block_keys(toks, BS), ttl=5)

@@ -8,16 +8,9 @@ from router.core.framework import RoutingRequest
 from router.core.sampling import RateSampler
 from router.estimators.calibration import Calibrator
 from router.scheduling.routing import Router
+from tests.manual_clock import ManualClock
 
 URL = "http://127.0.0.1:9"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Observed(Calibrator):
@@ -40,7 +33,7 @@ class Observed(Calibrator):
 
 def test_streamed_first_bytes_beyond_the_learning_rate_are_not_learned_from() -> None:
     gw = build_gateway(parse_config({"pool": {"endpoints": [{"url": URL}]}}))
-    calibrator, clock = Observed(), Clock()
+    calibrator, clock = Observed(), ManualClock()
     router = Router(
         gw.config, gw.pool, gw.pool.candidates, gw.scheduler, gw.flow, gw.metrics,
         calibrator=calibrator, learning=RateSampler(10.0, 2.0, clock),
