@@ -18,17 +18,16 @@ class Observed(Calibrator):
         super().__init__()
         self.first_bytes: list[str] = []
 
-    def observe(
-        self,
-        endpoint_id: str,
-        tokens: float,
-        seconds: float,
-        queued: float = 0.0,
-        running: float = 0.0,
-        queued_requests: float = 0.0,
-    ) -> None:
+    def observe(self, endpoint_id: str, *args: float, **kwargs: float) -> None:
         self.first_bytes.append(endpoint_id)
-        super().observe(endpoint_id, tokens, seconds, queued, running, queued_requests)
+        super().observe(endpoint_id, *args, **kwargs)
+
+
+def answered(router: Router, endpoint: str) -> None:
+    """One streamed request leased to ``endpoint``: its first byte, then its end."""
+    lease = router.lease(RoutingRequest("r", "m", stream=True, prompt_tokens=100), endpoint)
+    lease.first_byte()
+    lease.release()
 
 
 def test_streamed_first_bytes_beyond_the_learning_rate_are_not_learned_from() -> None:
@@ -39,18 +38,12 @@ def test_streamed_first_bytes_beyond_the_learning_rate_are_not_learned_from() ->
         calibrator=calibrator, learning=RateSampler(10.0, 2.0, clock),
     )
     endpoint = next(iter(gw.pool)).endpoint.id
-
-    def answered() -> None:
-        lease = router.lease(RoutingRequest("r", "m", stream=True, prompt_tokens=100), endpoint)
-        lease.first_byte()
-        lease.release()
-
     for _ in range(5):
-        answered()
+        answered(router, endpoint)
     assert calibrator.first_bytes == [endpoint] * 2, "a burst of two, then the rate"
     clock.now += 0.1  # one more at 10 a second
-    answered()
-    answered()
+    answered(router, endpoint)
+    answered(router, endpoint)
     assert len(calibrator.first_bytes) == 3
     # Every lease still counted and released: only the learning was skipped.
     state = gw.pool.get(endpoint)
@@ -66,7 +59,5 @@ def test_without_a_sampler_every_streamed_first_byte_is_learned_from() -> None:
     )
     endpoint = next(iter(gw.pool)).endpoint.id
     for _ in range(300):
-        lease = router.lease(RoutingRequest("r", "m", stream=True, prompt_tokens=100), endpoint)
-        lease.first_byte()
-        lease.release()
+        answered(router, endpoint)
     assert len(calibrator.first_bytes) == 300
