@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from benchmarks.bench.client import ClientRun
+from benchmarks.bench.misses import ReuseMisses, reuse_misses
 
 # Counters and gauges summed over label sets (models, LoRA adapters, finished reasons).
 _SERIES = {
@@ -171,6 +172,7 @@ class TargetResult:
     imbalance: float = 0.0  # max / mean prefill work (uncached prompt tokens) per replica
     preemptions: float = 0.0
     per_replica_requests: list[float] = field(default_factory=list)
+    misses: ReuseMisses = field(default_factory=ReuseMisses)
     ttft_samples: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -229,5 +231,6 @@ def summarize(
         imbalance=_imbalance([d.queries - d.hits for d in deltas.values()]),
         preemptions=sum(d.preemptions for d in deltas.values()),
         per_replica_requests=[d.requests for d in deltas.values()],
+        misses=reuse_misses(run.records),
         ttft_samples=sorted(t * speed for t in ttfts),
     )

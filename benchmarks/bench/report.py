@@ -6,6 +6,7 @@ import json
 import math
 import platform
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,24 @@ def table_row(r: TargetResult) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def misses_table(results: Sequence[TargetResult]) -> list[str]:
+    rows = [f"| {r.name} | {r.misses.cell()} |" for r in results if r.misses.cell() != "-"]
+    if not rows:
+        return []
+    return [
+        "",
+        "Reusable tokens missed, in points of the reusable tokens, by where the request went "
+        "against its conversation's previous one (benchmarks/bench/misses.py): *placed* (a "
+        "conversation's first request), *moved* (a later one sent elsewhere), *at home* (sent "
+        "where the previous went, which no longer held it). Client-side (answers' "
+        "`cached_tokens`), so it can differ a little from *reuse captured*.",
+        "",
+        "| target | missed: placed / moved / at home |",
+        "|---|---|",
+        *rows,
+    ]
+
+
 def markdown(report: BenchReport) -> str:
     s, wl, est = report.settings, report.workload, report.estimate
     ran = [r for r in report.results if r.status == "ok"]
@@ -78,6 +97,7 @@ def markdown(report: BenchReport) -> str:
         "|" + "---|" * 16,
         *(table_row(r) for r in ran),
     ]
+    lines += misses_table(ran)
     notes = [r for r in report.results if r.status != "ok" or r.note]
     if notes:
         lines += ["", "Notes:", ""]

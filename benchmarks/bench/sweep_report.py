@@ -152,18 +152,20 @@ def world_table(results: Sequence[TargetResult]) -> list[str]:
     values = {m: {r.name: float(getattr(ttft(r), m)) for r in ranked(results)} for m in METRICS}
     rs = {m: ratios(v) for m, v in values.items()}
     lines = [
-        "| target | TTFT mean s | p50 s | p90 s | p99 s | p90 / best | reuse captured | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| target | TTFT mean s | p50 s | p90 s | p99 s | p90 / best | reuse captured "
+        "| missed: placed / moved / at home | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     ok = {r.name for r in ranked(results)}
     for r in results:
         if r.name not in ok:
-            lines.append(f"| {r.name} | {r.status}: {r.note[:80]} | | | | | | {r.errors} |")
+            lines.append(f"| {r.name} | {r.status}: {r.note[:80]} | | | | | | | {r.errors} |")
             continue
         t = ttft(r)
         errors = str(r.errors) + (f" (+{r.incomplete} not run)" if r.incomplete else "")
         lines.append(
             f"| {r.name} | {_f(t.mean)} | {_f(t.p50)} | {_f(t.p90)} | {_f(t.p99)} "
-            f"| {_f(rs['p90'].get(r.name))} | {_f(reuse_captured(r) * 100, 1)}% | {errors} |"
+            f"| {_f(rs['p90'].get(r.name))} | {_f(reuse_captured(r) * 100, 1)}% "
+            f"| {r.misses.cell()} | {errors} |"
         )
     return lines

@@ -70,6 +70,7 @@ def test_tables_name_targets_ratios_and_failures() -> None:
     rows = world_table(results)
     assert any(r.startswith("| y |") and "| 1.50 |" in r for r in rows)
     assert any(r.startswith("| z | failed") for r in rows)
+    assert all(r.count("|") == rows[0].count("|") for r in rows)  # every row fills each column
     stats = target_stats([(4, results)], ["x", "y"])
     table = summary_table(stats, reuse_gaps([(4, results)], ["x", "y"]))
     assert any(r.startswith("| y | p90 | 1 | 0 | 0 |") and "1.50 (4)" in r for r in table)
