@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--sweep-scale", type=float, default=1.0,
         help="size of each world's run (1: about 5 s wall per target run, plus its "
              "start-up; 0.3: a quick check)")
+    add("--sweep-repeat", type=int, default=1, metavar="K",
+        help="run every target K times in each world and rank TTFT over the pooled requests "
+             "(each run's p90 shown beside it)")
     add("--sweep-only", metavar="I,J",
         help="run only these worlds of the sweep (indices from 0), e.g. to look at one again")
     add("--trace", type=Path,
@@ -185,8 +188,9 @@ def _sweep(args: argparse.Namespace, settings: Any) -> int:
     from benchmarks.bench.sweep import SWEEP_PEERS, SWEEP_STRATEGIES, SweepSpec, run_sweep, write
     from benchmarks.bench.targets import make_targets
 
-    if args.sweep < 1 or args.sweep_scale <= 0:
-        print("prefixgate bench: --sweep needs N >= 1 and --sweep-scale > 0", file=sys.stderr)
+    if args.sweep < 1 or args.sweep_scale <= 0 or args.sweep_repeat < 1:
+        print("prefixgate bench: --sweep needs N >= 1, --sweep-scale > 0 and --sweep-repeat "
+              ">= 1", file=sys.stderr)
         return 2
     if args.trace is not None and not args.trace.is_file():
         print(f"prefixgate bench: --trace {args.trace}: no such file", file=sys.stderr)
@@ -195,7 +199,7 @@ def _sweep(args: argparse.Namespace, settings: Any) -> int:
         only = None if args.sweep_only is None else [int(i) for i in args.sweep_only.split(",")]
         spec = SweepSpec(args.sweep, args.sweep_seed, args.sweep_scale, args.trace,
                          _names(args.strategies, SWEEP_STRATEGIES),
-                         _names(args.peers, SWEEP_PEERS), only)
+                         _names(args.peers, SWEEP_PEERS), only, args.sweep_repeat)
         make_targets(spec.strategies, spec.peers, settings)  # unknown names fail here
     except ValueError as exc:
         print(f"prefixgate bench: {exc}", file=sys.stderr)

@@ -173,6 +173,8 @@ class TargetResult:
     preemptions: float = 0.0
     per_replica_requests: list[float] = field(default_factory=list)
     misses: ReuseMisses = field(default_factory=ReuseMisses)
+    # With --sweep-repeat: each pooled run's TTFT p90 (simulated s), to show their spread.
+    runs_p90: list[float] = field(default_factory=list)
     ttft_samples: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench.metrics import TargetResult
+from benchmarks.bench.repeats import pooled
 from benchmarks.bench.report import clean_json
 from benchmarks.bench.report import write as write_world
 from benchmarks.bench.runner import Runner
@@ -53,6 +54,7 @@ class SweepSpec:
     strategies: list[str] = field(default_factory=lambda: list(SWEEP_STRATEGIES))
     peers: list[str] = field(default_factory=lambda: list(SWEEP_PEERS))
     only: list[int] | None = None  # run just these worlds (indices), e.g. to look again
+    repeat: int = 1  # runs of every target per world, pooled (benchmarks/bench/repeats.py)
 
 
 @dataclass
@@ -64,10 +66,11 @@ class WorldRun:
     error: str = ""
 
 
-def world_settings(template: BenchSettings, built: BuiltWorld) -> BenchSettings:
+def world_settings(template: BenchSettings, built: BuiltWorld, rep: int = 0) -> BenchSettings:
     w = built.world
+    out = template.out / f"world-{w.index:02d}"
     return dataclasses.replace(
-        template, out=template.out / f"world-{w.index:02d}", replicas=w.replicas,
+        template, out=out / f"repeat-{rep}" if rep else out, replicas=w.replicas,
         speed=built.speed, num_gpu_blocks=built.num_gpu_blocks, block_size=w.block_size,
         max_num_seqs=w.max_num_seqs,
         sim_args=[*template.sim_args, *built.sim_args],
@@ -81,15 +84,20 @@ async def run_world(
     template: BenchSettings, spec: SweepSpec, world: World, rows: Sequence[TraceRow]
 ) -> WorldRun:
     started = time.monotonic()
+    runs: list[list[TargetResult]] = []
     try:
         built = build_world(world, spec.scale, rows)
-        settings = world_settings(template, built)
-        targets = make_targets(spec.strategies, spec.peers, settings)
-        report = await Runner(settings, built.workload).run(targets)
+        for rep in range(spec.repeat):
+            # Every other run in reverse order, so that no target always runs first or last.
+            settings = world_settings(template, built, rep)
+            targets = make_targets(spec.strategies, spec.peers, settings)
+            report = await Runner(settings, built.workload).run(targets[:: -1 if rep % 2 else 1])
+            write_world(report, settings.out)
+            runs.append(report.results)
     except (ValueError, RuntimeError, OSError) as exc:
         return WorldRun(world, None, [], time.monotonic() - started, str(exc).splitlines()[0])
-    write_world(report, settings.out)
-    return WorldRun(world, built, report.results, time.monotonic() - started)
+    results = pooled(runs) if len(runs) > 1 else runs[0]
+    return WorldRun(world, built, results, time.monotonic() - started)
 
 
 async def run_sweep(template: BenchSettings, spec: SweepSpec) -> list[WorldRun]:
@@ -139,6 +147,7 @@ def to_json(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun]) 
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
         "sweep": {"worlds": spec.worlds, "seed": spec.seed, "scale": spec.scale,
+                  "repeat": spec.repeat,
                   "trace": str(spec.trace) if spec.trace else None},
         "worlds": [{
             "world": run.world.to_json(), "built": run.built.summary() if run.built else None,
@@ -158,7 +167,9 @@ def markdown(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun])
         "",
         f"- command: `{template.command}`" if template.command else "- command: (programmatic)",
         f"- commit {_commit() or '?'}, {time.strftime('%Y-%m-%d %H:%M %Z')}, "
-        f"scale {spec.scale:g}, wall {sum(r.wall_s for r in runs):.0f} s",
+        f"scale {spec.scale:g}, wall {sum(r.wall_s for r in runs):.0f} s"
+        + (f", every target run {spec.repeat} times a world, TTFT over the pooled requests "
+           "(each run's p90 in brackets)" if spec.repeat > 1 else ""),
         "",
         "Per target, its TTFT over the best target's in each world (1.00: the best). "
         "TTFT in simulated seconds; reuse captured: the replicas' prefix-cache hits over the "

@@ -163,8 +163,11 @@ def world_table(results: Sequence[TargetResult]) -> list[str]:
             continue
         t = ttft(r)
         errors = str(r.errors) + (f" (+{r.incomplete} not run)" if r.incomplete else "")
+        p90 = _f(t.p90)
+        if len(r.runs_p90) > 1:
+            p90 += " (" + ", ".join(_f(v) for v in r.runs_p90) + ")"
         lines.append(
-            f"| {r.name} | {_f(t.mean)} | {_f(t.p50)} | {_f(t.p90)} | {_f(t.p99)} "
+            f"| {r.name} | {_f(t.mean)} | {_f(t.p50)} | {p90} | {_f(t.p99)} "
             f"| {_f(rs['p90'].get(r.name))} | {_f(reuse_captured(r) * 100, 1)}% "
             f"| {r.misses.cell()} | {errors} |"
         )

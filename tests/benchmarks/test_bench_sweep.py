@@ -72,6 +72,8 @@ def test_world_settings_carry_the_drawn_replicas(tmp_path: Path) -> None:
     assert s.sim_args[:2] == ["--seed", "3"] and "--prefill-mode" in s.sim_args
     assert len(s.replica_sim_args) == world.replicas
     assert s.out == tmp_path / f"world-{world.index:02d}"
+    again = world_settings(BenchSettings(out=tmp_path), built, rep=1)  # --sweep-repeat's 2nd
+    assert again.out == s.out / "repeat-1"
     assert SweepSpec(1, 0).strategies[-1] == "default-nofc"
 
 
@@ -88,6 +90,7 @@ def test_sweep_flags_are_checked_before_anything_starts(tmp_path: Path) -> None:
     base = ["bench", "--out", str(out), "--peers", "none"]
     assert main([*base, "--sweep", "0"]) == 2
     assert main([*base, "--sweep", "2", "--sweep-scale", "0"]) == 2
+    assert main([*base, "--sweep", "2", "--sweep-repeat", "0"]) == 2
     assert main([*base, "--sweep", "2", "--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert main([*base, "--sweep", "2", "--sweep-only", "one"]) == 2
     assert main([*base, "--sweep", "2", "--strategies", "bogus"]) == 2
