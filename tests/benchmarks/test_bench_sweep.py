@@ -62,6 +62,29 @@ def test_a_tiny_sweep_runs_every_target_in_every_world(tmp_path: Path) -> None:
     assert "| default-nofc | p90 | 2 |" in md and "## world 1: agentic" in md
 
 
+@pytest.mark.timeout(180)
+def test_a_repeated_world_pools_its_runs(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    code = main([
+        "bench", "--sweep", "2", "--sweep-seed", "1", "--sweep-scale", "0.1", "--sweep-only", "0",
+        "--sweep-repeat", "2", "--replicas", "2", "--strategies", "round-robin,session-hash",
+        "--peers", "none", "--trace", str(_trace(tmp_path / "trace.jsonl")), "--no-progress",
+        "--no-plots", "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    data = json.loads((out / "results.json").read_text())
+    (world,) = data["worlds"]
+    assert data["sweep"]["repeat"] == 2 and world["error"] == ""
+    runs = [json.loads((out / d / "results.json").read_text())["results"]
+            for d in ("world-00", "world-00/repeat-1")]
+    # The second run went in reverse order; the pooled result has both runs' requests.
+    assert [r["name"] for r in runs[1]] == ["session-hash", "round-robin"]
+    for r in world["results"]:
+        one = [next(x for x in run if x["name"] == r["name"]) for run in runs]
+        assert r["requests"] == sum(x["requests"] for x in one) == 2 * world["built"]["requests"]
+        assert r["runs_p90"] == pytest.approx([x["ttft"]["p90"] for x in one])
+
+
 def test_world_settings_carry_the_drawn_replicas(tmp_path: Path) -> None:
     world = next(w for w in draw_worlds(30, seed=4) if any(f > 1 for f in w.slow))
     built = build_world(world, 0.2)
