@@ -186,6 +186,20 @@ class _Speed:
     sy: float = 0.0
     last_sample: float = 0.0
 
+    def add(self, counts: tuple[float, ...], y: float, decay: float, now: float) -> None:
+        self.w, self.sy = self.w * decay + 1.0, self.sy * decay + y
+        self.sx = [s * decay + v for s, v in zip(self.sx, counts, strict=True)]
+        self.last_sample = now
+
+
+def _ratio(speed: _Speed, fleet: Price) -> float | None:
+    """Observed over ``fleet``-predicted first bytes of ``speed``'s samples (None: no basis)."""
+    if speed.w <= 0 or speed.sy <= 0:
+        return None
+    # The counts are sums over the samples, so the overhead counts once a sample.
+    predicted = fleet.predict(*speed.sx) + fleet.overhead_s * (speed.w - 1.0)
+    return speed.sy / predicted if predicted > 0 else None
+
 
 class Calibrator:
     """Learned first-byte cost per endpoint; read by the cost scorer."""
@@ -205,6 +219,9 @@ class Calibrator:
         self._unsolved = 0  # samples added to the fit since it was last solved
         self._solved_at = -math.inf
         self._speeds: dict[str, _Speed] = {}
+        # Every endpoint's samples together, decayed alike: what an endpoint's speed is judged
+        # against (see _factor).
+        self._all = _Speed()
         # endpoint -> (the fleet price it was scaled from, when, the price)
         self._prices: dict[str, tuple[Price, float, Price]] = {}
         if registry is not None:
@@ -261,12 +278,18 @@ class Calibrator:
         speed = self._speeds.get(endpoint_id)
         if speed is None or speed.w <= 0:
             return 1.0
-        # The counts are sums over the endpoint's samples, so the overhead counts once a sample.
-        predicted = fleet.predict(*speed.sx) + fleet.overhead_s * (speed.w - 1.0)
-        if predicted <= 0 or speed.sy <= 0:
+        ratio, fleet_ratio = _ratio(speed, fleet), _ratio(self._all, fleet)
+        if ratio is None or fleet_ratio is None:
             return 1.0
         p = self.priors
-        ratio = min(max(speed.sy / predicted, 0.1), 10.0)
+        if self._fleet.samples < p.warmup_samples:
+            # While the fleet price still leans on the priors, an endpoint is judged against the
+            # other endpoints' samples, not that price: with the priors off, every endpoint
+            # with samples looked faster (or slower) than those without, and took (or lost)
+            # every request that found its prefix nowhere, so one replica filled with every
+            # new prefix while the others stood empty.
+            ratio /= fleet_ratio
+        ratio = min(max(ratio, 0.1), 10.0)
         age = max(0.0, self._clock() - speed.last_sample)
         weight = speed.w * 0.5 ** (age / p.stale_half_life_s)
         return float(ratio ** (weight / (weight + p.endpoint_pseudo_samples)))
@@ -324,10 +347,8 @@ class Calibrator:
         own = self._price(endpoint_id, fleet)
         y = self._clipped(own.predict(*counts), seconds)
         speed = self._speeds.setdefault(endpoint_id, _Speed())
-        d = p.endpoint_decay
-        speed.w, speed.sy = speed.w * d + 1.0, speed.sy * d + y
-        speed.sx = [s * d + v for s, v in zip(speed.sx, counts, strict=True)]
-        speed.last_sample = self._clock()
+        for sums in (speed, self._all):
+            sums.add(counts, y, p.endpoint_decay, self._clock())
         self._prices.pop(endpoint_id, None)
 
     def _clipped(self, predicted: float, seconds: float) -> float:

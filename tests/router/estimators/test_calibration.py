@@ -123,6 +123,30 @@ def test_a_replica_priced_out_by_a_cold_start_burst_comes_back() -> None:
     assert calibrator.predict("unlucky", 3_700) == pytest.approx(fleet, rel=0.1)
 
 
+@pytest.mark.parametrize("actual_per_token", [0.0001, 0.0004])
+def test_a_young_fit_prices_the_only_endpoint_seen_like_the_others(
+    actual_per_token: float,
+) -> None:
+    # Identical idle replicas, prompts of one size (single-turn traffic on shared prefixes), and
+    # hardware twice as fast (or slow) as the priors say. After a few first bytes from "seen"
+    # the fleet price still leans on the priors; judged against that, "seen" looked faster (or
+    # slower) than "unseen" and took (or lost) every request that found no cached prefix.
+    clock = ManualClock()
+    calibrator = Calibrator(clock=clock)
+    for _ in range(5):
+        clock.now += 1.0
+        calibrator.observe("seen", 1_908, 0.03 + actual_per_token * 1_908)
+    assert calibrator.factor("seen") == pytest.approx(1.0, abs=0.02)
+    assert calibrator.predict("seen", 1_908) == pytest.approx(
+        calibrator.predict("unseen", 1_908), rel=0.02)
+    # Among endpoints seen, a slower one is still told apart.
+    for _ in range(20):
+        clock.now += 1.0
+        calibrator.observe("slow", 1_908, 0.03 + 3 * actual_per_token * 1_908)
+        calibrator.observe("seen", 1_908, 0.03 + actual_per_token * 1_908)
+    assert calibrator.factor("slow") > 1.2 and calibrator.factor("seen") < 0.9
+
+
 def test_a_truly_slower_replica_stays_slower() -> None:
     clock = ManualClock()
     calibrator = Calibrator(clock=clock)
