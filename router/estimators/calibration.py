@@ -178,8 +178,9 @@ def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
 
 @dataclass(slots=True)
 class _Speed:
-    """One endpoint's decayed sums of own tokens, queued tokens, running requests, queued
-    requests and (clipped) first-byte times: what its fleet-predicted times are summed from."""
+    """Decayed sums of own tokens, queued tokens, running requests, queued requests and
+    (clipped) first-byte times, of one endpoint's samples or of all endpoints': what their
+    fleet-predicted times are summed from."""
 
     w: float = 0.0
     sx: list[float] = field(default_factory=lambda: [0.0] * _REGRESSORS)
@@ -278,8 +279,8 @@ class Calibrator:
         speed = self._speeds.get(endpoint_id)
         if speed is None or speed.w <= 0:
             return 1.0
-        ratio, fleet_ratio = _ratio(speed, fleet), _ratio(self._all, fleet)
-        if ratio is None or fleet_ratio is None:
+        ratio = _ratio(speed, fleet)
+        if ratio is None:
             return 1.0
         p = self.priors
         if self._fleet.samples < p.warmup_samples:
@@ -288,7 +289,7 @@ class Calibrator:
             # with samples looked faster (or slower) than those without, and took (or lost)
             # every request that found its prefix nowhere, so one replica filled with every
             # new prefix while the others stood empty.
-            ratio /= fleet_ratio
+            ratio /= _ratio(self._all, fleet) or ratio  # the fleet's sums hold this one's
         ratio = min(max(ratio, 0.1), 10.0)
         age = max(0.0, self._clock() - speed.last_sample)
         weight = speed.w * 0.5 ** (age / p.stale_half_life_s)
