@@ -54,7 +54,7 @@ def table_row(r: TargetResult) -> str:
 
 
 def misses_table(results: Sequence[TargetResult]) -> list[str]:
-    rows = [f"| {r.name} | {r.misses.cell()} |" for r in results if r.misses.cell() != "-"]
+    rows = [f"| {r.name} | {cell} |" for r in results if (cell := r.misses.cell()) != "-"]
     if not rows:
         return []
     return [
