@@ -280,7 +280,7 @@ def _build_monitor(
     return EndpointMonitor(
         pool, client, settings, on_capacity,
         auth_headers=keys.headers,
-        remote_in_flight=shared.remote_in_flight if shared else None,
+        remote_load=shared.remote_load if shared else None,
         on_scrape=flow.poke,
     )
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 from urllib.parse import urlsplit
 
+from router.core.slots import SlotLimit
+
 log = logging.getLogger("prefixgate.endpoints")
 
 Role = Literal["both", "prefill", "decode"]
@@ -100,6 +102,10 @@ class EndpointSnapshot(NamedTuple):
     recent_prefill_tokens: float = 0.0
     # The gateway's in-flight requests when ``waiting`` was scraped (EngineMetrics).
     scraped_in_flight: int = 0
+    # The engine's learned sequence-slot limit (0: unknown) and how long a request holds a
+    # slot there (router/core/slots.py).
+    slot_limit: int = 0
+    slot_hold_s: float = 0.0
 
     @property
     def foreign_waiting(self) -> float:
@@ -129,6 +135,7 @@ class EndpointState:
     ejected_until: float = 0.0
     times_ejected: int = 0
     readmitted_at: float = 0.0
+    slots: SlotLimit = field(default_factory=SlotLimit)
 
     def serves(self, model: str) -> bool:
         return model in self.models or model in self.endpoint.models
@@ -151,11 +158,15 @@ class EndpointState:
         self.pending_prefill_tokens += tokens
         self.pending_prefill_requests += requests
 
-    def snapshot(self, now: float, remote: RemoteLoad = NO_REMOTE_LOAD) -> EndpointSnapshot:
+    def snapshot(
+        self, now: float, remote: RemoteLoad = NO_REMOTE_LOAD, fleet_slots: int = 0
+    ) -> EndpointSnapshot:
         m = self.metrics
         age = now - m.scraped_at if m.scraped_at else float("inf")
         in_flight, tokens, requests, recent = remote
         endpoint = self.endpoint
+        slots = self.slots
+        limit = slots.limit_at(now, fleet_slots)
         return EndpointSnapshot(
             endpoint.id,
             endpoint.url,
@@ -171,6 +182,8 @@ class EndpointState:
             self.pending_prefill_requests + requests,
             self.recent_prefill_tokens(now) + recent,
             m.gateway_in_flight,
+            limit,
+            slots.hold(now) if limit else 0.0,
         )
 
 
@@ -194,8 +207,8 @@ class Lease:
     """
 
     __slots__ = (
-        "_clock", "_first_byte_seen", "_on_first_byte", "_pool", "_released", "_started",
-        "prefill_tokens", "state",
+        "_clock", "_first_byte_seen", "_on_first_byte", "_pool", "_released", "_sent_at",
+        "_started", "prefill_tokens", "state",
     )
 
     def __init__(
@@ -214,8 +227,11 @@ class Lease:
         self._started = time.monotonic() if on_first_byte is not None else 0.0
         # The pool's clock: the queue average is read with it (EndpointPool.candidates).
         self._clock = pool.clock if pool is not None else time.monotonic
+        now = self._sent_at = self._clock()
+        if state.in_flight <= 0:
+            state.slots.busy_since = now
         state.in_flight += 1
-        state.add_pending(prefill_tokens, 1, self._clock())
+        state.add_pending(prefill_tokens, 1, now)
 
     def first_byte(self) -> None:
         if not self._first_byte_seen:
@@ -235,7 +251,9 @@ class Lease:
     def release(self) -> None:
         if self._released:
             return
-        if not self._first_byte_seen:
+        if self._first_byte_seen:  # answered: how long it held a slot there
+            self.state.slots.observe_hold(self._clock() - self._sent_at)
+        else:
             self._settle()
         self._released = True
         self.state.in_flight -= 1
@@ -305,9 +323,10 @@ class EndpointPool:
         states = [
             s for s in self._states.values() if s.healthy and not s.ejected and s.serves(model)
         ]
+        fleet = max((s.slots.limit for s in states if s.slots.live(now)), default=0)
         if remote is None:
-            return [s.snapshot(now) for s in states]
-        return [s.snapshot(now, remote(s.endpoint.id)) for s in states]
+            return [s.snapshot(now, NO_REMOTE_LOAD, fleet) for s in states]
+        return [s.snapshot(now, remote(s.endpoint.id), fleet) for s in states]
 
     def lease(
         self,

@@ -124,6 +124,14 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.slot_limit = Gauge(
+            "prefixgate_endpoint_slot_limit",
+            "Learned sequence-slot limit (vLLM's max_num_seqs) of each endpoint, 0 while "
+            "unknown or unconfirmed for a minute.",
+            ["endpoint"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         # Per-endpoint gauges are refreshed at scrape time: cheaper than on every request.
         for state in self._pool:
@@ -132,4 +140,6 @@ class GatewayMetrics:
             self.healthy.labels(eid).set(1 if state.healthy else 0)
             self.waiting.labels(eid).set(state.metrics.waiting)
             self.kv_usage.labels(eid).set(state.metrics.kv_usage)
+            slots = state.slots
+            self.slot_limit.labels(eid).set(slots.limit if slots.live(self._pool.clock()) else 0)
         return generate_latest(self.registry)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from router.core.endpoints import EndpointPool, EndpointState, EngineMetrics
+from router.core.endpoints import EndpointPool, EndpointState, EngineMetrics, RemoteLoad
 from router.upstream.client import UPSTREAM_ERRORS, UpstreamClient
 
 log = logging.getLogger("prefixgate.scraper")
@@ -113,7 +113,7 @@ class EndpointMonitor:
         on_capacity: CapacityCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
         auth_headers: AuthHeaders | None = None,
-        remote_in_flight: Callable[[str], int] | None = None,
+        remote_load: Callable[[str], RemoteLoad] | None = None,
         on_scrape: Callable[[], None] | None = None,
     ) -> None:
         self._pool = pool
@@ -121,9 +121,9 @@ class EndpointMonitor:
         # instead of waiting for its next tick.
         self._on_scrape = on_scrape
         self._auth_headers = auth_headers
-        # The other gateway replicas' in-flight counts (shared through Redis), so that their
-        # requests counted in a stale scrape do not pass for a stranger's queue either.
-        self._remote_in_flight = remote_in_flight
+        # The other gateway replicas' load (shared through Redis), so that their requests
+        # counted in a stale scrape do not pass for a stranger's queue either.
+        self._remote_load = remote_load
         self._client = client
         self._settings = settings
         self._on_capacity = on_capacity
@@ -212,8 +212,7 @@ class EndpointMonitor:
 
     async def _scrape(self, state: EndpointState) -> None:
         url = state.endpoint.url
-        in_flight = state.in_flight
-        remote = self._remote(state)
+        in_flight, decoding = self._counts(state)
         try:
             status, body = await self._get(f"{url}/metrics", self._settings.scrape_timeout)
         except UPSTREAM_ERRORS:
@@ -222,13 +221,18 @@ class EndpointMonitor:
         if status != 200:
             return  # not every backend exports metrics; health decides liveness
         previous = state.metrics
-        state.metrics = parse_vllm_metrics(body.decode("utf-8", "replace"), self._clock())
-        # Gateway requests the scrape may have counted: the most in flight before or after it.
-        state.metrics.gateway_in_flight = max(in_flight, state.in_flight) + max(
-            remote, self._remote(state)
+        now = self._clock()
+        m = state.metrics = parse_vllm_metrics(body.decode("utf-8", "replace"), now)
+        # Gateway requests the scrape may have counted: the most in flight (and past their
+        # first byte) before or after it.
+        in_flight_after, decoding_after = self._counts(state)
+        m.gateway_in_flight = max(in_flight, in_flight_after)
+        decoding = max(decoding, decoding_after)
+        # On the pool's clock, which snapshots read the limit's age with.
+        state.slots.observe_scrape(
+            m.running, m.waiting, m.kv_usage, decoding, self._pool.clock()
         )
         state.consecutive_failures = 0
-        m = state.metrics
         capacity_changed = (m.block_size, m.num_gpu_blocks) != (
             previous.block_size,
             previous.num_gpu_blocks,
@@ -236,8 +240,16 @@ class EndpointMonitor:
         if capacity_changed and m.block_size and m.num_gpu_blocks and self._on_capacity:
             self._on_capacity(state.endpoint.id, m.block_size, m.num_gpu_blocks)
 
-    def _remote(self, state: EndpointState) -> int:
-        return self._remote_in_flight(state.endpoint.id) if self._remote_in_flight else 0
+    def _counts(self, state: EndpointState) -> tuple[int, int]:
+        """The gateways' requests in flight to the endpoint, and those past their first
+        byte (this replica's, plus the others' shared through Redis)."""
+        in_flight = state.in_flight
+        decoding = in_flight - state.pending_prefill_requests
+        if self._remote_load is not None:
+            remote, _, remote_pending, _ = self._remote_load(state.endpoint.id)
+            in_flight += remote
+            decoding += remote - remote_pending
+        return in_flight, decoding
 
     def _mark(self, state: EndpointState, ok: bool) -> None:
         if ok:

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from router.core.endpoints import QUEUE_AVERAGE_S, Endpoint, EndpointPool, EndpointState, Lease
+from tests.manual_clock import ManualClock
 
 
 def state() -> EndpointState:
@@ -66,3 +67,27 @@ def test_leases_keep_the_queue_average_on_the_pools_clock() -> None:
     (snapshot,) = pool.candidates("m")
     assert snapshot.pending_prefill_tokens == 0
     assert snapshot.recent_prefill_tokens == pytest.approx(8_000 * (1 - math.exp(-1)))
+
+
+def test_leases_time_how_long_an_answer_holds_a_slot_and_snapshots_carry_the_limit() -> None:
+    clock = ManualClock(100.0)
+    endpoints = [Endpoint.from_url(f"http://127.0.0.1:{p}", models=["m"]) for p in (1, 2)]
+    pool = EndpointPool(endpoints, clock=clock)
+    full, fresh = list(pool)
+    full.healthy = fresh.healthy = True
+    answered = pool.lease(full.endpoint.id)
+    clock.now += 1.0
+    dropped = pool.lease(full.endpoint.id)  # fails before its first byte: it held no slot
+    clock.now += 2.0
+    assert full.slots.hold(clock.now) == 3.0, "nothing answered yet: the oldest has held 3 s"
+    answered.first_byte()
+    answered.release()
+    dropped.release()
+    assert full.slots.hold_s == 3.0
+    for now in (103.0, 103.1):
+        full.slots.observe_scrape(8, 2, 0.5, 8, now)
+    by_id = {s.id: s for s in pool.candidates("m")}
+    assert by_id[full.endpoint.id][-2:] == (8, 3.0)
+    assert by_id[fresh.endpoint.id].slot_limit == 8, "not seen full: the fleet's limit"
+    clock.now += 61.0
+    assert all(s.slot_limit == 0 for s in pool.candidates("m")), "unconfirmed for a minute"

@@ -7,6 +7,8 @@ import contextlib
 import socket
 from collections.abc import AsyncIterator
 
+import httpx
+
 from benchmarks.sim.cli import start_replicas
 from benchmarks.sim.config import DEFAULT_MODEL, SimConfig
 from router.core.endpoints import Endpoint, EndpointPool, EndpointState, Lease
@@ -15,7 +17,9 @@ from router.index.prefix_index import InMemoryPrefixIndex
 from router.index.redis_state import SharedInFlight
 from router.index.stores import Stores
 from router.pool.scraper import EndpointMonitor, MonitorSettings, parse_vllm_metrics
+from router.serve.server import running_gateway
 from router.upstream.client import UpstreamClient
+from tests.gateways import MODEL, gateway_config
 
 PAGE = """\
 # HELP vllm:num_requests_waiting Requests waiting.
@@ -152,7 +156,7 @@ async def test_a_scrape_remembers_other_gateways_requests_too(
             others[state.endpoint.id] = 2
             assert await other.sync_once() and await this.sync_once()
             monitor = EndpointMonitor(
-                pool, http, settings, None, remote_in_flight=this.remote_in_flight
+                pool, http, settings, None, remote_load=this.remote_load
             )
             await monitor.check_all()
             await scrape_once(monitor, state)
@@ -165,3 +169,49 @@ async def test_a_scrape_remembers_other_gateways_requests_too(
             await this.aclose()
     assert (snapshot.in_flight, snapshot.scraped_in_flight) == (0, 2)
     assert snapshot.foreign_waiting == 1.0
+
+
+async def _slot_limit_while_busy(config: SimConfig, prompt: str, max_tokens: int) -> float:
+    """Four streamed requests at once through a gateway in front of one replica; the slot
+    limit the gateway reports once the replica has been scraped with two waiting, or after
+    the answers, whichever comes first."""
+    async with (
+        start_replicas(1, config) as (replica,),
+        running_gateway(gateway_config([replica.url])) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=30.0) as http,
+    ):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+
+        async def ask() -> None:
+            async with http.stream("POST", "/v1/completions", json=body) as reply:
+                async for _ in reply.aiter_bytes():
+                    pass
+
+        async def limit() -> float:
+            text = (await http.get("/metrics")).text
+            lines = [x for x in text.splitlines() if x.startswith(LIMIT_METRIC)]
+            return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+        async with asyncio.timeout(30):
+            asks = asyncio.gather(*(ask() for _ in range(4)))
+            seen = 0.0
+            while not asks.done() and not seen:
+                seen = await limit()
+                await asyncio.sleep(0.05)
+            await asks
+        return seen
+
+
+LIMIT_METRIC = "prefixgate_endpoint_slot_limit{"
+
+
+async def test_a_replica_with_its_slots_full_teaches_the_gateway_its_limit() -> None:
+    # Two slots, four long answers: two decode while two wait for a slot.
+    config = SimConfig(speed=20.0, max_num_seqs=2)
+    assert await _slot_limit_while_busy(config, "hello", max_tokens=3000) == 2.0
+
+
+async def test_requests_waiting_behind_a_prefill_teach_no_slot_limit() -> None:
+    # Plenty of slots, one prefill at a time: requests wait, but for the prefill ahead.
+    config = SimConfig(speed=20.0, prefill_mode="serial", prefill_ms_per_token=20.0)
+    assert await _slot_limit_while_busy(config, "word " * 2000, max_tokens=2) == 0.0
