@@ -84,6 +84,9 @@ class TTFTCostParameters(Strict):
     kv_penalty_tokens: float = Field(10_000.0, ge=0)
     # A nudge towards the endpoint that served the session last, for near ties.
     affinity_bonus_tokens: float = Field(25.0, ge=0)
+    # The wait for a sequence slot where the engine's are all taken (its learned limit:
+    # router/core/slots.py), in seconds, times this: 1 prices it as measured, 0 ignores it.
+    slot_wait_weight: float = Field(1.0, ge=0.0, le=4.0)
     # Where the uncached tokens come from: the approximate index, or the replicas' KV events
     # (precise prefix routing; endpoints without a trusted stream fall back to approximate).
     prefix_source: Literal["approximate", "precise"] = "approximate"
@@ -114,10 +117,12 @@ class CostTerms(NamedTuple):
     affinity_bonus_s: float
     horizon_s: float = 0.0
     copied_tokens: int = 0
+    slot_wait_s: float = 0.0
 
     @property
     def total_s(self) -> float:
         cost = self.prefill_s + self.load_s + self.kv_penalty_s + self.horizon_s
+        cost += self.slot_wait_s
         return max(1e-6, cost - self.affinity_bonus_s)
 
 
@@ -186,7 +191,7 @@ class TTFTCostScorer:
         )  # fmt: skip
         return CostTerms(
             endpoint.id, queued, queued_requests, uncached, weight, evicted, prefill, load,
-            penalty, bonus, horizon, copied,
+            penalty, bonus, horizon, copied, p.slot_wait_weight * _slot_wait_s(endpoint),
         )
 
     def _recompute_weight(self, queued_requests: float) -> float:
@@ -217,6 +222,7 @@ class TTFTCostScorer:
             "evicted_tokens": t.evicted_tokens, "copied_tokens": t.copied_tokens,
             "prefill_s": t.prefill_s, "load_s": t.load_s, "kv_penalty_s": t.kv_penalty_s,
             "affinity_bonus_s": t.affinity_bonus_s, "horizon_s": t.horizon_s,
+            "slot_wait_s": t.slot_wait_s,
         }
 
     def _kv_penalty_tokens(self, endpoint: EndpointSnapshot, uncached: int) -> float:
@@ -254,3 +260,16 @@ class TTFTCostScorer:
 def _capacity_tokens(endpoint: EndpointSnapshot) -> int:
     """The tokens the endpoint's KV cache holds (``vllm:cache_config_info``); 0 if unknown."""
     return (endpoint.num_gpu_blocks or 0) * (endpoint.block_size or 0)
+
+
+def _slot_wait_s(endpoint: EndpointSnapshot) -> float:
+    """The wait for a sequence slot: with every slot of the engine taken (its learned limit,
+    router/core/slots.py), the k-th request in line starts after k of the running ones end,
+    about one every ``hold / limit`` seconds. Whatever its cached prefix saves, a request
+    there waits this long before its prefill starts."""
+    limit = endpoint.slot_limit
+    if not limit:
+        return 0.0
+    occupants = max(float(endpoint.in_flight), endpoint.running + endpoint.waiting)
+    excess = occupants + 1 - limit
+    return excess * endpoint.slot_hold_s / limit if excess > 0 else 0.0

@@ -221,6 +221,29 @@ def test_a_holder_the_filters_left_out_charges_no_copy() -> None:
     assert s.score(request, [busy, idle])[1] == 1.0
 
 
+def test_a_full_engine_costs_the_wait_for_a_slot_whatever_it_holds() -> None:
+    # A shared prompt held by "home", whose 16 slots are all taken by answers that each hold
+    # one for 3 s: one slot frees about every 0.19 s.
+    request = req(tokens=4_000, hits={"home": 56})
+    idle = snap("idle")
+
+    def home(in_flight: int) -> EndpointSnapshot:
+        return snap("home", in_flight=in_flight, slot_limit=16, slot_hold_s=3.0)
+
+    s = scorer()
+    assert s.terms(request, home(15)).slot_wait_s == 0.0, "a slot is free"
+    assert s.terms(request, home(16)).slot_wait_s == pytest.approx(3.0 / 16)
+    assert s.terms(request, home(20)).slot_wait_s == pytest.approx(5 * 3.0 / 16)
+    assert s.score(request, [home(16), idle])[0] == 1.0, "one slot's wait beats the recompute"
+    assert s.score(request, [home(24), idle])[1] == 1.0, "nine slots' wait does not"
+    unknown = snap("home", in_flight=20, slot_hold_s=3.0)
+    assert s.terms(request, unknown).slot_wait_s == 0.0, "no limit learned, no wait priced"
+    assert scorer(slot_wait_weight=0).terms(request, home(20)).slot_wait_s == 0.0
+    # Strangers' requests, running or waiting in the scrape, take slots too.
+    crowded = snap("home", running=16, waiting=3, slot_limit=16, slot_hold_s=3.0)
+    assert s.terms(request, crowded).slot_wait_s == pytest.approx(4 * 3.0 / 16)
+
+
 def test_explain_reports_every_term() -> None:
     request = req(tokens=1_000, cache_room={"a": 0})
     terms = scorer().explain(request, snap("a", in_flight=2, pending_prefill_requests=3))
@@ -228,7 +251,8 @@ def test_explain_reports_every_term() -> None:
     assert terms["recompute_weight"] == pytest.approx(1.3)
     assert terms["speed_factor"] == 1.0  # no samples: the fleet's figures
     assert terms["predicted_ttft_s"] == pytest.approx(
-        terms["prefill_s"] + terms["load_s"] + terms["kv_penalty_s"] - terms["affinity_bonus_s"]
+        terms["prefill_s"] + terms["load_s"] + terms["kv_penalty_s"] + terms["slot_wait_s"]
+        - terms["affinity_bonus_s"]
     )
 
 
