@@ -267,7 +267,7 @@ class Proxy:
                     continue
             if ex.attempts > 1:
                 self._router.picked(routing, endpoint.id)
-            lease.first_byte()
+            lease.first_byte(answered=attempt.reply.status < 400)
             self._note_pick(ex, routing, endpoint.id)
             return self._relay(attempt, endpoint, lease, watch, ticket, ex, routing)
         if isinstance(last_error, TimeoutError):

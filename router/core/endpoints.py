@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 from urllib.parse import urlsplit
 
-from router.core.slots import SlotLimit
+from router.core.slots import SlotLimit, fleet_limits
 
 log = logging.getLogger("prefixgate.endpoints")
 
@@ -126,6 +126,8 @@ class EndpointState:
     in_flight: int = 0
     pending_prefill_tokens: int = 0
     pending_prefill_requests: int = 0
+    # In-flight requests past their first byte as far as headers go only (ext_proc).
+    headers_only: int = 0
     queue_average: float = 0.0
     queue_average_at: float = 0.0
     consecutive_failures: int = 0
@@ -207,8 +209,8 @@ class Lease:
     """
 
     __slots__ = (
-        "_clock", "_first_byte_seen", "_on_first_byte", "_pool", "_released", "_sent_at",
-        "_started", "prefill_tokens", "state",
+        "_answered", "_clock", "_first_byte_seen", "_headers_only", "_on_first_byte", "_pool",
+        "_released", "_sent_at", "_started", "prefill_tokens", "state",
     )
 
     def __init__(
@@ -221,7 +223,7 @@ class Lease:
         self.state = state
         self._pool = pool
         self.prefill_tokens = prefill_tokens
-        self._first_byte_seen = False
+        self._first_byte_seen = self._answered = self._headers_only = False
         self._released = False
         self._on_first_byte = on_first_byte
         self._started = time.monotonic() if on_first_byte is not None else 0.0
@@ -233,9 +235,17 @@ class Lease:
         state.in_flight += 1
         state.add_pending(prefill_tokens, 1, now)
 
-    def first_byte(self) -> None:
+    def first_byte(self, tokens: bool = True, answered: bool = True) -> None:
+        """The reply's first byte; ``answered=False`` for an error reply, whose time says
+        nothing of how long an answer holds a slot; ``tokens=False`` where only its headers
+        were seen (Envoy's ext_proc), which a streaming vLLM sends before the request is even
+        scheduled, so it is not counted among the requests known to decode."""
         if not self._first_byte_seen:
             self._settle()
+            self._answered = answered
+            if not tokens:
+                self._headers_only = True
+                self.state.headers_only += 1
             if self._on_first_byte is not None:
                 self._on_first_byte(time.monotonic() - self._started)
 
@@ -251,12 +261,17 @@ class Lease:
     def release(self) -> None:
         if self._released:
             return
-        if self._first_byte_seen:  # answered: how long it held a slot there
-            self.state.slots.observe_hold(self._clock() - self._sent_at)
-        else:
+        state = self.state
+        if self._answered:
+            state.slots.observe_hold(self._clock() - self._sent_at)
+        if not self._first_byte_seen:
             self._settle()
+        if self._headers_only:
+            state.headers_only -= 1
         self._released = True
-        self.state.in_flight -= 1
+        state.in_flight -= 1
+        if state.in_flight <= 0:
+            state.slots.busy_since = 0.0
 
     def upstream_ok(self) -> None:
         """The endpoint answered (any status below 500): its failure streak ends."""
@@ -323,10 +338,12 @@ class EndpointPool:
         states = [
             s for s in self._states.values() if s.healthy and not s.ejected and s.serves(model)
         ]
-        fleet = max((s.slots.limit for s in states if s.slots.live(now)), default=0)
+        fleet = fleet_limits(((s.endpoint.role, s.slots) for s in states), now)
         if remote is None:
-            return [s.snapshot(now, NO_REMOTE_LOAD, fleet) for s in states]
-        return [s.snapshot(now, remote(s.endpoint.id), fleet) for s in states]
+            return [s.snapshot(now, NO_REMOTE_LOAD, fleet.get(s.endpoint.role, 0)) for s in states]
+        return [
+            s.snapshot(now, remote(s.endpoint.id), fleet.get(s.endpoint.role, 0)) for s in states
+        ]
 
     def lease(
         self,

@@ -303,7 +303,8 @@ class Exchange:
     def _response_headers(self, part: Any) -> list[Any]:
         self._status = header_map(part).get(":status", "none")
         if self._lease is not None:
-            self._lease.first_byte()
+            ok = self._status.startswith(("1", "2", "3"))
+            self._lease.first_byte(tokens=False, answered=ok)
         if part.end_of_stream:
             self.close()
         picked = (self._destination or "").split(",")[0]

@@ -223,14 +223,14 @@ class EndpointMonitor:
         previous = state.metrics
         now = self._clock()
         m = state.metrics = parse_vllm_metrics(body.decode("utf-8", "replace"), now)
-        # Gateway requests the scrape may have counted: the most in flight (and past their
-        # first byte) before or after it.
+        # Gateway requests the scrape may have counted: the most in flight before or after
+        # it; and those surely past their first byte while it ran: the fewest.
         in_flight_after, decoding_after = self._counts(state)
         m.gateway_in_flight = max(in_flight, in_flight_after)
-        decoding = max(decoding, decoding_after)
         # On the pool's clock, which snapshots read the limit's age with.
         state.slots.observe_scrape(
-            m.running, m.waiting, m.kv_usage, decoding, self._pool.clock()
+            m.running, m.waiting, m.kv_usage, min(decoding, decoding_after),
+            self._pool.clock(), max_gap_s=2.5 * self._settings.scrape_interval,
         )
         state.consecutive_failures = 0
         capacity_changed = (m.block_size, m.num_gpu_blocks) != (
@@ -242,9 +242,9 @@ class EndpointMonitor:
 
     def _counts(self, state: EndpointState) -> tuple[int, int]:
         """The gateways' requests in flight to the endpoint, and those past their first
-        byte (this replica's, plus the others' shared through Redis)."""
+        byte (this replica's, plus the others' shared through Redis, up to a sync old)."""
         in_flight = state.in_flight
-        decoding = in_flight - state.pending_prefill_requests
+        decoding = in_flight - state.pending_prefill_requests - state.headers_only
         if self._remote_load is not None:
             remote, _, remote_pending, _ = self._remote_load(state.endpoint.id)
             in_flight += remote

@@ -90,4 +90,27 @@ def test_leases_time_how_long_an_answer_holds_a_slot_and_snapshots_carry_the_lim
     assert by_id[full.endpoint.id][-2:] == (8, 3.0)
     assert by_id[fresh.endpoint.id].slot_limit == 8, "not seen full: the fleet's limit"
     clock.now += 61.0
-    assert all(s.slot_limit == 0 for s in pool.candidates("m")), "unconfirmed for a minute"
+    limits = [s.slot_limit for s in pool.candidates("m")]
+    assert limits == [0, 0], "unconfirmed for a minute"
+
+
+def test_only_answers_time_a_slots_hold_and_an_idle_endpoint_holds_nothing() -> None:
+    clock = ManualClock(100.0)
+    pool = EndpointPool([Endpoint.from_url("http://127.0.0.1:1", models=["m"])], clock=clock)
+    (state,) = list(pool)
+    refused = pool.lease(state.endpoint.id)
+    presumed = pool.lease(state.endpoint.id)  # non-streaming, cut off after its presumed prefill
+    headers = pool.lease(state.endpoint.id)  # ext_proc: headers seen, no token yet
+    clock.now += 5.0
+    refused.first_byte(answered=False)
+    presumed.presume_prefilled()
+    headers.first_byte(tokens=False)
+    assert state.headers_only == 1 and state.pending_prefill_requests == 0
+    refused.release()
+    presumed.release()
+    assert state.slots.hold_s == 0.0, "an error reply or a dropped request held no answer"
+    assert state.slots.hold(clock.now) == 5.0, "one is still in flight since 100 s"
+    headers.release()
+    assert state.slots.hold_s == 5.0 and state.headers_only == 0
+    state.slots.hold_s = 0.0
+    assert state.slots.hold(clock.now + 60.0) == 0.0, "nothing in flight: no hold from idle time"

@@ -76,3 +76,31 @@ def test_the_hold_is_an_average_of_answers_and_before_any_the_oldest_ones_age() 
     assert slots.hold(100.0) == 5.0
     slots.observe_hold(0.0)
     assert slots.hold(100.0) == 5.0, "a zero-length lease says nothing"
+
+
+def test_a_full_looking_pair_below_the_most_ever_running_is_a_wait_for_something_else() -> None:
+    slots = SlotLimit(ttl_s=60.0)
+    slots.observe_scrape(20, 0, 0.3, 20, 0.0)
+    full(slots, 6, 1.0)  # e.g. a long prompt waiting for KV blocks below the 90% mark
+    full(slots, 6, 1.1)
+    assert not slots.live(1.1), "it has run twenty: six cannot be its limit"
+    full(slots, 20, 2.0)
+    full(slots, 20, 2.1)
+    for now in (50.0, 50.1, 100.0, 100.1):
+        full(slots, 12, now)
+    assert not slots.live(62.2), "pairs below the limit do not keep it alive"
+
+
+def test_two_full_scrapes_far_apart_are_not_in_a_row() -> None:
+    slots = SlotLimit()
+    full(slots, 16, 1.0)
+    full(slots, 16, 30.0)  # the scrapes in between failed, or the endpoint was out
+    assert not slots.live(30.0)
+    slots.observe_scrape(16, 2, 0.3, 16, 30.5, max_gap_s=1.0)
+    assert slots.live(30.5)
+
+
+def test_an_endpoint_that_ran_exactly_the_fleets_limit_takes_it() -> None:
+    slots = SlotLimit()
+    slots.observe_scrape(16, 0, 0.3, 16, 1.0)
+    assert slots.limit_at(1.0, fleet=16) == 16

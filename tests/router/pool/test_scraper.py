@@ -171,10 +171,12 @@ async def test_a_scrape_remembers_other_gateways_requests_too(
     assert snapshot.foreign_waiting == 1.0
 
 
-async def _slot_limit_while_busy(config: SimConfig, prompt: str, max_tokens: int) -> float:
-    """Four streamed requests at once through a gateway in front of one replica; the slot
-    limit the gateway reports once the replica has been scraped with two waiting, or after
-    the answers, whichever comes first."""
+async def _slot_limit_while_busy(
+    config: SimConfig, prompt: str, max_tokens: int
+) -> tuple[float, float]:
+    """Four streamed requests at once through a gateway in front of one replica: the slot
+    limit the gateway reports once it has learned one (or at the answers' end, 0), and the
+    most requests it saw waiting in the replica meanwhile."""
     async with (
         start_replicas(1, config) as (replica,),
         running_gateway(gateway_config([replica.url])) as gw,
@@ -187,31 +189,37 @@ async def _slot_limit_while_busy(config: SimConfig, prompt: str, max_tokens: int
                 async for _ in reply.aiter_bytes():
                     pass
 
-        async def limit() -> float:
+        async def gauges() -> dict[str, float]:
             text = (await http.get("/metrics")).text
-            lines = [x for x in text.splitlines() if x.startswith(LIMIT_METRIC)]
-            return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+            rows = (x.rsplit(" ", 1) for x in text.splitlines() if x.startswith(GAUGES))
+            return {name.split("{")[0]: float(value) for name, value in rows}
 
         async with asyncio.timeout(30):
             asks = asyncio.gather(*(ask() for _ in range(4)))
-            seen = 0.0
-            while not asks.done() and not seen:
-                seen = await limit()
+            limit = waited = 0.0
+            while not asks.done() and not limit:
+                seen = await gauges()
+                limit = seen[LIMIT]
+                waited = max(waited, seen["prefixgate_endpoint_waiting"])
                 await asyncio.sleep(0.05)
             await asks
-        return seen
+        return limit, waited
 
 
-LIMIT_METRIC = "prefixgate_endpoint_slot_limit{"
+LIMIT = "prefixgate_endpoint_slot_limit"
+GAUGES = (LIMIT + "{", "prefixgate_endpoint_waiting{")
 
 
 async def test_a_replica_with_its_slots_full_teaches_the_gateway_its_limit() -> None:
     # Two slots, four long answers: two decode while two wait for a slot.
     config = SimConfig(speed=20.0, max_num_seqs=2)
-    assert await _slot_limit_while_busy(config, "hello", max_tokens=3000) == 2.0
+    limit, waited = await _slot_limit_while_busy(config, "hello", max_tokens=3000)
+    assert limit == 2.0 and waited >= 1
 
 
 async def test_requests_waiting_behind_a_prefill_teach_no_slot_limit() -> None:
     # Plenty of slots, one prefill at a time: requests wait, but for the prefill ahead.
     config = SimConfig(speed=20.0, prefill_mode="serial", prefill_ms_per_token=20.0)
-    assert await _slot_limit_while_busy(config, "word " * 2000, max_tokens=2) == 0.0
+    limit, waited = await _slot_limit_while_busy(config, "word " * 2000, max_tokens=2)
+    assert waited >= 1, "requests waited, behind the prefill"
+    assert limit == 0.0
