@@ -46,9 +46,7 @@ class CostPriors:
     prior_spread_tokens: float = 100.0
     # The same for the queued tokens' discount, the running requests' cost and the queued
     # requests' own cost: samples with a queue spread over ~1,000 tokens, running counts over
-    # ~4 requests, or queue lengths over ~1 request, weigh as much as the prior (queued tokens
-    # are always counted among the total too, so their discount is only learned where queues
-    # vary a lot).
+    # ~4 requests, or queue lengths over ~1 request, weigh as much as the prior.
     prior_spread_queued_tokens: float = 1000.0
     prior_spread_running: float = 4.0
     prior_spread_queued_requests: float = 1.0
@@ -59,7 +57,7 @@ class CostPriors:
     stale_half_life_s: float = 30.0
 
 
-# Tokens' worth ahead (own + queued + running), queued tokens, running requests, queued requests.
+# Own tokens, queued tokens, running requests, queued requests.
 _REGRESSORS = 4
 # The fit is re-solved at most this often, or once this many samples came in (a solve is tens
 # of microseconds of Python; once per first byte it was a tenth of the gateway's CPU at a few
@@ -102,7 +100,8 @@ class Price:
 
 @dataclass(slots=True)
 class _Fit:
-    # Exponentially weighted sums for least squares on y = a + beta . x.
+    # Exponentially weighted sums for least squares on y = a + beta . x, x the counts of
+    # ``Calibrator.observe``.
     w: float = 0.0
     sx: list[float] = field(default_factory=lambda: [0.0] * _REGRESSORS)
     sy: float = 0.0
@@ -128,33 +127,43 @@ class _Fit:
     def solve(self, priors: CostPriors) -> None:
         mean = [v / self.w for v in self.sx]
         mean_y = self.sy / self.w
-        # Ridge towards the priors: a coefficient whose regressor does not vary in the samples
-        # is not identifiable and stays the prior's, while the intercept is learned either way.
-        prior = (priors.per_token_s, 0.0, 0.0, 0.0)
-        spreads = (
-            priors.prior_spread_tokens, priors.prior_spread_queued_tokens,
-            priors.prior_spread_running, priors.prior_spread_queued_requests,
-        )
         matrix = [
             [self.sxx[i][j] / self.w - mean[i] * mean[j] for j in range(_REGRESSORS)]
             for i in range(_REGRESSORS)
         ]
         vector = [self.sxy[i] / self.w - mean[i] * mean_y for i in range(_REGRESSORS)]
-        for i in range(_REGRESSORS):
-            ridge = max(spreads[i], 1e-3) ** 2
-            matrix[i][i] += ridge
-            vector[i] += ridge * prior[i]
-        slope, discount, extra, per_request = _solve(matrix, vector)
-        # Sane bounds: a token never costs less than a hundredth or more than 100x the prior; a
-        # queued token between nothing and what an own one costs; a running request between
-        # nothing and 100x the prior's share of the steps; a queued request between nothing
-        # and 10x the prior overhead beyond its tokens.
-        slope = min(max(slope, priors.per_token_s / 100), priors.per_token_s * 100)
-        discount = min(max(discount, -slope), 0.0)
-        running_s = slope * priors.running_tokens
-        extra = min(max(extra, -running_s), 99 * priors.per_token_s * priors.running_tokens)
+        # Ridge towards vLLM's shape: a coefficient whose count does not vary in the samples is
+        # not identifiable and keeps the prior's, while the intercept is learned either way. A
+        # queued token and a running request are pulled towards what they cost at the own
+        # tokens' learned speed, so the fit is solved twice: first against the prior's speed,
+        # then against the slope that gave. Each price is pulled only towards its prior, never
+        # towards another coefficient: tied to the own-token slope, a queue shown free
+        # (prefills side by side) dragged the slope to its floor with it while every prompt
+        # was one size, and a recompute of thousands of tokens priced as nothing.
+        spreads = (
+            priors.prior_spread_tokens, priors.prior_spread_queued_tokens,
+            priors.prior_spread_running, priors.prior_spread_queued_requests,
+        )
+        speed = priors.per_token_s
+        for _ in range(2):
+            prior = (speed, speed, speed * priors.running_tokens, 0.0)
+            ridged = [row[:] for row in matrix]
+            target = vector[:]
+            for i in range(_REGRESSORS):
+                ridge = max(spreads[i], 1e-3) ** 2
+                ridged[i][i] += ridge
+                target[i] += ridge * prior[i]
+            slope, queued, running, per_request = _solve(ridged, target)
+            # A token never costs less than a hundredth or more than 100x the prior.
+            speed = slope = min(max(slope, priors.per_token_s / 100), priors.per_token_s * 100)
+        # A queued token costs between nothing and what an own one costs; a running request
+        # between nothing and 100x the prior's share of the steps at this speed; a queued
+        # request between nothing and 10x the prior overhead beyond its tokens.
+        queued = min(max(queued, 0.0), slope)
+        running_s = priors.running_tokens
+        running = min(max(running, 0.0), running_s * (slope + 99 * priors.per_token_s))
         per_request = min(max(per_request, 0.0), 10 * priors.overhead_s)
-        self.beta = (slope, discount, extra, per_request)
+        self.beta = (slope, queued, running, per_request)
         intercept = mean_y - sum(b * m for b, m in zip(self.beta, mean, strict=True))
         self.overhead_s = min(max(intercept, 0.0), 60.0)
 
@@ -254,16 +263,18 @@ class Calibrator:
         p = self._priors
         fleet = self._fleet
         trust = min(1.0, fleet.samples / p.warmup_samples)
-        slope, discount, extra, per_request = fleet.beta
+        slope, queued, running, per_request = fleet.beta
 
         def blend(learned: float, prior: float) -> float:
             return trust * learned + (1 - trust) * prior
 
+        # The queued and running prices keep their learned difference from the own-token slope
+        # while it is blended with the prior's.
         per_token = blend(slope, p.per_token_s)
+        per_running = per_token * p.running_tokens + trust * (running - slope * p.running_tokens)
         return Price(
             blend(fleet.overhead_s, p.overhead_s), per_token,
-            per_token + trust * discount, per_token * p.running_tokens + trust * extra,
-            trust * per_request,
+            per_token + trust * (queued - slope), per_running, trust * per_request,
         )
 
     def fleet_cost(self) -> tuple[float, float]:
@@ -340,9 +351,8 @@ class Calibrator:
         if not all(math.isfinite(v) and v >= 0 for v in (*counts, seconds)):
             return
         p = self.priors
-        x = (tokens + queued + p.running_tokens * running, queued, running, queued_requests)
         fleet = self.fleet_price()
-        self._fleet.add(x, self._clipped(fleet.predict(*counts), seconds), p.decay)
+        self._fleet.add(counts, self._clipped(fleet.predict(*counts), seconds), p.decay)
         self._unsolved += 1  # solved when next read (fleet_price)
         # The endpoint's speed is judged against the prediction made before this sample.
         own = self._price(endpoint_id, fleet)

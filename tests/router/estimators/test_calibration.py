@@ -230,6 +230,21 @@ def test_no_spread_in_queues_or_running_counts_keeps_their_priors() -> None:
     assert price.per_queued_request_s == 0.0
 
 
+def test_a_free_queue_does_not_make_prompts_of_one_size_free() -> None:
+    """A burst of first requests, all one size, on prefills that run side by side: the queue
+    shows free, but nothing says what an own token costs, so its price stays the prior's."""
+    calibrator = Calibrator()
+    rng = random.Random(9)
+    for _ in range(40):
+        queued = rng.uniform(0, 1_300)
+        running = rng.randint(0, 3)
+        calibrator.observe("a", 675, 0.31 + rng.gauss(0, 0.005), queued, running, queued // 300)
+    price = calibrator.fleet_price()
+    assert price.per_token_s == pytest.approx(0.0002, rel=0.1)
+    # What sends a session's next request home: 593 tokens fewer to compute there.
+    assert price.predict(815) - price.predict(222) > 0.1
+
+
 def test_the_fleet_price_is_recomputed_when_a_sample_or_the_priors_change() -> None:
     calibrator = Calibrator(CostPriors(overhead_s=0.03, per_token_s=0.0002))
     first = calibrator.fleet_price()
