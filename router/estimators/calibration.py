@@ -18,47 +18,9 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from router.estimators.cost_fit import CostFit
+from router.estimators.cost_fit import CostPriors as CostPriors
 
-@dataclass(frozen=True, slots=True)
-class CostPriors:
-    overhead_s: float = 0.030
-    per_token_s: float = 0.0002
-    # Fleet samples before the fleet fit is trusted fully; until then it is blended with the
-    # priors.
-    warmup_samples: int = 20
-    # Weight of the past per sample: the fleet, fed by every endpoint, forgets a sample with a
-    # half-life of ~70 samples; an endpoint's factor, with one of ~35 of its own.
-    decay: float = 0.99
-    endpoint_decay: float = 0.98
-    # Residuals beyond this many seconds (or the prediction, if larger) count as this many (a
-    # stall, a GC pause, a preemption).
-    clip_s: float = 1.0
-    # What a running request adds to a first byte, in prompt tokens (its decode share of the
-    # steps a prefill runs in: ~8 ms on the 8B-on-H100 profile, i.e. ~40 tokens), so that the
-    # prior scales with the hardware's learned speed.
-    running_tokens: float = 40.0
-    # Strength of the prior slope, as the spread (standard deviation, tokens) of token counts
-    # at which the samples weigh as much as the prior (ridge regression towards it). Prompts
-    # of nearly one size say little about the cost of a token, and a slope fitted to their
-    # noise can collapse to nothing, which would make every queued or running token free and
-    # herd traffic. Agentic traffic, spread over thousands of tokens, overrides the prior
-    # almost entirely (it keeps 1% of the weight at a spread of 1,000 tokens, 80% at 50).
-    prior_spread_tokens: float = 100.0
-    # The same for the queued tokens' discount, the running requests' cost and the queued
-    # requests' own cost: samples with a queue spread over ~1,000 tokens, running counts over
-    # ~4 requests, or queue lengths over ~1 request, weigh as much as the prior.
-    prior_spread_queued_tokens: float = 1000.0
-    prior_spread_running: float = 4.0
-    prior_spread_queued_requests: float = 1.0
-    # An endpoint's speed factor counts w / (w + this) of its own evidence (in log space; w:
-    # its decayed sample weight, at most 1 / (1 - endpoint_decay) = 50, so at most ~83%).
-    endpoint_pseudo_samples: float = 10.0
-    # An endpoint's evidence halves for every this many seconds without a sample of its own.
-    stale_half_life_s: float = 30.0
-
-
-# Own tokens, queued tokens, running requests, queued requests.
-_REGRESSORS = 4
 # The fit is re-solved at most this often, or once this many samples came in (a solve is tens
 # of microseconds of Python; once per first byte it was a tenth of the gateway's CPU at a few
 # thousand requests a second, while the fit moves over tens of samples).
@@ -76,7 +38,7 @@ class Price:
 
     overhead_s: float
     per_token_s: float
-    # What a token of the queue ahead costs (per_token_s plus the learned discount).
+    # What a token of the queue ahead costs (at most per_token_s).
     per_queued_token_s: float
     per_running_s: float
     # What each request queued ahead costs beyond its tokens.
@@ -99,100 +61,13 @@ class Price:
 
 
 @dataclass(slots=True)
-class _Fit:
-    # Exponentially weighted sums for least squares on y = a + beta . x, x the counts of
-    # ``Calibrator.observe``.
-    w: float = 0.0
-    sx: list[float] = field(default_factory=lambda: [0.0] * _REGRESSORS)
-    sy: float = 0.0
-    sxx: list[list[float]] = field(
-        default_factory=lambda: [[0.0] * _REGRESSORS for _ in range(_REGRESSORS)]
-    )
-    sxy: list[float] = field(default_factory=lambda: [0.0] * _REGRESSORS)
-    samples: int = 0
-    overhead_s: float = 0.0
-    beta: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
-
-    def add(self, x: tuple[float, float, float, float], y: float, decay: float) -> None:
-        self.w = self.w * decay + 1.0
-        self.sy = self.sy * decay + y
-        for i in range(_REGRESSORS):
-            self.sx[i] = self.sx[i] * decay + x[i]
-            self.sxy[i] = self.sxy[i] * decay + x[i] * y
-            row = self.sxx[i]
-            for j in range(_REGRESSORS):
-                row[j] = row[j] * decay + x[i] * x[j]
-        self.samples += 1
-
-    def solve(self, priors: CostPriors) -> None:
-        mean = [v / self.w for v in self.sx]
-        mean_y = self.sy / self.w
-        matrix = [
-            [self.sxx[i][j] / self.w - mean[i] * mean[j] for j in range(_REGRESSORS)]
-            for i in range(_REGRESSORS)
-        ]
-        vector = [self.sxy[i] / self.w - mean[i] * mean_y for i in range(_REGRESSORS)]
-        # Ridge towards vLLM's shape: a coefficient whose count does not vary in the samples is
-        # not identifiable and keeps the prior's, while the intercept is learned either way. A
-        # queued token and a running request are pulled towards what they cost at the own
-        # tokens' learned speed, so the fit is solved twice: first against the prior's speed,
-        # then against the slope that gave. Each price is pulled only towards its prior, never
-        # towards another coefficient: tied to the own-token slope, a queue shown free
-        # (prefills side by side) dragged the slope to its floor with it while every prompt
-        # was one size, and a recompute of thousands of tokens priced as nothing.
-        spreads = (
-            priors.prior_spread_tokens, priors.prior_spread_queued_tokens,
-            priors.prior_spread_running, priors.prior_spread_queued_requests,
-        )
-        speed = priors.per_token_s
-        for _ in range(2):
-            prior = (speed, speed, speed * priors.running_tokens, 0.0)
-            ridged = [row[:] for row in matrix]
-            target = vector[:]
-            for i in range(_REGRESSORS):
-                ridge = max(spreads[i], 1e-3) ** 2
-                ridged[i][i] += ridge
-                target[i] += ridge * prior[i]
-            slope, queued, running, per_request = _solve(ridged, target)
-            # A token never costs less than a hundredth or more than 100x the prior.
-            speed = slope = min(max(slope, priors.per_token_s / 100), priors.per_token_s * 100)
-        # A queued token costs between nothing and what an own one costs; a running request
-        # between nothing and 100x the prior's share of the steps at this speed; a queued
-        # request between nothing and 10x the prior overhead beyond its tokens.
-        queued = min(max(queued, 0.0), slope)
-        running_s = priors.running_tokens
-        running = min(max(running, 0.0), running_s * (slope + 99 * priors.per_token_s))
-        per_request = min(max(per_request, 0.0), 10 * priors.overhead_s)
-        self.beta = (slope, queued, running, per_request)
-        intercept = mean_y - sum(b * m for b, m in zip(self.beta, mean, strict=True))
-        self.overhead_s = min(max(intercept, 0.0), 60.0)
-
-
-def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (the ridge keeps the matrix regular)."""
-    n = len(vector)
-    a = [[*row, b] for row, b in zip(matrix, vector, strict=True)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(col + 1, n):
-            ratio = a[r][col] / a[col][col]
-            for c in range(col, n + 1):
-                a[r][c] -= ratio * a[col][c]
-    out = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        out[r] = (a[r][n] - sum(a[r][c] * out[c] for c in range(r + 1, n))) / a[r][r]
-    return out
-
-
-@dataclass(slots=True)
 class _Speed:
     """Decayed sums of own tokens, queued tokens, running requests, queued requests and
     (clipped) first-byte times, of one endpoint's samples or of all endpoints': what their
     fleet-predicted times are summed from."""
 
     w: float = 0.0
-    sx: list[float] = field(default_factory=lambda: [0.0] * _REGRESSORS)
+    sx: list[float] = field(default_factory=lambda: [0.0] * 4)
     sy: float = 0.0
     last_sample: float = 0.0
 
@@ -222,7 +97,7 @@ class Calibrator:
     ):
         self._priors = priors or CostPriors()
         self._clock = clock
-        self._fleet = _Fit()
+        self._fleet = CostFit()
         # The fleet's price changes only with a sample or new priors; the scorers read it for
         # every candidate of every request, so it is computed when those change.
         self._fleet_price: Price | None = None
@@ -245,6 +120,10 @@ class Calibrator:
     def priors(self, priors: CostPriors) -> None:
         self._priors = priors
         self._fleet_price = None
+        # The fit's coefficients were bounded and pulled by the old priors: solve again.
+        if self._fleet.samples:
+            self._unsolved = max(self._unsolved, 1)
+            self._solved_at = -math.inf
 
     def fleet_price(self) -> Price:
         """The figures learned over every endpoint (blended with the priors while few)."""

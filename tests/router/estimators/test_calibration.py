@@ -233,16 +233,38 @@ def test_no_spread_in_queues_or_running_counts_keeps_their_priors() -> None:
 def test_a_free_queue_does_not_make_prompts_of_one_size_free() -> None:
     """A burst of first requests, all one size, on prefills that run side by side: the queue
     shows free, but nothing says what an own token costs, so its price stays the prior's."""
-    calibrator = Calibrator()
+    clock = ManualClock()
+    calibrator = Calibrator(clock=clock)
     rng = random.Random(9)
     for _ in range(40):
+        clock.now += 0.01
         queued = rng.uniform(0, 1_300)
-        running = rng.randint(0, 3)
-        calibrator.observe("a", 675, 0.31 + rng.gauss(0, 0.005), queued, running, queued // 300)
+        calibrator.observe("a", 675, 0.31 + rng.gauss(0, 0.005), queued, 0.0, queued // 300)
+    clock.now += 1.0
     price = calibrator.fleet_price()
     assert price.per_token_s == pytest.approx(0.0002, rel=0.1)
     # What sends a session's next request home: 593 tokens fewer to compute there.
     assert price.predict(815) - price.predict(222) > 0.1
+    # The samples are predicted where they were taken, whatever the split.
+    assert price.predict(675, 650, 0.0, 2) == pytest.approx(0.31, abs=0.02)
+
+
+def test_a_dear_queue_on_prompts_of_one_size_teaches_the_speed() -> None:
+    """A fleet four times slower than the prior, prompts all one size, queues that cost what
+    own tokens cost: the queue's price may not exceed an own token's, so the two are fitted as
+    one, and the own tokens learn the speed rather than the overhead taking it."""
+    clock = ManualClock()
+    calibrator = Calibrator(clock=clock)
+    rng = random.Random(10)
+    for _ in range(300):
+        clock.now += 0.01
+        queued = rng.uniform(0, 3_000)
+        calibrator.observe("a", 675, 0.03 + 0.0008 * (675 + queued), queued)
+    clock.now += 1.0
+    price = calibrator.fleet_price()
+    assert price.per_token_s == pytest.approx(0.0008, rel=0.05)
+    assert price.per_queued_token_s == pytest.approx(price.per_token_s)
+    assert price.overhead_s == pytest.approx(0.03, abs=0.02)
 
 
 def test_the_fleet_price_is_recomputed_when_a_sample_or_the_priors_change() -> None:
@@ -255,6 +277,16 @@ def test_the_fleet_price_is_recomputed_when_a_sample_or_the_priors_change() -> N
     calibrator.priors = CostPriors(overhead_s=0.1, per_token_s=0.0002)
     assert calibrator.fleet_price() is not learned
     assert calibrator.fleet_price().overhead_s > learned.overhead_s
+
+
+def test_new_priors_solve_the_fit_again() -> None:
+    clock = ManualClock()
+    calibrator = Calibrator(clock=clock)
+    for _ in range(40):
+        calibrator.observe("a", 500, 0.2)  # one prompt size: the slope is the prior's
+    assert calibrator.fleet_price().per_token_s == pytest.approx(0.0002)
+    calibrator.priors = CostPriors(per_token_s=0.0004)
+    assert calibrator.fleet_price().per_token_s == pytest.approx(0.0004)
 
 
 def test_the_fit_is_solved_when_read_at_most_every_interval_or_batch_of_samples() -> None:
