@@ -103,13 +103,14 @@ class CostFit:
         ridge = [max(s, 1e-3) ** 2 for s in spreads]
         # The queued and running prices are pulled towards what they cost at the own tokens'
         # *learned* speed, so the fit is solved twice: unbounded against the prior's speed for
-        # that speed, then within bounds against it. Each is pulled only towards its prior, not
-        # tied to the slope: tied, a queue shown free (prefills side by side) dragged the slope
-        # to its floor while every prompt was one size, and a recompute of thousands of tokens
-        # priced as nothing. Where the queue costs more than an own token, the bound ties them.
+        # that speed, then within bounds against it. Each price is pulled only towards its own
+        # prior and bounded on its own: tied to the own-token slope (a queued token costing at
+        # most an own one), a queue shown free (prefills side by side) dragged the slope to its
+        # floor while every prompt was one size, a queue shown dear (requests waiting for a
+        # sequence slot) pushed it up, and either way a recompute was mispriced.
         p = priors.per_token_s
         start = (p, p, p * priors.running_tokens, 0.0)
-        first = _solve_held(matrix, vector, ridge, start, {}, tied=False)
+        first = _solve_held(matrix, vector, ridge, start, {})
         low, high = _bounds(first, priors)[_OWN]
         speed = min(max(first[_OWN], low), high)
         prior = (p, speed, speed * priors.running_tokens, 0.0)
@@ -120,13 +121,13 @@ class CostFit:
 
 
 def _bounds(beta: Sequence[float], priors: CostPriors) -> list[tuple[float, float]]:
-    """Sane bounds: an own token between a hundredth and 100x the prior; a queued token
-    between nothing and what an own one costs; a running request between nothing and 100x
-    the prior's share of the steps (at the learned speed); a queued request between nothing
-    and 10x the prior overhead beyond its tokens."""
+    """Sane bounds: an own or a queued token between nothing (a hundredth of the prior, for
+    an own one) and 100x the prior; a running request between nothing and 100x the prior's
+    share of the steps (at the learned speed); a queued request between nothing and 10x the
+    prior overhead beyond its tokens."""
     p, running = priors.per_token_s, priors.running_tokens
     return [
-        (p / 100, p * 100), (0.0, beta[_OWN]), (0.0, running * (beta[_OWN] + 99 * p)),
+        (p / 100, p * 100), (0.0, p * 100), (0.0, running * (beta[_OWN] + 99 * p)),
         (0.0, 10 * priors.overhead_s),
     ]
 
@@ -139,26 +140,20 @@ def _bounded_ridge(
     priors: CostPriors,
 ) -> list[float]:
     """The ridge solution within ``_bounds``: a coefficient that breaks a bound is held at it
-    (a queued price above the own one is tied to it) and the others are solved again, so what
-    the bound cuts off is refitted rather than left to the intercept (an active set, only ever
-    growing)."""
+    and the others are solved again, so what the bound cuts off is refitted rather than left
+    to the intercept (an active set, only ever growing)."""
     held: dict[int, float] = {}
-    tied = False
     beta = list(prior)
     for _ in range(_MAX_ACTIVE_SET_ROUNDS):
-        beta = _solve_held(matrix, vector, ridge, prior, held, tied=tied)
-        bounds = _bounds(beta, priors)
-        broken = False
-        for i, (low, high) in enumerate(bounds):
-            if i in held or (tied and i == _QUEUED) or low <= beta[i] <= high:
-                continue
-            broken = True
-            if i == _QUEUED and beta[i] > high:
-                tied = True
-            else:
-                held[i] = min(max(beta[i], low), high)
+        beta = _solve_held(matrix, vector, ridge, prior, held)
+        broken = {
+            i: min(max(b, low), high)
+            for i, (b, (low, high)) in enumerate(zip(beta, _bounds(beta, priors), strict=True))
+            if i not in held and not low <= b <= high
+        }
         if not broken:
             break
+        held.update(broken)
     bounds = _bounds(beta, priors)
     return [min(max(b, low), high) for b, (low, high) in zip(beta, bounds, strict=True)]
 
@@ -169,42 +164,22 @@ def _solve_held(
     ridge: list[float],
     prior: Sequence[float],
     held: dict[int, float],
-    *,
-    tied: bool,
 ) -> list[float]:
-    """Minimise b'Mb - 2v'b + sum ridge_i (b_i - prior_i)^2 over the coefficients not held,
-    with the queued one equal to the own one if ``tied``: b = T theta + c, solved for theta.
-    Tied, the queued price has vLLM's shape exactly, so its pull towards that shape is off."""
+    """Minimise b'Mb - 2v'b + sum ridge_i (b_i - prior_i)^2 over the coefficients not in
+    ``held``, the others fixed at their held values."""
     n = len(vector)
-    ridge = [0.0 if tied and i == _QUEUED else x for i, x in enumerate(ridge)]
-    group: list[int | None] = [None] * n  # coefficient -> free parameter
-    const = [0.0] * n
-    free = 0
-    for i in range(n):
-        if i in held:
-            const[i] = held[i]
-        elif tied and i == _QUEUED:
-            group[i] = group[_OWN]
-            const[i] = held.get(_OWN, 0.0)
-        else:
-            group[i] = free
-            free += 1
-    a = [[matrix[i][j] + (ridge[i] if i == j else 0.0) for j in range(n)] for i in range(n)]
-    r = [
-        vector[i] + ridge[i] * prior[i] - sum(a[i][j] * const[j] for j in range(n))
-        for i in range(n)
+    free = [i for i in range(n) if i not in held]
+    const = [held.get(i, 0.0) for i in range(n)]
+    reduced = [[matrix[i][j] + (ridge[i] if i == j else 0.0) for j in free] for i in free]
+    target = [
+        vector[i] + ridge[i] * prior[i] - sum(matrix[i][j] * const[j] for j in held)
+        for i in free
     ]
-    reduced = [[0.0] * free for _ in range(free)]
-    target = [0.0] * free
-    for i, g in enumerate(group):
-        if g is None:
-            continue
-        target[g] += r[i]
-        for j, h in enumerate(group):
-            if h is not None:
-                reduced[g][h] += a[i][j]
     theta = _solve(reduced, target) if free else []
-    return [const[i] if g is None else theta[g] for i, g in enumerate(group)]
+    out = const[:]
+    for i, value in zip(free, theta, strict=True):
+        out[i] = value
+    return out
 
 
 def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
