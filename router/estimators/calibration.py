@@ -30,6 +30,7 @@ REFIT_SAMPLES = 16
 # samples change: all that moves it meanwhile is the staleness decay of its speed factor
 # (half-life ``stale_half_life_s``, 30 s), and the scorer reads it for every candidate.
 PRICE_TTL_S = 0.5
+_MAX_COUNT = 1e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +39,7 @@ class Price:
 
     overhead_s: float
     per_token_s: float
-    # What a token of the queue ahead costs (at most per_token_s).
+    # What a token of the queue ahead costs.
     per_queued_token_s: float
     per_running_s: float
     # What each request queued ahead costs beyond its tokens.
@@ -227,7 +228,8 @@ class Calibrator:
         prefill, ``queued`` tokens of prefill ahead of it in ``queued_requests`` requests, and
         ``running`` requests beside it."""
         counts = (tokens, queued, running, queued_requests)
-        if not all(math.isfinite(v) and v >= 0 for v in (*counts, seconds)):
+        # Counts beyond any engine's (a corrupt usage) would overflow the fit's sums for good.
+        if not all(math.isfinite(v) and 0 <= v < _MAX_COUNT for v in (*counts, seconds)):
             return
         p = self.priors
         fleet = self.fleet_price()

@@ -121,13 +121,14 @@ class CostFit:
 
 
 def _bounds(beta: Sequence[float], priors: CostPriors) -> list[tuple[float, float]]:
-    """Sane bounds: an own or a queued token between nothing (a hundredth of the prior, for
-    an own one) and 100x the prior; a running request between nothing and 100x the prior's
-    share of the steps (at the learned speed); a queued request between nothing and 10x the
-    prior overhead beyond its tokens."""
+    """Sane bounds: an own token between a hundredth of the prior and 100x it; a queued token
+    between nothing and 100x the prior; a running request between nothing and its share of
+    the steps at the learned speed plus 99x the prior's share; a queued request between
+    nothing and 10x the prior overhead beyond its tokens."""
     p, running = priors.per_token_s, priors.running_tokens
+    own = min(max(beta[_OWN], p / 100), p * 100)
     return [
-        (p / 100, p * 100), (0.0, p * 100), (0.0, running * (beta[_OWN] + 99 * p)),
+        (p / 100, p * 100), (0.0, p * 100), (0.0, running * (own + 99 * p)),
         (0.0, 10 * priors.overhead_s),
     ]
 
@@ -141,7 +142,9 @@ def _bounded_ridge(
 ) -> list[float]:
     """The ridge solution within ``_bounds``: a coefficient that breaks a bound is held at it
     and the others are solved again, so what the bound cuts off is refitted rather than left
-    to the intercept (an active set, only ever growing)."""
+    to the intercept. The active set only grows: a coefficient held is never released, which
+    can miss the exact optimum when two break at once (first bytes falling as prompts grow,
+    say), a case no engine produces."""
     held: dict[int, float] = {}
     beta = list(prior)
     for _ in range(_MAX_ACTIVE_SET_ROUNDS):

@@ -251,9 +251,8 @@ def test_a_free_queue_does_not_make_prompts_of_one_size_free() -> None:
 
 def test_a_dear_queue_on_prompts_of_one_size_is_learned_as_the_queues_price() -> None:
     """A fleet four times slower than the prior, prompts all one size, queues that cost what
-    own tokens cost: the queue's price is learned from the queues, and first bytes are
-    predicted near where they were taken (clamped after the solve, the queued price stayed
-    the prior's and the overhead took the rest: 1.6 s predicted for an empty queue's 0.57 s)."""
+    own tokens cost: the queue's price is learned from the queues, not capped at the own
+    token's (the prior's, here), which left 1.6 s of overhead for an empty queue's 0.57 s."""
     clock = ManualClock()
     calibrator = Calibrator(clock=clock)
     rng = random.Random(10)
@@ -266,8 +265,27 @@ def test_a_dear_queue_on_prompts_of_one_size_is_learned_as_the_queues_price() ->
     # Pulled towards the prior as far as 3,000 tokens of queue spread leave it (about half).
     assert price.per_queued_token_s > 2 * 0.0002
     assert price.predict(675, 1_500) == pytest.approx(0.03 + 0.0008 * 2_175, rel=0.05)
-    # 0.57 s true; 1.6 s predicted when the price was clamped after the solve.
+    # 0.57 s true; 1.6 s with the queued price capped at the own one's.
     assert price.predict(675) < 1.2
+
+
+def test_a_price_held_at_its_bound_leaves_the_rest_to_the_others() -> None:
+    """Every queued request 300 tokens: the fit cannot tell a queued token from a queued
+    request, and the unbounded request price is negative. Held at 0 with the queued price
+    solved again, the queue is priced near what it costs; clamped after the solve, the
+    queued price kept the share that offset the negative one."""
+    clock = ManualClock()
+    calibrator = Calibrator(clock=clock)
+    rng = random.Random(11)
+    for _ in range(300):
+        clock.now += 0.01
+        own, requests = rng.uniform(100, 5_000), rng.randint(0, 10)
+        seconds = 0.03 + 0.0002 * own + 0.00005 * 300 * requests
+        calibrator.observe("a", own, seconds, 300.0 * requests, 0.0, requests)
+    clock.now += 1.0
+    price = calibrator.fleet_price()
+    assert price.per_queued_request_s == 0.0
+    assert price.per_queued_token_s < 0.00016  # 0.00019 clamped after the solve
 
 
 def test_new_priors_solve_the_fit_again() -> None:
