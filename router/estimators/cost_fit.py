@@ -126,10 +126,10 @@ def _bounds(beta: Sequence[float], priors: CostPriors) -> list[tuple[float, floa
     the steps at the learned speed plus 99x the prior's share; a queued request between
     nothing and 10x the prior overhead beyond its tokens."""
     p, running = priors.per_token_s, priors.running_tokens
-    own = min(max(beta[_OWN], p / 100), p * 100)
+    low, high = p / 100, p * 100
+    own = min(max(beta[_OWN], low), high)
     return [
-        (p / 100, p * 100), (0.0, p * 100), (0.0, running * (own + 99 * p)),
-        (0.0, 10 * priors.overhead_s),
+        (low, high), (0.0, high), (0.0, running * (own + 99 * p)), (0.0, 10 * priors.overhead_s),
     ]
 
 
