@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import shutil
 import statistics
@@ -31,9 +30,9 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.bench.procs import HOST, free_port
+from benchmarks.proc_cpu import Usage, tree_usage
 
 READY_TIMEOUT_S = 60.0
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -42,33 +41,18 @@ class Run:
     rps: float
     requests: int
     errors: int
-    cpu_s: float
+    usage: Usage
+
+    @property
+    def cpu_s(self) -> float:
+        return self.usage.cpu_s
 
     @property
     def cpu_ms_per_request(self) -> float:
         return 1000 * self.cpu_s / max(1, self.requests)
 
-
-def tree_cpu_seconds(root: int) -> float:
-    """utime + stime of ``root`` and every live descendant (from /proc)."""
-    parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError):
-            stat = (entry / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            pid = int(entry.name)
-            parents[pid] = int(fields[1])
-            cpu[pid] = (int(fields[11]) + int(fields[12])) / TICKS
-    tree, frontier = {root}, [root]
-    while frontier:
-        parent = frontier.pop()
-        kids = [p for p, pp in parents.items() if pp == parent and p not in tree]
-        tree.update(kids)
-        frontier += kids
-    return sum(cpu.get(p, 0.0) for p in tree)
+    def per_request(self, value: float) -> float:
+        return value / max(1, self.requests)
 
 
 def wrk_script(directory: Path, stream: bool) -> Path:
@@ -154,25 +138,31 @@ def measure(sim_url: str, workers: int, args: argparse.Namespace, script: Path) 
            "--port", str(port), "--workers", str(workers), "--log-level", "warning"]
     with process(cmd, url, workers=workers) as gw:
         run_wrk(url, script, args.connections, 2)  # warm-up: connections, caches, JIT-free paths
-        before = tree_cpu_seconds(gw.pid)
+        before = tree_usage(gw.pid)
         requests, rps, errors = run_wrk(url, script, args.connections, args.seconds)
-        cpu = tree_cpu_seconds(gw.pid) - before
-    return Run(workers, rps, requests, errors, cpu)
+        used = tree_usage(gw.pid) - before
+    return Run(workers, rps, requests, errors, used)
 
 
 def report(runs: list[Run]) -> None:
     print("| workers | req/s (median) | req/s per round | CPU ms/request (median) | "
+          "user / system ms/request | context switches/request, voluntary / involuntary | "
           "CPU cores used | errors |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     base = None
     for n in sorted({r.workers for r in runs}):
         mine = [r for r in runs if r.workers == n]
         rps = statistics.median(r.rps for r in mine)
         cpu = statistics.median(r.cpu_ms_per_request for r in mine)
+        user = statistics.median(1000 * r.per_request(r.usage.user_s) for r in mine)
+        system = statistics.median(1000 * r.per_request(r.usage.system_s) for r in mine)
+        voluntary = statistics.median(r.per_request(r.usage.voluntary) for r in mine)
+        involuntary = statistics.median(r.per_request(r.usage.involuntary) for r in mine)
         base = base or rps
         rounds = ", ".join(f"{r.rps:,.0f}" for r in mine)
         cores = statistics.median(r.cpu_ms_per_request * r.rps / 1000 for r in mine)
-        print(f"| {n} | {rps:,.0f} ({rps / base:.2f}x) | {rounds} | {cpu:.3f} | {cores:.2f} | "
+        print(f"| {n} | {rps:,.0f} ({rps / base:.2f}x) | {rounds} | {cpu:.3f} | "
+              f"{user:.3f} / {system:.3f} | {voluntary:.2f} / {involuntary:.2f} | {cores:.2f} | "
               f"{sum(r.errors for r in mine)} |", flush=True)
 
 

@@ -1,4 +1,5 @@
-"""The workers benchmark's measuring parts: wrk's report and a process tree's CPU."""
+"""The workers benchmark's measuring parts: wrk's report and a process tree's CPU and
+context switches."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 
 import pytest
 
-from benchmarks.workers import parse_wrk, tree_cpu_seconds
+from benchmarks.proc_cpu import Usage, tree_cpu_seconds, tree_usage
+from benchmarks.workers import Run, parse_wrk
 
 REPORT = """Running 8s test @ http://127.0.0.1:1/v1/chat/completions
   2 threads and 32 connections
@@ -50,6 +52,32 @@ def test_tree_cpu_counts_the_children() -> None:
     finally:
         child.kill()
         child.wait(5)
+
+
+def test_tree_usage_counts_a_childs_waits_as_voluntary_switches() -> None:
+    # 200 sleeps: each one a wait, so a voluntary context switch of the child.
+    waits = "import time\nfor _ in range(200): time.sleep(0.0005)\n"
+    child = subprocess.Popen([sys.executable, "-c", waits + "input()"], stdin=subprocess.PIPE)
+    try:
+        before = tree_usage(os.getpid())
+        switched = 0
+        for _ in range(600):  # 30 s bound on a loaded machine
+            switched = (tree_usage(os.getpid()) - before).voluntary
+            if switched >= 200:
+                break
+            assert child.poll() is None
+            time.sleep(0.05)
+        assert switched >= 200
+    finally:
+        child.kill()
+        child.wait(5)
+
+
+def test_run_reports_cpu_per_request_from_user_and_kernel_time() -> None:
+    run = Run(2, 1000.0, 4000, 0, Usage(user_s=1.0, system_s=0.6, voluntary=8000))
+    assert run.cpu_ms_per_request == pytest.approx(0.4)
+    assert run.per_request(run.usage.voluntary) == 2.0
+    assert (Usage(2.0, 1.0, 5, 3) - Usage(0.5, 0.25, 1, 1)) == Usage(1.5, 0.75, 4, 2)
 
 
 def _own() -> float:
