@@ -3,10 +3,12 @@ context switches."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -35,42 +37,40 @@ def test_parse_wrk_counts_requests_rate_and_every_kind_of_error() -> None:
 
 def test_tree_cpu_counts_the_children() -> None:
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
-    child = subprocess.Popen([sys.executable, "-c", burn + "input()"], stdin=subprocess.PIPE)
-    try:
-        # The child stays alive (waiting on stdin) after burning: poll until its CPU shows.
-        # Our own CPU is read first: the tree's walk of /proc costs this process CPU too
-        # (tens of ms on a loaded machine), which a later reading of our own would subtract.
-        children = 0.0
-        for _ in range(600):  # 30 s bound on a loaded machine
-            own = _own()
-            children = tree_cpu_seconds(os.getpid()) - own
-            if children >= 0.25:
-                break
-            assert child.poll() is None
-            time.sleep(0.05)
-        assert children >= 0.25
-    finally:
-        child.kill()
-        child.wait(5)
+    # Our own CPU is read first: the tree's walk of /proc costs this process CPU too (tens of
+    # ms on a loaded machine), which a later reading of our own would subtract.
+    with _child(burn) as child:
+        assert _poll(child, lambda: tree_cpu_seconds(os.getpid()) - _own(), 0.25)
 
 
 def test_tree_usage_counts_a_childs_waits_as_voluntary_switches() -> None:
-    # 200 sleeps: each one a wait, so a voluntary context switch of the child.
+    # 200 sleeps, each a wait: a voluntary context switch of the child. Only the child's tree
+    # is read: this test's own polling sleeps would count in ours.
     waits = "import time\nfor _ in range(200): time.sleep(0.0005)\n"
-    child = subprocess.Popen([sys.executable, "-c", waits + "input()"], stdin=subprocess.PIPE)
+    with _child(waits) as child:
+        assert _poll(child, lambda: tree_usage(child.pid).voluntary, 200)
+
+
+@contextlib.contextmanager
+def _child(code: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A Python child running ``code``, then alive (waiting on stdin) until the test ends."""
+    child = subprocess.Popen([sys.executable, "-c", code + "input()"], stdin=subprocess.PIPE)
     try:
-        before = tree_usage(os.getpid())
-        switched = 0
-        for _ in range(600):  # 30 s bound on a loaded machine
-            switched = (tree_usage(os.getpid()) - before).voluntary
-            if switched >= 200:
-                break
-            assert child.poll() is None
-            time.sleep(0.05)
-        assert switched >= 200
+        yield child
     finally:
         child.kill()
         child.wait(5)
+
+
+def _poll(child: subprocess.Popen[bytes], read: Callable[[], float], least: float) -> bool:
+    """Whether ``read()`` reaches ``least`` while the child lives (30 s bound, a loaded
+    machine)."""
+    for _ in range(600):
+        if read() >= least:
+            return True
+        assert child.poll() is None
+        time.sleep(0.05)
+    return False
 
 
 def test_run_reports_cpu_per_request_from_user_and_kernel_time() -> None:
