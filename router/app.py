@@ -43,6 +43,7 @@ from router.estimators.live_sessions import LiveSessions
 from router.estimators.token_density import TokenDensity
 from router.index.sizing import IndexSizer
 from router.index.stores import Candidates, Stores, build_stores
+from router.index.token_counts import TokenCounts
 from router.pool.discovery import KubernetesDiscovery, LivePool
 from router.pool.metrics import GatewayMetrics
 from router.pool.scraper import CapacityCallback, EndpointMonitor, MonitorSettings
@@ -87,6 +88,8 @@ class Gateway:
     # The proxy's (and the stored-response probe's) client, and the monitor's.
     upstream: UpstreamClient
     monitor_client: UpstreamClient
+    # Asks replicas (on the monitor's client) to count prompts whose answers will not.
+    token_counts: TokenCounts
     precise: PreciseRuntime | None = None
     discovery: KubernetesDiscovery | None = None
 
@@ -342,21 +345,23 @@ def build_gateway(
         sampler=RateSampler(ANSWERS_READ_PER_S, ANSWERS_READ_BURST),
     )
     preparer = BodyPreparer(config, routing.router, _build_parser(config))
+    hc, ms = config.pool.health_check, config.pool.metrics_scrape
+    monitor_client = UpstreamClient(
+        MONITOR_CONNECTIONS, max(hc.timeout_seconds, ms.timeout_seconds)
+    )
+    token_counts = TokenCounts(sizer, monitor_client, lambda e: list(keys.headers(e).items()))
     proxy = Proxy(
         config, routing.router, metrics, upstream, preparer=preparer, upstream_keys=keys,
         auth=build_authenticator(config.auth, environ), prediction=prediction, sizer=sizer,
-        disagg=_build_disagg(config, routing, metrics),
+        token_counts=token_counts, disagg=_build_disagg(config, routing, metrics),
     )
-    hc, ms = config.pool.health_check, config.pool.metrics_scrape
-    connect = max(hc.timeout_seconds, ms.timeout_seconds)
-    monitor_client = UpstreamClient(MONITOR_CONNECTIONS, connect)
     monitor = _build_monitor(
         config, pool, monitor_client, stores, routing.flow, keys, _capacity_bound(precise, sizer)
     )
     return Gateway(
         config, pool, stores, routing.scheduler, metrics, routing.flow, routing.router, proxy,
         preparer, routing.calibrator, sizer, prediction, monitor, LoopLagMonitor(metrics.loop_lag),
-        upstream, monitor_client, precise,
+        upstream, monitor_client, token_counts, precise,
         _build_discovery(config, pool, monitor, stores, routing, sizer),
     )
 
@@ -369,6 +374,7 @@ async def gateway_running(gateway: Gateway) -> AsyncIterator[None]:
     async with AsyncExitStack() as stack:
         stack.push_async_callback(gateway.upstream.aclose)
         stack.push_async_callback(gateway.monitor_client.aclose)
+        stack.push_async_callback(gateway.token_counts.aclose)  # before its client closes
         stack.push_async_callback(gateway.stores.aclose)
         stack.push_async_callback(gateway.monitor.stop)
         if gateway.precise is not None:

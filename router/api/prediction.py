@@ -29,7 +29,7 @@ usage reader (the index sizer's bytes per token).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from router.core.framework import RoutingRequest
 from router.core.histogram import LoopHistogram
 from router.core.sampling import RateSampler
+from router.core.usage import cached_tokens, prompt_tokens
 from router.estimators.answer_cache import AnswerCache
 from router.index.response_store import ResponseRoutes
 
@@ -95,40 +96,60 @@ class Usage:
 
 
 def parse_usage(usage: Mapping[str, Any] | None) -> Usage | None:
-    """``usage`` of an OpenAI response, if it reports cached tokens."""
-    if not isinstance(usage, Mapping):
-        return None
-    prompt = usage.get("prompt_tokens")
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    if not isinstance(prompt, int) or not isinstance(cached, int):
+    """``usage`` of an answer (any of the three APIs), if it reports cached tokens."""
+    prompt = prompt_tokens(usage)
+    cached = cached_tokens(usage)
+    if prompt is None or cached is None:
         return None
     return Usage(prompt, cached)
 
 
-def find_usage(data: bytes) -> Mapping[str, Any] | None:
-    """The ``usage`` object in a JSON body, or in the last SSE ``data:`` event carrying one."""
+def _usage_of(body: Any) -> Mapping[str, Any] | None:
+    """The usage of a JSON body or SSE event: at its top, or in the ``message`` (Messages'
+    ``message_start``) or ``response`` (Responses' ``response.completed``) it carries."""
+    if not isinstance(body, dict):
+        return None
+    for holder in (body, body.get("response"), body.get("message")):
+        usage = holder.get("usage") if isinstance(holder, dict) else None
+        if isinstance(usage, dict):
+            return usage
+    return None
+
+
+def find_usage(data: bytes, *, last: bool = True) -> Mapping[str, Any] | None:
+    """The ``usage`` object in a JSON body, or in the last (``last``) or first SSE ``data:``
+    event carrying one."""
     text = data.strip()
     if text.startswith(b"{"):
         try:
-            body = orjson.loads(text)
+            return _usage_of(orjson.loads(text))
         except orjson.JSONDecodeError:
             return None
-        usage = body.get("usage") if isinstance(body, dict) else None
-        return usage if isinstance(usage, dict) else None
-    # From the end, only the lines that name a usage (splitting a 16 KB tail into lines
-    # cost more than the rest of this).
-    end = len(text)
-    while (at := text.rfind(b'"usage"', 0, end)) >= 0:
-        start = text.rfind(b"\n", 0, at) + 1
-        stop = text.find(b"\n", at)
-        line = text[start : stop if stop >= 0 else len(text)]
+    # Only the lines that name a usage are parsed (splitting a 16 KB tail into lines cost
+    # more than the rest of this).
+    for line in _usage_lines(text, last):
         if line.startswith(b"data:"):
             found = find_usage(line[5:])
             if found is not None:
                 return found
-        end = start
     return None
+
+
+def _usage_lines(text: bytes, last: bool) -> Iterator[bytes]:
+    """The lines of ``text`` that name a ``"usage"``, from the end (``last``) or the start."""
+    start, end = 0, len(text)
+    while True:
+        at = text.rfind(b'"usage"', start, end) if last else text.find(b'"usage"', start, end)
+        if at < 0:
+            return
+        begin = text.rfind(b"\n", 0, at) + 1
+        stop = text.find(b"\n", at)
+        stop = stop if stop >= 0 else len(text)
+        yield text[begin:stop]
+        if last:
+            end = begin
+        else:
+            start = stop
 
 
 @dataclass(slots=True)
@@ -302,10 +323,14 @@ class PredictionTracker:
 
 class UsageTap:
     """Keeps the tail of a relayed answer, where its ``usage`` is (the non-streaming body, or
-    the last SSE events), and hands it to the tracker when the answer ends."""
+    the last SSE events), and its first chunk, and hands the usage to the tracker when the
+    answer ends. A Messages stream ends on a usage of output tokens only: its prompt's count
+    is in the first event (``message_start``), so that one's is read too where the last has
+    none."""
 
-    __slots__ = ("_also", "_endpoint_id", "_parts", "_routing", "_size", "_tracker")
+    __slots__ = ("_also", "_endpoint_id", "_first", "_parts", "_routing", "_size", "_tracker")
     TAIL_BYTES = 16384
+    FIRST_BYTES = 8192
 
     def __init__(
         self,
@@ -320,10 +345,13 @@ class UsageTap:
         self._routing = routing
         self._parts: list[bytes] = []
         self._size = 0
+        self._first: bytes | None = None
 
     def __call__(self, chunk: bytes) -> None:
         # Called for every relayed chunk: append, and cut back to the tail only once twice
         # its size has piled up (copying the tail on every token cost more than relaying it).
+        if self._first is None:
+            self._first = chunk[: self.FIRST_BYTES]
         self._parts.append(chunk)
         self._size += len(chunk)
         if self._size > 2 * self.TAIL_BYTES:
@@ -334,8 +362,18 @@ class UsageTap:
         """The last ``TAIL_BYTES`` relayed."""
         return b"".join(self._parts)[-self.TAIL_BYTES :]
 
-    def finish(self) -> None:
+    def usage(self) -> Mapping[str, Any] | None:
+        """The answer's usage: the last one it carries, completed by its first event's where
+        the last counts no prompt tokens."""
         usage = find_usage(self.tail())
+        if self._first is not None and prompt_tokens(usage) is None:
+            early = find_usage(self._first, last=False)
+            if early is not None:
+                usage = {**early, **(usage or {})}
+        return usage
+
+    def finish(self) -> None:
+        usage = self.usage()
         self._tracker.observe(self._endpoint_id, self._routing, usage)
         if self._also is not None:
             self._also(self._endpoint_id, self._routing, usage)

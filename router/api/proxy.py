@@ -43,6 +43,7 @@ from router.core.errors import (
 )
 from router.core.framework import RoutingRequest
 from router.index.sizing import IndexSizer
+from router.index.token_counts import TokenCounts
 from router.pool.metrics import GatewayMetrics
 from router.protocol import anthropic, responses_api
 from router.protocol.auth import Authenticator, TenantHeaders, UpstreamKeys
@@ -90,6 +91,7 @@ class Proxy:
         auth: Authenticator | None = None,
         prediction: PredictionTracker | None = None,
         sizer: IndexSizer | None = None,
+        token_counts: TokenCounts | None = None,
         disagg: Disaggregator | None = None,
     ) -> None:
         self._config = config
@@ -101,8 +103,8 @@ class Proxy:
         self.prediction = prediction
         # Where each body is parsed (the ext_proc picker's too): large ones off the loop.
         self.preparer = preparer
-        # Learns bytes per token from each answer's usage and sizes the index from it.
-        self.sizer = sizer
+        # Bytes per token from each answer's usage (or a replica's count where it has none).
+        self.sizer, self.token_counts = sizer, token_counts
         self.auth = auth
         self.upstream_keys = upstream_keys
         self._headers = ForwardedHeaders(
@@ -269,6 +271,11 @@ class Proxy:
                 self._router.picked(routing, endpoint.id)
             lease.first_byte(answered=attempt.reply.status < 400)
             self._note_pick(ex, routing, endpoint.id)
+            if self.token_counts is not None and parsed.decoded is not None:  # not re-decoded
+                self.token_counts.consider(
+                    parsed.api, parsed.stream, parsed.decoded, routing.model,
+                    routing.prompt_bytes, endpoint,
+                )
             return self._relay(attempt, endpoint, lease, watch, ticket, ex, routing)
         if isinstance(last_error, TimeoutError):
             raise UpstreamTimeoutError("no endpoint answered within the first-byte timeout")

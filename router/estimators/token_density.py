@@ -15,9 +15,7 @@ the prior until ``min_samples`` have been taken.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -29,18 +27,6 @@ class _Sums:
     bytes: float = 0.0
     tokens: float = 0.0
     samples: int = 0
-
-
-def prompt_tokens(usage: Mapping[str, Any] | None) -> int | None:
-    """The prompt's token count in an OpenAI (``prompt_tokens``) or Anthropic/Responses
-    (``input_tokens``) usage object, if it has a positive one."""
-    if not isinstance(usage, Mapping):
-        return None
-    for key in ("prompt_tokens", "input_tokens"):
-        value = usage.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
 
 
 class TokenDensity:

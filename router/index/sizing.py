@@ -18,7 +18,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge
 
 from router.core.framework import RoutingRequest
-from router.estimators.token_density import TokenDensity, prompt_tokens
+from router.core.usage import prompt_tokens
+from router.estimators.token_density import TokenDensity
 from router.index.prefix_index import PrefixIndex
 
 # Re-derive an endpoint's capacity when its ratio has moved by more than this share.
@@ -75,9 +76,13 @@ class IndexSizer:
             return
         if routing.previous_response_id:
             return  # the replica counted stored turns the gateway never saw
-        model = routing.model
+        self.count(endpoint_id, routing.model, routing.prompt_bytes, tokens)
+
+    def count(self, endpoint_id: str, model: str, prompt_bytes: int, tokens: int) -> None:
+        """A prompt of ``prompt_bytes`` rendered bytes was ``tokens`` tokens on the endpoint
+        (its answer's usage, or router/index/token_counts.py)."""
         self._models[endpoint_id] = self._last_model = model
-        if not self.density.observe(model, routing.prompt_bytes, tokens):
+        if not self.density.observe(model, prompt_bytes, tokens):
             return
         ratio = self.density.ratio(model)
         if self._moved(ratio, self._checked.get(model, self.density.prior)):

@@ -103,3 +103,39 @@ async def test_the_index_keeps_the_prefixes_a_replica_still_caches_at_9_bytes_a_
                 cached.append(held / usage["prompt_tokens"])
     assert min(cached) > 0.9
     assert min(indexed) > 0.9, indexed
+
+
+def _agent_body(api: str, content: str) -> dict[str, Any]:
+    """A streamed request of ``api`` whose client asked for no usage."""
+    if api == "responses":
+        return {"model": MODEL, "max_output_tokens": 2, "stream": True, "input": content}
+    return {
+        "model": MODEL, "max_tokens": 2, "stream": True,
+        "messages": [{"role": "user", "content": content}],
+    }
+
+
+@pytest.mark.parametrize(
+    ("api", "path"),
+    [("chat", "/v1/chat/completions"), ("messages", "/v1/messages"),
+     ("responses", "/v1/responses")],
+)
+async def test_streams_whose_clients_ask_no_usage_teach_the_ratio(api: str, path: str) -> None:
+    """Chat streams without stream_options.include_usage carry no usage (the gateway asks the
+    replica's /tokenize); a Messages stream counts its prompt in its first event, a Responses
+    stream in its last (usage nested in the event)."""
+    rng = random.Random(7)
+    sim = SimConfig(zero_latency=True, bytes_per_token=9.0)
+    async with start_replicas(1, sim) as reps:
+        async with running_gateway(gateway_config([reps[0].url])) as gw:
+            async with aiohttp.ClientSession() as http:
+                density = gw.gateway.sizer.density
+                for _ in range(40):  # 8 samples teach it; a count in flight skips a prompt
+                    body = _agent_body(api, _text(rng, rng.randint(1000, 4000)))
+                    async with http.post(gw.url + path, json=body) as resp:
+                        assert resp.status == 200, await resp.text()
+                        await resp.read()
+                    await gw.gateway.token_counts.settle()
+                    if density.samples(MODEL) >= 8:
+                        break
+                assert density.ratio(MODEL) == pytest.approx(9.0, rel=0.05)

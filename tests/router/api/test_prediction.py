@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from router.api.prediction import PredictionTracker, UsageTap, answer_taps, find_usage
 from router.core.framework import RoutingRequest
 from router.core.sampling import RateSampler
+from router.core.usage import cached_tokens, prompt_tokens
 from router.estimators.answer_cache import AnswerCache
 from tests.manual_clock import ManualClock
 
@@ -92,6 +93,54 @@ def test_find_usage_takes_the_last_event_naming_a_usage_in_a_stream() -> None:
     assert find_usage(b"data: " + orjson.dumps(first) + b"\n\ndata: [DONE]\n\n") is None
     assert find_usage(b'data: {"usage": {"prompt_tokens": 1}}') == {"prompt_tokens": 1}
     assert find_usage(b'data: {"usage": broken\n\n') is None
+
+
+def test_find_usage_reads_the_usage_an_event_nests() -> None:
+    completed = {"type": "response.completed", "response": {"usage": {"input_tokens": 9}}}
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 5}}}
+    delta = {"type": "message_delta", "usage": {"output_tokens": 2}}
+    assert find_usage(b"event: x\ndata: " + orjson.dumps(completed) + b"\n\n") == {
+        "input_tokens": 9
+    }
+    messages = b"".join(
+        b"event: e\ndata: " + orjson.dumps(event) + b"\n\n"
+        for event in (start, {"type": "ping"}, delta, {"type": "message_stop"})
+    )
+    assert find_usage(messages) == {"output_tokens": 2}
+    assert find_usage(messages, last=False) == {"input_tokens": 5}
+
+
+def _messages_stream(text_events: int) -> list[bytes]:
+    usage = {
+        "input_tokens": 4, "output_tokens": 1, "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 96,
+    }
+    start = {"type": "message_start", "message": {"content": [], "usage": usage}}
+    deltas = [
+        {"type": "content_block_delta", "delta": {"type": "text_delta", "text": f"w{i}"}}
+        for i in range(text_events)
+    ]
+    end = {"type": "message_delta", "delta": {}, "usage": {"output_tokens": text_events}}
+    return [
+        b"event: e\ndata: " + orjson.dumps(event) + b"\n\n"
+        for event in (start, *deltas, end, {"type": "message_stop"})
+    ]
+
+
+def test_a_messages_stream_hands_over_its_first_events_prompt_count() -> None:
+    """The last usage of a Messages stream counts output tokens only; the prompt's count is
+    in message_start, which a long answer pushes out of the kept tail."""
+    for text_events, chunked in ((3, False), (3000, True)):
+        tracker = Recorder()
+        tap = UsageTap(tracker, "e", RoutingRequest("r", "m"))
+        events = _messages_stream(text_events)
+        for chunk in events if chunked else [b"".join(events)]:
+            tap(chunk)
+        tap.finish()
+        [(_, usage)] = tracker.seen
+        assert usage is not None
+        assert usage["output_tokens"] == text_events
+        assert prompt_tokens(usage) == 100 and cached_tokens(usage) == 96
 
 
 class Finishes:

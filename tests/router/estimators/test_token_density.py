@@ -7,7 +7,7 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.estimators.token_density import TokenDensity, prompt_tokens
+from router.estimators.token_density import TokenDensity
 
 
 def _feed(density: TokenDensity, model: str, ratio: float, n: int, rng: random.Random) -> None:
@@ -54,11 +54,3 @@ def test_the_ratio_is_exported_per_model() -> None:
     density = TokenDensity(registry, min_samples=1)
     density.observe("m", 900, 100)
     assert registry.get_sample_value("prefixgate_bytes_per_token", {"model": "m"}) == 9.0
-
-
-def test_prompt_tokens_reads_openai_and_anthropic_usage() -> None:
-    assert prompt_tokens({"prompt_tokens": 12, "completion_tokens": 3}) == 12
-    assert prompt_tokens({"input_tokens": 7, "output_tokens": 1}) == 7
-    assert prompt_tokens({"prompt_tokens": 0}) is None
-    assert prompt_tokens({"prompt_tokens": True}) is None
-    assert prompt_tokens(None) is None
