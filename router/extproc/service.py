@@ -22,6 +22,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from flow_control.request import Ticket
+from router.api.prediction import UsageTap, answer_taps
 from router.api.request_body import join_body
 from router.app import Gateway
 from router.config.model import ExtProcConfig
@@ -43,7 +44,7 @@ from router.extproc.messages import (
     trailers,
 )
 from router.protocol.headers import DESTINATION_HEADER
-from router.protocol.parsing import Api
+from router.protocol.parsing import Api, ParsedRequest
 from router.scheduling.disagg import PREFILLER_HEADER
 
 log = logging.getLogger("prefixgate.extproc")
@@ -51,6 +52,8 @@ log = logging.getLogger("prefixgate.extproc")
 _MODE = processing_mode_pb2.ProcessingMode
 Candidates = Callable[[str], list[EndpointSnapshot]]
 _ROUTABLE_MODES = (_MODE.FULL_DUPLEX_STREAMED, _MODE.BUFFERED)
+# Bodies up to this size are decoded here to have a replica count their prompt.
+COUNTED_BODY_BYTES = 1 << 20
 
 
 class ExtProcMetrics:
@@ -122,6 +125,10 @@ class Exchange:
         self._lease: Lease | None = None
         self._prefill_lease: Lease | None = None
         self._extra: dict[str, str] = {}
+        # The routed request, and what reads its answer's usage (router/api/prediction.py).
+        self._routing: RoutingRequest | None = None
+        self._observe: Callable[[bytes], None] | None = None
+        self._usage: UsageTap | None = None
         self._closed = False
         self.done = False
 
@@ -235,9 +242,26 @@ class Exchange:
         picked = ranked[0].id
         self._lease = router.lease(routing, picked)
         router.picked(routing, picked)
+        self._routing = routing
+        self._count_tokens(prepared.parsed, routing, ranked[0], len(body))
         await self._choose_prefiller(routing, ranked[0])
         destination = ",".join(e.id for e in ranked[: 1 + self._settings.fallback_endpoints])
         return self._routed(destination, "routed")
+
+    def _count_tokens(
+        self, parsed: ParsedRequest, routing: RoutingRequest, endpoint: EndpointSnapshot,
+        size: int,
+    ) -> None:
+        """A replica counts the prompt where the picker will read no usage: Envoy sends it no
+        response body, or the answer carries none (router/index/token_counts.py). Only while
+        the model wants samples, and only a body small enough to decode here."""
+        counts = self._gw.token_counts
+        if not counts.wants(routing.model) or size > COUNTED_BODY_BYTES:
+            return
+        counts.consider(
+            parsed.api, parsed.stream, parsed.payload, routing.model, routing.prompt_bytes,
+            endpoint, answer_seen=self._response_mode != _MODE.NONE,
+        )
 
     async def _choose_prefiller(self, routing: RoutingRequest, decode: EndpointSnapshot) -> None:
         """With disaggregation, Envoy reaches one destination: the decode endpoint, whose
@@ -305,13 +329,24 @@ class Exchange:
         if self._lease is not None:
             ok = self._status.startswith(("1", "2", "3"))
             self._lease.first_byte(tokens=False, answered=ok)
+        routing, picked = self._routing, (self._destination or "").split(",")[0]
+        if routing is not None and self._status == "200" and self._response_mode != _MODE.NONE:
+            gw = self._gw
+            self._observe, self._usage = answer_taps(
+                200, picked, routing, gw.prediction, gw.sizer.observe,
+                gw.router.responses if self._api == "responses" else None,
+            )
         if part.end_of_stream:
             self.close()
-        picked = (self._destination or "").split(",")[0]
         return [continue_response_headers({DESTINATION_HEADER: picked} if picked else {})]
 
     def _response_body(self, part: Any) -> list[Any]:
+        if self._observe is not None:
+            self._observe(part.body)
         if part.end_of_stream:
+            if self._usage is not None:
+                self._usage.finish()
+            self._observe = self._usage = None
             self.close()
         if self._response_mode == _MODE.FULL_DUPLEX_STREAMED:
             return [streamed_body(part.body, part.end_of_stream, "response")]

@@ -83,13 +83,14 @@ class TokenCounts:
 
     def consider(
         self, api: str, stream: bool, payload: Mapping[str, Any], model: str, prompt_bytes: int,
-        endpoint: EndpointSnapshot,
+        endpoint: EndpointSnapshot, *, answer_seen: bool = True,
     ) -> None:
         """After a pick: count the request's prompt on the picked endpoint, in the background,
-        if its answer will report no usage and the model still wants samples."""
+        if its answer will report no usage (or will not be seen: an ext_proc picker that
+        Envoy sends no response body) and the model still wants samples."""
         if (
             not self.wants(model) or prompt_bytes <= 0 or endpoint.id in self._unable
-            or reports_usage(api, stream, payload)
+            or (answer_seen and reports_usage(api, stream, payload))
         ):
             return
         body = tokenize_body(api, model, payload)

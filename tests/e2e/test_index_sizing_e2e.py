@@ -126,16 +126,17 @@ async def test_streams_whose_clients_ask_no_usage_teach_the_ratio(api: str, path
     stream in its last (usage nested in the event)."""
     rng = random.Random(7)
     sim = SimConfig(zero_latency=True, bytes_per_token=9.0)
-    async with start_replicas(1, sim) as reps:
-        async with running_gateway(gateway_config([reps[0].url])) as gw:
-            async with aiohttp.ClientSession() as http:
-                density = gw.gateway.sizer.density
-                for _ in range(40):  # 8 samples teach it; a count in flight skips a prompt
-                    body = _agent_body(api, _text(rng, rng.randint(1000, 4000)))
-                    async with http.post(gw.url + path, json=body) as resp:
-                        assert resp.status == 200, await resp.text()
-                        await resp.read()
-                    await gw.gateway.token_counts.settle()
-                    if density.samples(MODEL) >= 8:
-                        break
-                assert density.ratio(MODEL) == pytest.approx(9.0, rel=0.05)
+    async with (
+        start_replicas(1, sim) as reps, running_gateway(gateway_config([reps[0].url])) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+        density = gw.gateway.sizer.density
+        for _ in range(40):  # 8 samples teach it; a count in flight skips a prompt
+            body = _agent_body(api, _text(rng, rng.randint(1000, 4000)))
+            async with http.post(gw.url + path, json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                await resp.read()
+            await gw.gateway.token_counts.settle()
+            if density.samples(MODEL) >= 8:
+                break
+        assert density.ratio(MODEL) == pytest.approx(9.0, rel=0.05)

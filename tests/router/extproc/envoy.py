@@ -124,8 +124,10 @@ class Envoy:
         subset: Sequence[str] | None = None,
         chunk: int = 64 * 1024,
         announce_mode: bool = True,
+        response_mode: int | None = None,
     ) -> tuple[Any, Routed]:
-        """Send a request phase as Envoy would and collect the picker's answers to it."""
+        """Send a request phase as Envoy would and collect the picker's answers to it
+        (``response_mode``: the response body's, when not the request body's)."""
         call = self._stub.Process()
         body_mode = MODE.FULL_DUPLEX_STREAMED if mode == "duplex" else MODE.BUFFERED
         first = pb.ProcessingRequest(
@@ -136,7 +138,9 @@ class Envoy:
         )
         if announce_mode:
             first.protocol_config.request_body_mode = body_mode
-            first.protocol_config.response_body_mode = body_mode
+            first.protocol_config.response_body_mode = (
+                body_mode if response_mode is None else response_mode
+            )
         if subset is not None:
             first.metadata_context.CopyFrom(_subset_metadata(subset))
         await call.write(first)
@@ -163,11 +167,14 @@ class Envoy:
             if answer.HasField("request_body") and stream.end_of_stream:
                 return call, routed
 
-    async def finish(self, call: Any, status: str = "200", duplex: bool = True) -> None:
+    async def finish(
+        self, call: Any, status: str = "200", duplex: bool = True,
+        body: bytes = b"data: [DONE]\n\n",
+    ) -> None:
         """The response phase: headers, a body chunk with end of stream, then close."""
         await call.write(pb.ProcessingRequest(response_headers=_headers({":status": status})))
         assert (await call.read()).HasField("response_headers")
-        done = pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True)
+        done = pb.HttpBody(body=body, end_of_stream=True)
         await call.write(pb.ProcessingRequest(response_body=done))
         answer = await call.read()
         if duplex:

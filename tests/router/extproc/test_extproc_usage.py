@@ -1,0 +1,82 @@
+"""The ext_proc picker learns bytes per token like the HTTP gateway: from the answers' usage
+when Envoy streams the response bodies through it, else from the replica's /tokenize."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+
+import grpc
+import httpx
+import pytest
+
+from benchmarks.sim.cli import Replica, start_replicas
+from benchmarks.sim.config import SimConfig
+from router.core.endpoints import endpoint_id_from_url
+from router.extproc.server import RunningEpp, running_epp
+from tests.gateways import MODEL
+from tests.router.extproc.envoy import MODE, Envoy, chat_body, epp_config, eventually, in_flight
+
+WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "tau")
+
+
+@pytest.fixture
+async def dense_replicas() -> AsyncIterator[list[Replica]]:
+    """Replicas whose tokenizer covers 9 bytes a token, where the prior says 4."""
+    async with start_replicas(2, SimConfig(zero_latency=True, bytes_per_token=9.0)) as reps:
+        yield reps
+
+
+@pytest.fixture
+async def dense_epp(dense_replicas: list[Replica]) -> AsyncIterator[RunningEpp]:
+    async with running_epp(epp_config(dense_replicas)) as running:
+        yield running
+
+
+def _prompt(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) + str(rng.randint(0, 999)) for _ in range(300))
+
+
+async def test_usage_in_the_response_bodies_envoy_streams_through_teaches_the_ratio(
+    dense_replicas: list[Replica], dense_epp: RunningEpp
+) -> None:
+    rng, urls = random.Random(1), {endpoint_id_from_url(r.url): r.url for r in dense_replicas}
+    density = dense_epp.gateway.sizer.density
+    async with (
+        grpc.aio.insecure_channel(dense_epp.target) as channel,
+        httpx.AsyncClient() as http,
+    ):
+        envoy = Envoy(channel)
+        for i in range(16):
+            # Streamed with usage and not, as the clients ask; the answer is the replica's own,
+            # fetched from where the picker sent it, as Envoy would relay it.
+            extra = {"stream": True, "stream_options": {"include_usage": True}} if i % 2 else {}
+            body = chat_body(_prompt(rng), max_tokens=2, **extra)
+            call, routed = await envoy.send_request(body)
+            answer = await http.post(
+                urls[routed.header] + "/v1/chat/completions", content=body,
+                headers={"content-type": "application/json"},
+            )
+            await envoy.finish(call, body=answer.content)
+    assert density.samples(MODEL) >= 8
+    assert density.ratio(MODEL) == pytest.approx(9.0, rel=0.05)
+    assert dense_epp.gateway.token_counts.wants(MODEL) is False  # nothing left to ask
+
+
+async def test_without_response_bodies_the_replica_counts_the_prompts(
+    dense_epp: RunningEpp,
+) -> None:
+    rng = random.Random(2)
+    gateway = dense_epp.gateway
+    async with grpc.aio.insecure_channel(dense_epp.target) as channel:
+        envoy = Envoy(channel)
+        for _ in range(40):  # 8 samples teach it; a count in flight skips a prompt
+            body = chat_body(_prompt(rng), max_tokens=2)
+            call, _ = await envoy.send_request(body, response_mode=MODE.NONE)
+            await call.done_writing()  # the response passes Envoy without the picker
+            assert await call.read() is grpc.aio.EOF
+            await gateway.token_counts.settle()
+            if gateway.sizer.density.samples(MODEL) >= 8:
+                break
+    assert gateway.sizer.density.ratio(MODEL) == pytest.approx(9.0, rel=0.05)
+    await eventually(lambda: in_flight(dense_epp) == 0)
