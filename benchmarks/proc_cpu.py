@@ -74,7 +74,9 @@ def _tree(root: int) -> set[int]:
 
 
 def _switches(pid: int) -> tuple[int, int]:
-    """(voluntary, involuntary) context switches summed over every thread of ``pid``."""
+    """(voluntary, involuntary) context switches summed over every live thread of ``pid``
+    (a thread that ended between two readings takes its count with it: the gateway's threads
+    live as long as it does)."""
     voluntary = involuntary = 0
     with contextlib.suppress(OSError):
         for task in (PROC / str(pid) / "task").iterdir():

@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from router.core.framework import RoutingRequest
 from router.core.histogram import LoopHistogram
 from router.core.sampling import RateSampler
-from router.core.usage import cached_tokens, prompt_tokens
+from router.core.usage import cached_tokens, prompt_tokens, with_prompt_counts
 from router.estimators.answer_cache import AnswerCache
 from router.index.response_store import ResponseRoutes
 
@@ -104,6 +104,10 @@ def parse_usage(usage: Mapping[str, Any] | None) -> Usage | None:
     return Usage(prompt, cached)
 
 
+# A usage object is a few hundred bytes; past this the scan stops.
+_USAGE_OBJECT_BYTES = 4096
+
+
 def _usage_of(body: Any) -> Mapping[str, Any] | None:
     """The usage of a JSON body or SSE event: at its top, or in the ``message`` (Messages'
     ``message_start``) or ``response`` (Responses' ``response.completed``) it carries."""
@@ -128,10 +132,37 @@ def find_usage(data: bytes, *, last: bool = True) -> Mapping[str, Any] | None:
     # Only the lines that name a usage are parsed (splitting a 16 KB tail into lines cost
     # more than the rest of this).
     for line in _usage_lines(text, last):
-        if line.startswith(b"data:"):
-            found = find_usage(line[5:])
-            if found is not None:
-                return found
+        found = find_usage(line[5:]) if line.startswith(b"data:") else None
+        if found is None:
+            # An event cut by the kept tail (a Responses answer repeats its instructions and
+            # tools in its last event, tens of KB), or a body longer than the tail.
+            found = _usage_object(line)
+        if found is not None:
+            return found
+    return None
+
+
+def _usage_object(line: bytes) -> Mapping[str, Any] | None:
+    """The JSON object after the line's last ``"usage":``, read by matching its braces."""
+    at = line.rfind(b'"usage"')
+    start = line.find(b"{", at)
+    if at < 0 or start < 0 or line[at + 7 : start].strip() != b":":
+        return None
+    depth, quoted, escaped = 0, False, False
+    for end in range(start, min(len(line), start + _USAGE_OBJECT_BYTES)):
+        byte = line[end]
+        if quoted:
+            escaped, quoted = (False, True) if escaped else (byte == 0x5C, byte != 0x22)
+        elif byte == 0x22:
+            quoted = True
+        elif byte in b"{}":
+            depth += 1 if byte == 0x7B else -1
+            if depth == 0:
+                try:
+                    usage = orjson.loads(line[start : end + 1])
+                except orjson.JSONDecodeError:
+                    return None
+                return usage if isinstance(usage, dict) else None
     return None
 
 
@@ -328,7 +359,10 @@ class UsageTap:
     is in the first event (``message_start``), so that one's is read too where the last has
     none."""
 
-    __slots__ = ("_also", "_endpoint_id", "_first", "_parts", "_routing", "_size", "_tracker")
+    __slots__ = (
+        "_also", "_endpoint_id", "_first", "_first_size", "_parts", "_routing", "_size",
+        "_tracker",
+    )
     TAIL_BYTES = 16384
     FIRST_BYTES = 8192
 
@@ -345,13 +379,15 @@ class UsageTap:
         self._routing = routing
         self._parts: list[bytes] = []
         self._size = 0
-        self._first: bytes | None = None
+        self._first: list[bytes] = []  # the answer's first FIRST_BYTES, however chunked
+        self._first_size = 0
 
     def __call__(self, chunk: bytes) -> None:
         # Called for every relayed chunk: append, and cut back to the tail only once twice
         # its size has piled up (copying the tail on every token cost more than relaying it).
-        if self._first is None:
-            self._first = chunk[: self.FIRST_BYTES]
+        if self._first_size < self.FIRST_BYTES:
+            self._first.append(chunk[: self.FIRST_BYTES - self._first_size])
+            self._first_size += len(self._first[-1])
         self._parts.append(chunk)
         self._size += len(chunk)
         if self._size > 2 * self.TAIL_BYTES:
@@ -366,10 +402,10 @@ class UsageTap:
         """The answer's usage: the last one it carries, completed by its first event's where
         the last counts no prompt tokens."""
         usage = find_usage(self.tail())
-        if self._first is not None and prompt_tokens(usage) is None:
-            early = find_usage(self._first, last=False)
+        if self._first and prompt_tokens(usage) is None:
+            early = find_usage(b"".join(self._first), last=False)
             if early is not None:
-                usage = {**early, **(usage or {})}
+                usage = with_prompt_counts(usage, early)
         return usage
 
     def finish(self) -> None:

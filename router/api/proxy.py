@@ -271,8 +271,9 @@ class Proxy:
                 self._router.picked(routing, endpoint.id)
             lease.first_byte(answered=attempt.reply.status < 400)
             self._note_pick(ex, routing, endpoint.id)
-            if self.token_counts is not None and parsed.decoded is not None:  # not re-decoded
-                self.token_counts.consider(
+            counts = self.token_counts  # a body decoded elsewhere is not decoded for it
+            if counts is not None and parsed.decoded is not None and attempt.reply.status < 400:
+                counts.consider(
                     parsed.api, parsed.stream, parsed.decoded, routing.model,
                     routing.prompt_bytes, endpoint,
                 )

@@ -49,3 +49,21 @@ def cached_tokens(usage: Mapping[str, Any] | None) -> int | None:
             if cached is not None:
                 return cached
     return _count(usage.get("cache_read_input_tokens"))
+
+
+# The fields that count a prompt, in any of the three APIs.
+PROMPT_FIELDS = (
+    "prompt_tokens", "prompt_tokens_details", "input_tokens", "input_tokens_details",
+    *_ANTHROPIC_CACHE,
+)
+
+
+def with_prompt_counts(
+    last: Mapping[str, Any] | None, first: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``last`` (a stream's final usage) with the prompt's counts taken from ``first`` (its
+    first event's): a Messages stream counts its prompt in ``message_start`` only, and an
+    engine may zero-fill those fields in the final ``message_delta``."""
+    merged = dict(last or {})
+    merged.update((k, first[k]) for k in PROMPT_FIELDS if k in first)
+    return merged

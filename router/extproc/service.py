@@ -52,8 +52,6 @@ log = logging.getLogger("prefixgate.extproc")
 _MODE = processing_mode_pb2.ProcessingMode
 Candidates = Callable[[str], list[EndpointSnapshot]]
 _ROUTABLE_MODES = (_MODE.FULL_DUPLEX_STREAMED, _MODE.BUFFERED)
-# Bodies up to this size are decoded here to have a replica count their prompt.
-COUNTED_BODY_BYTES = 1 << 20
 
 
 class ExtProcMetrics:
@@ -169,6 +167,7 @@ class Exchange:
         if kind == "response_body":
             return self._response_body(part)
         if kind == "response_trailers":
+            self._finish_usage()
             self.close()
             return [trailers("response")]
         return []
@@ -243,23 +242,21 @@ class Exchange:
         self._lease = router.lease(routing, picked)
         router.picked(routing, picked)
         self._routing = routing
-        self._count_tokens(prepared.parsed, routing, ranked[0], len(body))
+        self._count_tokens(prepared.parsed, routing, ranked[0])
         await self._choose_prefiller(routing, ranked[0])
         destination = ",".join(e.id for e in ranked[: 1 + self._settings.fallback_endpoints])
         return self._routed(destination, "routed")
 
     def _count_tokens(
-        self, parsed: ParsedRequest, routing: RoutingRequest, endpoint: EndpointSnapshot,
-        size: int,
+        self, parsed: ParsedRequest, routing: RoutingRequest, endpoint: EndpointSnapshot
     ) -> None:
-        """A replica counts the prompt where the picker will read no usage: Envoy sends it no
-        response body, or the answer carries none (router/index/token_counts.py). Only while
-        the model wants samples, and only a body small enough to decode here."""
+        """A replica counts the prompt where the picker will read no usage (no response body,
+        or none in it: router/index/token_counts.py); only a body decoded already."""
         counts = self._gw.token_counts
-        if not counts.wants(routing.model) or size > COUNTED_BODY_BYTES:
+        if parsed.decoded is None or not counts.wants(routing.model):
             return
         counts.consider(
-            parsed.api, parsed.stream, parsed.payload, routing.model, routing.prompt_bytes,
+            parsed.api, parsed.stream, parsed.decoded, routing.model, routing.prompt_bytes,
             endpoint, answer_seen=self._response_mode != _MODE.NONE,
         )
 
@@ -329,12 +326,18 @@ class Exchange:
         if self._lease is not None:
             ok = self._status.startswith(("1", "2", "3"))
             self._lease.first_byte(tokens=False, answered=ok)
-        routing, picked = self._routing, (self._destination or "").split(",")[0]
-        if routing is not None and self._status == "200" and self._response_mode != _MODE.NONE:
+        destinations = (self._destination or "").split(",")
+        routing, picked = self._routing, destinations[0]
+        if (
+            routing is not None and self._status == "200" and not part.end_of_stream
+            and self._response_mode != _MODE.NONE
+        ):
             gw = self._gw
+            # With fallbacks another endpoint may have served it: where it is stored is probed.
+            stores = gw.router.responses if self._api == "responses" else None
             self._observe, self._usage = answer_taps(
                 200, picked, routing, gw.prediction, gw.sizer.observe,
-                gw.router.responses if self._api == "responses" else None,
+                stores if len(destinations) == 1 else None,
             )
         if part.end_of_stream:
             self.close()
@@ -342,15 +345,26 @@ class Exchange:
 
     def _response_body(self, part: Any) -> list[Any]:
         if self._observe is not None:
-            self._observe(part.body)
-        if part.end_of_stream:
-            if self._usage is not None:
-                self._usage.finish()
-            self._observe = self._usage = None
+            try:
+                self._observe(part.body)
+            except Exception:  # reading the usage must never cut an answer
+                log.exception("ext_proc: reading an answer's usage failed")
+                self._observe = self._usage = None
+        if part.end_of_stream or part.end_of_stream_without_message:
+            self._finish_usage()
             self.close()
         if self._response_mode == _MODE.FULL_DUPLEX_STREAMED:
             return [streamed_body(part.body, part.end_of_stream, "response")]
         return [continue_body("response")]
+
+    def _finish_usage(self) -> None:
+        """The answer is whole: hand its usage over (once)."""
+        usage, self._observe, self._usage = self._usage, None, None
+        if usage is not None:
+            try:
+                usage.finish()
+            except Exception:
+                log.exception("ext_proc: reading an answer's usage failed")
 
     def close(self) -> None:
         """The request is over (response end, stream closed, or rejected): release once."""

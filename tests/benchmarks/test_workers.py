@@ -40,7 +40,7 @@ def test_tree_cpu_counts_the_children() -> None:
     # Our own CPU is read first: the tree's walk of /proc costs this process CPU too (tens of
     # ms on a loaded machine), which a later reading of our own would subtract.
     with _child(burn) as child:
-        assert _poll(child, lambda: tree_cpu_seconds(os.getpid()) - _own(), 0.25)
+        assert _poll(child, _childrens_cpu, 0.25)
 
 
 def test_tree_usage_counts_a_childs_waits_as_voluntary_switches() -> None:
@@ -78,6 +78,11 @@ def test_run_reports_cpu_per_request_from_user_and_kernel_time() -> None:
     assert run.cpu_ms_per_request == pytest.approx(0.4)
     assert run.per_request(run.usage.voluntary) == 2.0
     assert (Usage(2.0, 1.0, 5, 3) - Usage(0.5, 0.25, 1, 1)) == Usage(1.5, 0.75, 4, 2)
+
+
+def _childrens_cpu() -> float:
+    own = _own()  # first: the walk of /proc that follows costs this process CPU too
+    return tree_cpu_seconds(os.getpid()) - own
 
 
 def _own() -> float:

@@ -129,18 +129,51 @@ def _messages_stream(text_events: int) -> list[bytes]:
 
 def test_a_messages_stream_hands_over_its_first_events_prompt_count() -> None:
     """The last usage of a Messages stream counts output tokens only; the prompt's count is
-    in message_start, which a long answer pushes out of the kept tail."""
-    for text_events, chunked in ((3, False), (3000, True)):
+    in message_start, which a long answer pushes out of the kept tail, and which may come in
+    pieces."""
+    for text_events, size in ((3, 1 << 20), (3000, 1 << 20), (3, 10)):
         tracker = Recorder()
         tap = UsageTap(tracker, "e", RoutingRequest("r", "m"))
-        events = _messages_stream(text_events)
-        for chunk in events if chunked else [b"".join(events)]:
-            tap(chunk)
+        whole = b"".join(_messages_stream(text_events))
+        for at in range(0, len(whole), size):
+            tap(whole[at : at + size])
         tap.finish()
         [(_, usage)] = tracker.seen
         assert usage is not None
         assert usage["output_tokens"] == text_events
         assert prompt_tokens(usage) == 100 and cached_tokens(usage) == 96
+
+
+def test_a_zero_filled_prompt_count_in_the_last_event_does_not_hide_the_first() -> None:
+    tracker = Recorder()
+    tap = UsageTap(tracker, "e", RoutingRequest("r", "m"))
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 4,
+             "cache_read_input_tokens": 96}}}
+    delta = {"type": "message_delta", "usage": {"input_tokens": 0, "output_tokens": 7}}
+    for event in (start, delta):
+        tap(b"event: e\ndata: " + orjson.dumps(event) + b"\n\n")
+    tap.finish()
+    [(_, usage)] = tracker.seen
+    assert prompt_tokens(usage) == 100 and usage is not None and usage["output_tokens"] == 7
+
+
+def test_the_usage_of_an_event_longer_than_the_kept_tail_is_still_found() -> None:
+    """A Responses stream's last event repeats the instructions and tools: tens of KB, cut
+    where the kept tail starts."""
+    usage = {"input_tokens": 900, "input_tokens_details": {"cached_tokens": 512}}
+    response = {"instructions": "be {careful} \" " * 4000, "output": [], "usage": usage}
+    event = {"type": "response.completed", "response": response}
+    stream = b"event: response.completed\ndata: " + orjson.dumps(event) + b"\n\n"
+    assert len(stream) > 2 * UsageTap.TAIL_BYTES
+    tracker = Recorder()
+    tap = UsageTap(tracker, "e", RoutingRequest("r", "m"))
+    for at in range(0, len(stream), 4096):
+        tap(stream[at : at + 4096])
+    tap.finish()
+    assert tracker.seen == [("e", usage)]
+    body = orjson.dumps(response)  # not streamed, and longer than the tail
+    assert find_usage(body[-UsageTap.TAIL_BYTES :]) == usage
+    assert find_usage(b'..."usage": null, "x": {"a": 1}}') is None
 
 
 class Finishes:

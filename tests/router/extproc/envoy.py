@@ -40,6 +40,10 @@ def _headers(values: dict[str, str], end_of_stream: bool = False) -> Any:
     return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=items), end_of_stream=end_of_stream)
 
 
+def response_headers(status: str) -> Any:
+    return _headers({":status": status})
+
+
 def _body(data: bytes, end_of_stream: bool) -> Any:
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=end_of_stream))
 

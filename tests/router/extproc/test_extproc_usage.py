@@ -9,13 +9,22 @@ from collections.abc import AsyncIterator
 import grpc
 import httpx
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from benchmarks.sim.cli import Replica, start_replicas
 from benchmarks.sim.config import SimConfig
 from router.core.endpoints import endpoint_id_from_url
 from router.extproc.server import RunningEpp, running_epp
 from tests.gateways import MODEL
-from tests.router.extproc.envoy import MODE, Envoy, chat_body, epp_config, eventually, in_flight
+from tests.router.extproc.envoy import (
+    MODE,
+    Envoy,
+    chat_body,
+    epp_config,
+    eventually,
+    in_flight,
+    response_headers,
+)
 
 WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "tau")
 
@@ -47,10 +56,12 @@ async def test_usage_in_the_response_bodies_envoy_streams_through_teaches_the_ra
         httpx.AsyncClient() as http,
     ):
         envoy = Envoy(channel)
-        for i in range(16):
-            # Streamed with usage and not, as the clients ask; the answer is the replica's own,
-            # fetched from where the picker sent it, as Envoy would relay it.
-            extra = {"stream": True, "stream_options": {"include_usage": True}} if i % 2 else {}
+        for i in range(24):
+            # Not streamed, streamed with usage and without, as the clients ask; the answer is
+            # the replica's own, fetched from where the picker sent it, as Envoy relays it. A
+            # stream without usage has the replica count its prompt.
+            extra = [{}, {"stream": True, "stream_options": {"include_usage": True}},
+                     {"stream": True}][i % 3]
             body = chat_body(_prompt(rng), max_tokens=2, **extra)
             call, routed = await envoy.send_request(body)
             answer = await http.post(
@@ -58,9 +69,35 @@ async def test_usage_in_the_response_bodies_envoy_streams_through_teaches_the_ra
                 headers={"content-type": "application/json"},
             )
             await envoy.finish(call, body=answer.content)
-    assert density.samples(MODEL) >= 8
+            await dense_epp.gateway.token_counts.settle()
+    # 16 answers carried usage; the streams without it were counted until 16 samples.
+    assert density.samples(MODEL) > 16
     assert density.ratio(MODEL) == pytest.approx(9.0, rel=0.05)
-    assert dense_epp.gateway.token_counts.wants(MODEL) is False  # nothing left to ask
+    assert dense_epp.gateway.token_counts.wants(MODEL) is False
+
+
+async def test_an_answer_that_ends_on_trailers_hands_over_its_usage(
+    dense_replicas: list[Replica], dense_epp: RunningEpp
+) -> None:
+    urls = {endpoint_id_from_url(r.url): r.url for r in dense_replicas}
+    async with (
+        grpc.aio.insecure_channel(dense_epp.target) as channel,
+        httpx.AsyncClient() as http,
+    ):
+        body = chat_body(_prompt(random.Random(3)), max_tokens=2)
+        call, routed = await Envoy(channel).send_request(body)
+        answer = await http.post(
+            urls[routed.header] + "/v1/chat/completions", content=body,
+            headers={"content-type": "application/json"},
+        )
+        await call.write(pb.ProcessingRequest(response_headers=response_headers("200")))
+        await call.read()
+        await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=answer.content)))
+        await call.read()
+        await call.write(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+        await call.read()
+        await call.done_writing()
+    assert dense_epp.gateway.sizer.density.samples(MODEL) == 1
 
 
 async def test_without_response_bodies_the_replica_counts_the_prompts(

@@ -15,8 +15,15 @@ from router.core.endpoints import EndpointSnapshot, endpoint_id_from_url
 from router.estimators.token_density import TokenDensity
 from router.index.prefix_index import InMemoryPrefixIndex
 from router.index.sizing import IndexSizer
-from router.index.token_counts import TokenCounts, reports_usage, tokenize_body
+from router.index.token_counts import (
+    ATTEMPTS_PER_SAMPLE,
+    UNABLE_RETRY_S,
+    TokenCounts,
+    reports_usage,
+    tokenize_body,
+)
 from router.upstream.client import UpstreamClient
+from tests.manual_clock import ManualClock
 
 MODEL = "sim-model"
 MESSAGES = [{"role": "user", "content": "alpha beta gamma delta " * 40}]
@@ -54,6 +61,10 @@ def test_the_tokenize_body_asks_for_what_the_completion_would_count() -> None:
     assert chat == {
         "model": MODEL, "messages": MESSAGES, "add_generation_prompt": True, "tools": TOOLS,
     }
+    # What else changes the prompt's tokens goes along (Qwen3's thinking switch, say).
+    kwargs = {"enable_thinking": False}
+    thinking = tokenize_body("chat", MODEL, _chat(chat_template_kwargs=kwargs))
+    assert thinking is not None and thinking["chat_template_kwargs"] == kwargs
     assert tokenize_body("completions", MODEL, {"prompt": "once"}) == {
         "model": MODEL, "prompt": "once",
     }
@@ -94,9 +105,11 @@ async def test_a_stream_without_usage_is_counted_by_the_replica() -> None:
 
 
 @asynccontextmanager
-async def _no_tokenize() -> AsyncIterator[tuple[str, list[bytes]]]:
-    """A loopback server answering every request 404, and the request lines it got."""
+async def _answering(status: int, body: bytes = b"") -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A loopback server answering every request with ``status`` and ``body``, and the
+    request lines it got."""
     seen: list[bytes] = []
+    reason = {200: b"OK", 404: b"Not Found", 503: b"Service Unavailable"}[status]
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
@@ -107,7 +120,10 @@ async def _no_tokenize() -> AsyncIterator[tuple[str, list[bytes]]]:
             0,
         )
         await reader.readexactly(length)
-        writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 %d %s\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, reason, len(body), body)
+        )
         await writer.drain()
         writer.close()
 
@@ -120,16 +136,53 @@ async def _no_tokenize() -> AsyncIterator[tuple[str, list[bytes]]]:
         await server.wait_closed()
 
 
-async def test_an_endpoint_without_tokenize_is_not_asked_again() -> None:
-    async with _no_tokenize() as (url, seen):
-        counts, sizer, client = _counts()
+async def _ask_three_times(counts: TokenCounts, url: str) -> None:
+    for _ in range(3):
+        counts.consider("chat", True, _chat(), MODEL, 5000, _snapshot(url))
+        await counts.settle()
+
+
+async def test_an_endpoint_without_tokenize_is_not_asked_again_for_a_while() -> None:
+    clock = ManualClock()
+    async with _answering(404) as (url, seen):
+        sizer = IndexSizer(InMemoryPrefixIndex(), TokenDensity(min_samples=1), 256)
+        client = UpstreamClient(4, 2.0)
+        counts = TokenCounts(sizer, client, clock=clock)
         try:
-            for _ in range(3):
-                counts.consider("chat", True, _chat(), MODEL, 5000, _snapshot(url))
-                await counts.settle()
+            await _ask_three_times(counts, url)
             assert seen == [b"POST /tokenize HTTP/1.1"]
             assert sizer.density.samples(MODEL) == 0
             assert counts.wants(MODEL)  # another endpoint may still be asked
+            clock.now += UNABLE_RETRY_S  # a replaced pod at the same address may serve it
+            await _ask_three_times(counts, url)
+            assert len(seen) == 2
+        finally:
+            await counts.aclose()
+            await client.aclose()
+
+
+async def test_a_failing_endpoint_is_asked_again() -> None:
+    async with _answering(503) as (url, seen):
+        counts, sizer, client = _counts()
+        try:
+            await _ask_three_times(counts, url)
+            assert len(seen) == 3 and sizer.density.samples(MODEL) == 0
+        finally:
+            await counts.aclose()
+            await client.aclose()
+
+
+async def test_counts_the_ratio_rejects_use_up_a_bounded_budget() -> None:
+    """A prompt that is mostly template counts as an absurd ratio, which is no sample: the
+    calls stop all the same."""
+    async with _answering(200, b'{"count": 1}') as (url, seen):
+        counts, sizer, client = _counts(samples=2)
+        try:
+            for _ in range(4 * ATTEMPTS_PER_SAMPLE):
+                counts.consider("chat", True, _chat(), MODEL, 5000, _snapshot(url))
+                await counts.settle()
+            assert len(seen) == 2 * ATTEMPTS_PER_SAMPLE
+            assert sizer.density.samples(MODEL) == 0 and not counts.wants(MODEL)
         finally:
             await counts.aclose()
             await client.aclose()
