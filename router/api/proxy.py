@@ -16,13 +16,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge
 from starlette.requests import Request
 from starlette.responses import Response
 
 from flow_control.request import Ticket
+from router.api.attempt import Attempt, open_attempt
 from router.api.deadlines import Deadlines
 from router.api.logs import AccessLog
 from router.api.prediction import PredictionTracker, answer_taps
@@ -30,6 +30,7 @@ from router.api.request_body import BodyPreparer, read_body
 from router.api.streaming import (
     DisconnectWatch,
     ErrorEvent,
+    FirstToken,
     UpstreamResponse,
     sse_error_event,
 )
@@ -67,12 +68,6 @@ _ERROR_EVENTS: dict[str, ErrorEvent] = {
     "messages": anthropic.stream_error_event,
     "responses": responses_api.stream_error_event,
 }
-
-
-@dataclass(slots=True)
-class Attempt:
-    reply: UpstreamReply
-    first_chunk: bytes
 
 
 class Proxy:
@@ -269,15 +264,7 @@ class Proxy:
                     continue
             if ex.attempts > 1:
                 self._router.picked(routing, endpoint.id)
-            lease.first_byte(answered=attempt.reply.status < 400)
-            self._note_pick(ex, routing, endpoint.id)
-            counts = self.token_counts  # a body decoded elsewhere is not decoded for it
-            if counts is not None and parsed.decoded is not None and attempt.reply.status < 400:
-                counts.consider(
-                    parsed.api, parsed.stream, parsed.decoded, routing.model,
-                    routing.prompt_bytes, endpoint,
-                )
-            return self._relay(attempt, endpoint, lease, watch, ticket, ex, routing)
+            return self._answered(attempt, endpoint, lease, parsed, routing, watch, ticket, ex)
         if isinstance(last_error, TimeoutError):
             raise UpstreamTimeoutError("no endpoint answered within the first-byte timeout")
         reason = type(last_error).__name__ if last_error is not None else "none left"
@@ -329,22 +316,30 @@ class Proxy:
     async def open_upstream(
         self, method: str, url: str, headers: list[tuple[str, str]], body: bytes
     ) -> Attempt:
-        """Send a request upstream and wait for the first chunk of its answer, under the
-        first-byte timeout (TimeoutError); a transport error propagates as it is."""
-        reply: UpstreamReply | None = None
-        timer = self.deadlines.start(self._config.proxy.first_byte_timeout_seconds)
-        try:
-            reply = await self.client.request(method, url, headers, body)
-            first = await reply.next_chunk()
-        except BaseException as exc:
-            if reply is not None:
-                reply.close()
-            if isinstance(exc, asyncio.CancelledError) and timer.absorb_expiry():
-                raise TimeoutError("no first byte within the timeout") from None
-            raise
-        finally:
-            timer.stop()
-        return Attempt(reply, first)
+        """Send a request upstream and wait for its answer's first chunk (router/api/attempt.py)."""
+        timeout = self._config.proxy.first_byte_timeout_seconds
+        return await open_attempt(self.client, self.deadlines, timeout, method, url, headers, body)
+
+    def _answered(
+        self, attempt: Attempt, endpoint: EndpointSnapshot, lease: Lease, parsed: ParsedRequest,
+        routing: RoutingRequest, watch: DisconnectWatch, ticket: Ticket, ex: Exchange,
+    ) -> Response:
+        """The endpoint answered: its first byte (a Responses stream's opening events come
+        before any token: then at the first chunk past them, streaming.FirstToken), a token
+        count where the answer will have none (of a body decoded here), then the relay."""
+        status = attempt.reply.status
+        later = parsed.api == "responses" and parsed.stream and status == 200
+        later = later and not responses_api.answer_begun(attempt.first_chunk)
+        if not later:
+            lease.first_byte(answered=status < 400)
+        self._note_pick(ex, routing, endpoint.id)
+        counts = self.token_counts
+        if counts is not None and parsed.decoded is not None and status < 400:
+            counts.consider(
+                parsed.api, parsed.stream, parsed.decoded, routing.model, routing.prompt_bytes,
+                endpoint,
+            )
+        return self._relay(attempt, endpoint, lease, watch, ticket, ex, routing, later)
 
     def _relay(
         self,
@@ -355,6 +350,7 @@ class Proxy:
         ticket: Ticket,
         ex: Exchange,
         routing: RoutingRequest,
+        first_token_later: bool = False,
     ) -> Response:
         upstream = attempt.reply
         ex.status = upstream.status
@@ -365,6 +361,8 @@ class Proxy:
             self.sizer.observe if self.sizer is not None else None,
             self._router.responses if ex.api == "responses" else None,
         )
+        if first_token_later:
+            observe = FirstToken(lease, responses_api.answer_begun, observe)
 
         def finish(outcome: str) -> None:
             ticket.release()

@@ -271,3 +271,25 @@ def _lead(last: bytes) -> bytes:
 def _failure(exc: BaseException) -> str:
     reason = "idle timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
     return f"upstream stream failed: {reason}"
+
+
+class FirstToken:
+    """A chunk tap for a Responses stream, whose first events come before any token: tells
+    the lease the first byte at the first chunk past them (``begun``), then hands every
+    chunk to ``then``."""
+
+    __slots__ = ("_begun", "_lease", "_then", "_waiting")
+
+    def __init__(
+        self, lease: Lease, begun: Callable[[bytes], bool],
+        then: Callable[[bytes], None] | None = None,
+    ) -> None:
+        self._lease, self._begun, self._then = lease, begun, then
+        self._waiting = True
+
+    def __call__(self, chunk: bytes) -> None:
+        if self._waiting and self._begun(chunk):
+            self._waiting = False
+            self._lease.first_byte()
+        if self._then is not None:
+            self._then(chunk)

@@ -205,7 +205,8 @@ class Lease:
 
     Its uncached prompt tokens count as prefill queued on the endpoint until the first byte
     (or until presumed done: a non-streaming answer's first byte is its last, and decode time
-    must not pass for queued prefill). ``on_first_byte`` learns the time to first byte.
+    must not pass for queued prefill). ``on_first_byte`` learns the time to first byte, and
+    whether it came with tokens (not only headers).
     """
 
     __slots__ = (
@@ -218,7 +219,7 @@ class Lease:
         state: EndpointState,
         prefill_tokens: int,
         pool: EndpointPool | None = None,
-        on_first_byte: Callable[[float], None] | None = None,
+        on_first_byte: Callable[[float, bool], None] | None = None,
     ) -> None:
         self.state = state
         self._pool = pool
@@ -247,7 +248,7 @@ class Lease:
                 self._headers_only = True
                 self.state.headers_only += 1
             if self._on_first_byte is not None:
-                self._on_first_byte(time.monotonic() - self._started)
+                self._on_first_byte(time.monotonic() - self._started, tokens)
 
     def presume_prefilled(self) -> None:
         """The prefill is surely done by now, though no byte has come back yet."""
@@ -349,7 +350,7 @@ class EndpointPool:
         self,
         endpoint_id: str,
         prefill_tokens: int = 0,
-        on_first_byte: Callable[[float], None] | None = None,
+        on_first_byte: Callable[[float, bool], None] | None = None,
     ) -> Lease:
         state = self._states.get(endpoint_id)
         if state is None:

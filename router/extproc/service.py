@@ -22,13 +22,13 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from flow_control.request import Ticket
-from router.api.prediction import UsageTap, answer_taps
 from router.api.request_body import join_body
 from router.app import Gateway
 from router.config.model import ExtProcConfig
 from router.core.endpoints import EndpointSnapshot, Lease
 from router.core.errors import GatewayError, NoEndpointsError, PayloadTooLargeError
 from router.core.framework import RoutingRequest
+from router.extproc.answer import AnswerWatch
 from router.extproc.messages import (
     continue_body,
     continue_request_headers,
@@ -123,10 +123,9 @@ class Exchange:
         self._lease: Lease | None = None
         self._prefill_lease: Lease | None = None
         self._extra: dict[str, str] = {}
-        # The routed request, and what reads its answer's usage (router/api/prediction.py).
+        # The routed request, and what reads its answer (router/extproc/answer.py).
         self._routing: RoutingRequest | None = None
-        self._observe: Callable[[bytes], None] | None = None
-        self._usage: UsageTap | None = None
+        self._answer = AnswerWatch("none", None)
         self._closed = False
         self.done = False
 
@@ -167,7 +166,7 @@ class Exchange:
         if kind == "response_body":
             return self._response_body(part)
         if kind == "response_trailers":
-            self._finish_usage()
+            self._answer.finish()
             self.close()
             return [trailers("response")]
         return []
@@ -323,48 +322,25 @@ class Exchange:
 
     def _response_headers(self, part: Any) -> list[Any]:
         self._status = header_map(part).get(":status", "none")
-        if self._lease is not None:
-            ok = self._status.startswith(("1", "2", "3"))
-            self._lease.first_byte(tokens=False, answered=ok)
         destinations = (self._destination or "").split(",")
-        routing, picked = self._routing, destinations[0]
-        if (
-            routing is not None and self._status == "200" and not part.end_of_stream
-            and self._response_mode != _MODE.NONE
-        ):
-            gw = self._gw
-            # With fallbacks another endpoint may have served it: where it is stored is probed.
-            stores = gw.router.responses if self._api == "responses" else None
-            self._observe, self._usage = answer_taps(
-                200, picked, routing, gw.prediction, gw.sizer.observe,
-                stores if len(destinations) == 1 else None,
-            )
+        self._answer = AnswerWatch(self._api, self._lease)
+        self._answer.headers(
+            self._gw, self._routing, self._status, part.end_of_stream, self._response_mode,
+            destinations,
+        )
         if part.end_of_stream:
             self.close()
+        picked = destinations[0]
         return [continue_response_headers({DESTINATION_HEADER: picked} if picked else {})]
 
     def _response_body(self, part: Any) -> list[Any]:
-        if self._observe is not None:
-            try:
-                self._observe(part.body)
-            except Exception:  # reading the usage must never cut an answer
-                log.exception("ext_proc: reading an answer's usage failed")
-                self._observe = self._usage = None
+        self._answer.body(part.body)
         if part.end_of_stream or part.end_of_stream_without_message:
-            self._finish_usage()
+            self._answer.finish()
             self.close()
         if self._response_mode == _MODE.FULL_DUPLEX_STREAMED:
             return [streamed_body(part.body, part.end_of_stream, "response")]
         return [continue_body("response")]
-
-    def _finish_usage(self) -> None:
-        """The answer is whole: hand its usage over (once)."""
-        usage, self._observe, self._usage = self._usage, None, None
-        if usage is not None:
-            try:
-                usage.finish()
-            except Exception:
-                log.exception("ext_proc: reading an answer's usage failed")
 
     def close(self) -> None:
         """The request is over (response end, stream closed, or rejected): release once."""

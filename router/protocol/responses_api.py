@@ -194,3 +194,23 @@ def render_responses(payload: Mapping[str, Any]) -> tuple[str, tuple[int, int] |
 def session_hint(payload: Mapping[str, Any]) -> str | None:
     key = payload.get("prompt_cache_key")
     return key if isinstance(key, str) and key else None
+
+
+# A Responses stream's events sent before the model has produced anything: vLLM sends the
+# first two as soon as the request is accepted (and the simulator the rest of these too).
+_OPENING_EVENTS = frozenset((
+    b"response.created", b"response.in_progress", b"response.queued",
+    b"response.output_item.added", b"response.content_part.added",
+))
+
+
+def answer_begun(chunk: bytes) -> bool:
+    """Whether a chunk of a Responses stream carries more than its opening events: the first
+    token (a delta), the end, or an error. The time to it, not to the first byte, is the time
+    to first token."""
+    names = [
+        line[6:].strip() for line in chunk.split(b"\n") if line.startswith(b"event:")
+    ]
+    if not names:  # a stream without event lines: its events' types, roughly
+        return b'.delta"' in chunk or b'"response.completed"' in chunk or b'"error"' in chunk
+    return any(name not in _OPENING_EVENTS for name in names)

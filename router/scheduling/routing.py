@@ -263,8 +263,10 @@ class Router:
 
         errors, learning = self._errors, self._learning
 
-        def first_byte(seconds: float) -> None:
-            if routing.stream:  # a non-streaming first byte is the answer's last
+        def first_byte(seconds: float, tokens: bool) -> None:
+            # A non-streaming first byte is the answer's last; headers alone (ext_proc) come
+            # before the request is even scheduled.
+            if routing.stream and tokens:
                 price = calibrator.price(endpoint_id)
                 if learning is None or learning.take():
                     errors.record(price.predict(uncached, queued, running, requests), seconds)

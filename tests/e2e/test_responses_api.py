@@ -278,3 +278,26 @@ async def test_a_holder_that_never_answers_is_a_504_after_the_first_byte_timeout
         hold.set()
     assert got.status_code == 504
     assert got.json()["error"]["code"] == "upstream_timeout"
+
+
+async def test_a_streams_time_to_first_token_is_learned_at_its_first_token() -> None:
+    """A Responses stream opens with events sent before the prefill (vLLM sends them when it
+    accepts the request): the calibrator must learn the time to the first token, which the
+    simulator holds for at least its 300 ms prefill overhead, not to those events."""
+    sim = SimConfig(prefill_overhead_ms=300.0, itl_ms=1.0)
+    async with start_replicas(1, sim) as reps, running_gateway(
+        gateway_config([reps[0].url])
+    ) as gw:
+        calibrator, learned = gw.gateway.calibrator, []
+        observe = calibrator.observe
+
+        def spy(endpoint_id: str, tokens: float, seconds: float, *rest: float) -> None:
+            learned.append(seconds)
+            observe(endpoint_id, tokens, seconds, *rest)
+
+        calibrator.observe = spy  # type: ignore[method-assign]
+        body = {"model": MODEL, "input": "hello there", "max_output_tokens": 3, "stream": True}
+        async with httpx.AsyncClient() as http:
+            reply = await http.post(gw.url + "/v1/responses", json=body, timeout=30)
+        assert reply.status_code == 200 and b"response.completed" in reply.content
+    assert len(learned) == 1 and learned[0] >= 0.3, learned

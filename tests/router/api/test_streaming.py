@@ -9,7 +9,7 @@ import pytest
 from starlette.types import Message
 
 from router.api.deadlines import TICK_S, Deadlines
-from router.api.streaming import DisconnectWatch, ServerSend, UpstreamResponse
+from router.api.streaming import DisconnectWatch, FirstToken, ServerSend, UpstreamResponse
 from router.core.endpoints import Lease
 from router.upstream.client import UpstreamReply
 from tests import virtual_clock
@@ -177,3 +177,20 @@ async def test_an_answer_complete_in_its_first_chunk_is_one_body_message() -> No
     upstream = FakeUpstream([])
     got, sent = await _relay(upstream, None)
     assert (got, sent) == ("ok", [b"data: 0\n\n"])
+
+
+class FirstByteLease:
+    def __init__(self) -> None:
+        self.first_bytes = 0
+
+    def first_byte(self) -> None:
+        self.first_bytes += 1
+
+
+def test_the_first_token_tap_tells_the_lease_once_and_hands_every_chunk_on() -> None:
+    lease, seen = FirstByteLease(), []
+    tap = FirstToken(cast(Lease, lease), lambda chunk: b"delta" in chunk, seen.append)
+    for chunk in (b"created", b"in_progress", b"delta 1", b"delta 2"):
+        tap(chunk)
+        assert lease.first_bytes == (1 if b"delta" in chunk else 0)
+    assert seen == [b"created", b"in_progress", b"delta 1", b"delta 2"]

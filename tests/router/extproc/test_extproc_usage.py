@@ -117,3 +117,40 @@ async def test_without_response_bodies_the_replica_counts_the_prompts(
                 break
     assert gateway.sizer.density.ratio(MODEL) == pytest.approx(9.0, rel=0.05)
     await eventually(lambda: in_flight(dense_epp) == 0)
+
+
+async def test_a_streams_first_token_is_timed_at_its_first_body_chunk_not_its_headers(
+    dense_epp: RunningEpp,
+) -> None:
+    """A streaming vLLM sends its headers at once; the picker learns the time to first token
+    from the first body chunk Envoy streams through it, and from headers alone nothing."""
+    calibrator, learned = dense_epp.gateway.calibrator, []
+    observe = calibrator.observe
+
+    def spy(endpoint_id: str, tokens: float, seconds: float, *rest: float) -> None:
+        learned.append(seconds)
+        observe(endpoint_id, tokens, seconds, *rest)
+
+    calibrator.observe = spy  # type: ignore[method-assign]
+    async with grpc.aio.insecure_channel(dense_epp.target) as channel:
+        envoy = Envoy(channel)
+        body = chat_body("hello", max_tokens=2, stream=True)
+        call, _ = await envoy.send_request(body)
+        await call.write(pb.ProcessingRequest(response_headers=response_headers("200")))
+        await call.read()
+        assert learned == []
+        chunk = pb.HttpBody(body=b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n')
+        await call.write(pb.ProcessingRequest(response_body=chunk))
+        await call.read()
+        assert len(learned) == 1
+        end = pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True)
+        await call.write(pb.ProcessingRequest(response_body=end))
+        await call.read()
+        await call.done_writing()
+        # Headers alone (no response bodies through the picker) time nothing.
+        call, _ = await envoy.send_request(body, response_mode=MODE.NONE)
+        await call.write(pb.ProcessingRequest(response_headers=response_headers("200")))
+        await call.read()
+        await call.done_writing()
+    assert len(learned) == 1
+    await eventually(lambda: in_flight(dense_epp) == 0)

@@ -17,6 +17,7 @@ from router.core.errors import BadRequestError, ResponseNotFoundError, ResponseU
 from router.core.hashing import block_hashes
 from router.index.response_store import ResponseIdTap, ResponseRoutes
 from router.protocol.parsing import ParsedRequest, parse_request
+from router.protocol.responses_api import answer_begun
 from tests.gateways import MODEL, gateway_config
 
 DESTINATION = "x-gateway-destination-endpoint"
@@ -295,3 +296,24 @@ async def test_routes_are_shared_through_redis_with_expiry(
     finally:
         await one.aclose()
         await two.aclose()
+
+
+def _events(*names: str) -> bytes:
+    return b"".join(
+        b"event: %s\ndata: {\"type\": \"%s\"}\n\n" % (n.encode(), n.encode()) for n in names
+    )
+
+
+def test_a_responses_stream_has_begun_answering_past_its_opening_events() -> None:
+    opening = _events(
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added",
+    )
+    assert not answer_begun(opening)
+    assert answer_begun(opening + _events("response.output_text.delta"))
+    assert answer_begun(_events("response.function_call_arguments.delta"))
+    assert answer_begun(_events("response.completed"))
+    assert answer_begun(_events("error"))
+    # A server that sends no event lines: the events' types, roughly.
+    assert not answer_begun(b'data: {"type":"response.created"}\n\n')
+    assert answer_begun(b'data: {"type":"response.output_text.delta","delta":"x"}\n\n')
