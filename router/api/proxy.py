@@ -327,11 +327,14 @@ class Proxy:
         """The endpoint answered: its first byte (a Responses stream's opening events come
         before any token: then at the first chunk past them, streaming.FirstToken), a token
         count where the answer will have none (of a body decoded here), then the relay."""
-        status = attempt.reply.status
-        later = parsed.api == "responses" and parsed.stream and status == 200
-        later = later and not responses_api.answer_begun(attempt.first_chunk)
-        if not later:
+        status, first, begun = attempt.reply.status, attempt.first_chunk, responses_api.TOKEN
+        if parsed.api == "responses" and parsed.stream and status == 200 and first:
+            begun = responses_api.answer_begun(first)
+        if begun == responses_api.TOKEN:
             lease.first_byte(answered=status < 400)
+        elif begun == responses_api.FAILED:  # its time says nothing of the prefill
+            lease.first_byte(tokens=False, answered=False)
+        later = begun == responses_api.OPENING
         self._note_pick(ex, routing, endpoint.id)
         counts = self.token_counts
         if counts is not None and parsed.decoded is not None and status < 400:

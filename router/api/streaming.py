@@ -275,21 +275,25 @@ def _failure(exc: BaseException) -> str:
 
 class FirstToken:
     """A chunk tap for a Responses stream, whose first events come before any token: tells
-    the lease the first byte at the first chunk past them (``begun``), then hands every
-    chunk to ``then``."""
+    the lease the first byte at the first chunk past them (``begun``: 0 not yet, 1 a token,
+    2 an error, whose time says nothing of the prefill), then hands every chunk to
+    ``then``."""
 
     __slots__ = ("_begun", "_lease", "_then", "_waiting")
 
     def __init__(
-        self, lease: Lease, begun: Callable[[bytes], bool],
+        self, lease: Lease, begun: Callable[[bytes], int],
         then: Callable[[bytes], None] | None = None,
     ) -> None:
         self._lease, self._begun, self._then = lease, begun, then
         self._waiting = True
 
     def __call__(self, chunk: bytes) -> None:
-        if self._waiting and self._begun(chunk):
+        if self._waiting and (state := self._begun(chunk)):
             self._waiting = False
-            self._lease.first_byte()
+            if state == 1:
+                self._lease.first_byte()
+            else:
+                self._lease.first_byte(tokens=False, answered=False)
         if self._then is not None:
             self._then(chunk)

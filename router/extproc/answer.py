@@ -19,7 +19,7 @@ from router.api.prediction import UsageTap, answer_taps
 from router.app import Gateway
 from router.core.endpoints import Lease
 from router.core.framework import RoutingRequest
-from router.protocol.responses_api import answer_begun
+from router.protocol.responses_api import OPENING, TOKEN, answer_begun
 
 log = logging.getLogger("prefixgate.extproc")
 
@@ -40,8 +40,10 @@ class AnswerWatch:
 
     def headers(
         self, gw: Gateway, routing: RoutingRequest | None, status: str, end_of_stream: bool,
-        mode: int, destinations: list[str],
+        mode: int | None, destinations: list[str],
     ) -> None:
+        """``mode``: the response body mode Envoy announced (None: not announced, so the
+        body may never come: the first byte is told now, as headers alone)."""
         body_follows = (
             routing is not None and status == "200" and not end_of_stream and mode != _MODE.NONE
         )
@@ -59,10 +61,14 @@ class AnswerWatch:
             )
 
     def body(self, chunk: bytes) -> None:
-        if self._first_token and (self._api != "responses" or answer_begun(chunk)):
-            self._first_token = False
-            if self._lease is not None:
-                self._lease.first_byte()
+        if self._first_token and chunk:
+            begun = answer_begun(chunk) if self._api == "responses" else TOKEN
+            if begun != OPENING:
+                self._first_token = False
+                if self._lease is not None and begun == TOKEN:
+                    self._lease.first_byte()
+                elif self._lease is not None:  # an error: its time says nothing
+                    self._lease.first_byte(tokens=False, answered=False)
         if self._observe is not None:
             try:
                 self._observe(chunk)

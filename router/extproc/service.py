@@ -111,6 +111,7 @@ class Exchange:
         duplex = settings.default_body_mode == "FULL_DUPLEX_STREAMED"
         self._request_mode = _MODE.FULL_DUPLEX_STREAMED if duplex else _MODE.BUFFERED
         self._response_mode = self._request_mode
+        self._announced = False  # whether Envoy said which body modes it uses
         self._headers: dict[str, str] = {}
         # The request body's pieces, joined once it is whole (off the loop when large).
         self._parts: list[bytes] = []
@@ -138,6 +139,7 @@ class Exchange:
         if message.HasField("protocol_config"):
             self._request_mode = message.protocol_config.request_body_mode
             self._response_mode = message.protocol_config.response_body_mode
+            self._announced = True
         if message.HasField("metadata_context"):
             hint = subset_hint(message.metadata_context)
             if hint is not None:
@@ -325,8 +327,8 @@ class Exchange:
         destinations = (self._destination or "").split(",")
         self._answer = AnswerWatch(self._api, self._lease)
         self._answer.headers(
-            self._gw, self._routing, self._status, part.end_of_stream, self._response_mode,
-            destinations,
+            self._gw, self._routing, self._status, part.end_of_stream,
+            self._response_mode if self._announced else None, destinations,
         )
         if part.end_of_stream:
             self.close()

@@ -204,13 +204,27 @@ _OPENING_EVENTS = frozenset((
 ))
 
 
-def answer_begun(chunk: bytes) -> bool:
-    """Whether a chunk of a Responses stream carries more than its opening events: the first
-    token (a delta), the end, or an error. The time to it, not to the first byte, is the time
-    to first token."""
-    names = [
-        line[6:].strip() for line in chunk.split(b"\n") if line.startswith(b"event:")
-    ]
+_FAILED_EVENTS = frozenset((b"error", b"response.failed", b"response.incomplete"))
+# Without event lines: the types that mean a token, or the end.
+_TOKEN_TYPES = (b'.delta"', b'"type":"response.completed"', b'"type": "response.completed"')
+_FAILED_TYPES = (b'"type":"error"', b'"type": "error"', b'"type":"response.failed"',
+                 b'"type": "response.failed"')
+
+OPENING, TOKEN, FAILED = 0, 1, 2
+
+
+def answer_begun(chunk: bytes) -> int:
+    """How far a chunk of a Responses stream has got past its opening events: OPENING (not
+    yet), TOKEN (a first token, or the end) or FAILED (an error before any token). The time
+    to TOKEN, not to the first byte, is the time to first token. Only whole ``event:`` lines
+    count (a chunk may end inside one)."""
+    lines = chunk.split(b"\n")[:-1]  # the last is unfinished (or empty)
+    names = [line[6:].strip() for line in lines if line.startswith(b"event:")]
     if not names:  # a stream without event lines: its events' types, roughly
-        return b'.delta"' in chunk or b'"response.completed"' in chunk or b'"error"' in chunk
-    return any(name not in _OPENING_EVENTS for name in names)
+        if any(t in chunk for t in _TOKEN_TYPES):
+            return TOKEN
+        return FAILED if any(t in chunk for t in _FAILED_TYPES) else OPENING
+    later = [name for name in names if name not in _OPENING_EVENTS]
+    if not later:
+        return OPENING
+    return FAILED if all(name in _FAILED_EVENTS for name in later) else TOKEN

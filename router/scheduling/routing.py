@@ -247,10 +247,10 @@ class Router:
     def lease(self, routing: RoutingRequest, endpoint_id: str) -> Lease:
         """Count the request against the endpoint until the lease is released.
 
-        A streamed answer's first byte teaches the calibrator what the endpoint's first byte
-        costs: the time it took against this request's own prefill, the prefill queued there
-        (tokens and requests) and the requests running there (counted as the cost scorer
-        counts them).
+        A streamed answer's first token (the lease's first byte with tokens) teaches the
+        calibrator what the endpoint's first token costs: the time it took against this
+        request's own prefill, the prefill queued there (tokens and requests) and the
+        requests running there (counted as the cost scorer counts them).
         """
         state = self._pool.get(endpoint_id)
         uncached = self.uncached_tokens(routing, endpoint_id)

@@ -181,16 +181,24 @@ async def test_an_answer_complete_in_its_first_chunk_is_one_body_message() -> No
 
 class FirstByteLease:
     def __init__(self) -> None:
-        self.first_bytes = 0
+        self.first_bytes: list[tuple[bool, bool]] = []
 
-    def first_byte(self) -> None:
-        self.first_bytes += 1
+    def first_byte(self, tokens: bool = True, answered: bool = True) -> None:
+        self.first_bytes.append((tokens, answered))
 
 
 def test_the_first_token_tap_tells_the_lease_once_and_hands_every_chunk_on() -> None:
     lease, seen = FirstByteLease(), []
-    tap = FirstToken(cast(Lease, lease), lambda chunk: b"delta" in chunk, seen.append)
+    tap = FirstToken(cast(Lease, lease), lambda chunk: int(b"delta" in chunk), seen.append)
     for chunk in (b"created", b"in_progress", b"delta 1", b"delta 2"):
         tap(chunk)
-        assert lease.first_bytes == (1 if b"delta" in chunk else 0)
+        assert lease.first_bytes == ([(True, True)] if b"delta" in chunk else [])
     assert seen == [b"created", b"in_progress", b"delta 1", b"delta 2"]
+
+
+def test_an_error_before_any_token_is_no_time_to_first_token() -> None:
+    lease = FirstByteLease()
+    tap = FirstToken(cast(Lease, lease), lambda chunk: 2 if b"error" in chunk else 0)
+    for chunk in (b"created", b"error", b"later"):
+        tap(chunk)
+    assert lease.first_bytes == [(False, False)]

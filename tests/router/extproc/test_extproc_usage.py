@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import httpx
+import orjson
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
@@ -119,12 +121,9 @@ async def test_without_response_bodies_the_replica_counts_the_prompts(
     await eventually(lambda: in_flight(dense_epp) == 0)
 
 
-async def test_a_streams_first_token_is_timed_at_its_first_body_chunk_not_its_headers(
-    dense_epp: RunningEpp,
-) -> None:
-    """A streaming vLLM sends its headers at once; the picker learns the time to first token
-    from the first body chunk Envoy streams through it, and from headers alone nothing."""
-    calibrator, learned = dense_epp.gateway.calibrator, []
+def _learned(epp: RunningEpp) -> list[float]:
+    """The times to first token the calibrator learns from here on."""
+    calibrator, learned = epp.gateway.calibrator, []
     observe = calibrator.observe
 
     def spy(endpoint_id: str, tokens: float, seconds: float, *rest: float) -> None:
@@ -132,25 +131,66 @@ async def test_a_streams_first_token_is_timed_at_its_first_body_chunk_not_its_he
         observe(endpoint_id, tokens, seconds, *rest)
 
     calibrator.observe = spy  # type: ignore[method-assign]
+    return learned
+
+
+async def _answer_in_chunks(call: Any, *chunks: bytes) -> None:
+    await call.write(pb.ProcessingRequest(response_headers=response_headers("200")))
+    await call.read()
+    for chunk in chunks:
+        await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk)))
+        await call.read()
+
+
+async def _end(call: Any) -> None:
+    end = pb.HttpBody(body=b"", end_of_stream=True)
+    await call.write(pb.ProcessingRequest(response_body=end))
+    await call.read()
+    await call.done_writing()
+
+
+async def test_a_streams_first_token_is_timed_at_its_first_body_chunk_not_its_headers(
+    dense_epp: RunningEpp,
+) -> None:
+    """A streaming vLLM sends its headers at once; the picker learns the time to first token
+    from the first body chunk Envoy streams through it, and from headers alone nothing."""
+    learned = _learned(dense_epp)
     async with grpc.aio.insecure_channel(dense_epp.target) as channel:
         envoy = Envoy(channel)
         body = chat_body("hello", max_tokens=2, stream=True)
         call, _ = await envoy.send_request(body)
-        await call.write(pb.ProcessingRequest(response_headers=response_headers("200")))
-        await call.read()
+        await _answer_in_chunks(call)
         assert learned == []
-        chunk = pb.HttpBody(body=b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n')
-        await call.write(pb.ProcessingRequest(response_body=chunk))
-        await call.read()
+        await _answer_in_chunks(call, b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n')
         assert len(learned) == 1
-        end = pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True)
-        await call.write(pb.ProcessingRequest(response_body=end))
-        await call.read()
-        await call.done_writing()
-        # Headers alone (no response bodies through the picker) time nothing.
+        await _end(call)
+        # Headers alone (no response bodies through the picker) time nothing, nor do they
+        # when Envoy does not say which body modes it uses (the bodies may never come).
         call, _ = await envoy.send_request(body, response_mode=MODE.NONE)
-        await call.write(pb.ProcessingRequest(response_headers=response_headers("200")))
-        await call.read()
+        await _answer_in_chunks(call)
         await call.done_writing()
+        call, _ = await envoy.send_request(body, announce_mode=False)
+        await _answer_in_chunks(call, b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n')
+        await _end(call)
     assert len(learned) == 1
+    await eventually(lambda: in_flight(dense_epp) == 0)
+
+
+async def test_a_responses_streams_first_token_is_past_its_opening_events(
+    dense_epp: RunningEpp,
+) -> None:
+    learned = _learned(dense_epp)
+    opening = b"".join(
+        b'event: %s\ndata: {"type":"%s"}\n\n' % (name, name)
+        for name in (b"response.created", b"response.in_progress")
+    )
+    delta = b'event: response.output_text.delta\ndata: {"delta":"hi"}\n\n'
+    payload = {"model": MODEL, "input": "hello", "stream": True, "max_output_tokens": 2}
+    async with grpc.aio.insecure_channel(dense_epp.target) as channel:
+        call, _ = await Envoy(channel).send_request(orjson.dumps(payload), path="/v1/responses")
+        await _answer_in_chunks(call, opening)
+        assert learned == []
+        await _answer_in_chunks(call, delta)
+        assert len(learned) == 1
+        await _end(call)
     await eventually(lambda: in_flight(dense_epp) == 0)

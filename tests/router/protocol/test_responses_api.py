@@ -17,7 +17,7 @@ from router.core.errors import BadRequestError, ResponseNotFoundError, ResponseU
 from router.core.hashing import block_hashes
 from router.index.response_store import ResponseIdTap, ResponseRoutes
 from router.protocol.parsing import ParsedRequest, parse_request
-from router.protocol.responses_api import answer_begun
+from router.protocol.responses_api import FAILED, OPENING, TOKEN, answer_begun
 from tests.gateways import MODEL, gateway_config
 
 DESTINATION = "x-gateway-destination-endpoint"
@@ -309,11 +309,17 @@ def test_a_responses_stream_has_begun_answering_past_its_opening_events() -> Non
         "response.created", "response.in_progress", "response.output_item.added",
         "response.content_part.added",
     )
-    assert not answer_begun(opening)
-    assert answer_begun(opening + _events("response.output_text.delta"))
-    assert answer_begun(_events("response.function_call_arguments.delta"))
-    assert answer_begun(_events("response.completed"))
-    assert answer_begun(_events("error"))
+    assert answer_begun(opening) == OPENING
+    assert answer_begun(opening + _events("response.output_text.delta")) == TOKEN
+    assert answer_begun(_events("response.function_call_arguments.delta")) == TOKEN
+    assert answer_begun(_events("response.completed")) == TOKEN
+    assert answer_begun(opening + _events("error")) == FAILED
+    assert answer_begun(_events("response.failed")) == FAILED
+    # CRLF line endings, and a chunk that ends inside an event line (the next chunk has it).
+    assert answer_begun(opening.replace(b"\n", b"\r\n")) == OPENING
+    assert answer_begun(opening + b"event: response.output_te") == OPENING
     # A server that sends no event lines: the events' types, roughly.
-    assert not answer_begun(b'data: {"type":"response.created"}\n\n')
-    assert answer_begun(b'data: {"type":"response.output_text.delta","delta":"x"}\n\n')
+    created = b'data: {"type":"response.created","response":{"error":null}}\n\n'
+    assert answer_begun(created) == OPENING
+    assert answer_begun(b'data: {"type":"response.output_text.delta","delta":"x"}\n\n') == TOKEN
+    assert answer_begun(b'data: {"type":"error","message":"no"}\n\n') == FAILED
