@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 from router.config.model import parse_config
+from router.estimators.calibration import Calibrator
 
 MODEL = "sim-model"
 
@@ -34,3 +35,16 @@ class Parses(list[tuple[int, threading.Thread]]):
     @property
     def threads(self) -> list[threading.Thread]:
         return [thread for _, thread in self]
+
+
+def learned_first_tokens(calibrator: Calibrator) -> list[float]:
+    """The times to first token ``calibrator`` learns from here on (it learns them too)."""
+    learned: list[float] = []
+    observe = calibrator.observe
+
+    def spy(endpoint_id: str, tokens: float, seconds: float, *rest: float) -> None:
+        learned.append(seconds)
+        observe(endpoint_id, tokens, seconds, *rest)
+
+    calibrator.observe = spy  # type: ignore[method-assign]
+    return learned

@@ -33,6 +33,7 @@ from router.api.streaming import (
     FirstToken,
     UpstreamResponse,
     sse_error_event,
+    tell_first_byte,
 )
 from router.config.model import GatewayConfig
 from router.core.endpoints import EndpointSnapshot, Lease
@@ -330,10 +331,7 @@ class Proxy:
         status, first, begun = attempt.reply.status, attempt.first_chunk, responses_api.TOKEN
         if parsed.api == "responses" and parsed.stream and status == 200 and first:
             begun = responses_api.answer_begun(first)
-        if begun == responses_api.TOKEN:
-            lease.first_byte(answered=status < 400)
-        elif begun == responses_api.FAILED:  # its time says nothing of the prefill
-            lease.first_byte(tokens=False, answered=False)
+        tell_first_byte(lease, begun, answered=status < 400)
         later = begun == responses_api.OPENING
         self._note_pick(ex, routing, endpoint.id)
         counts = self.token_counts

@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.api.deadlines import Deadlines
 from router.core.endpoints import Lease
+from router.protocol.responses_api import FAILED, OPENING, TOKEN
 from router.upstream.client import UPSTREAM_ERRORS, UpstreamReply
 
 # Where a server that calls back when a client leaves (the gateway's own HTTP protocol,
@@ -273,11 +274,19 @@ def _failure(exc: BaseException) -> str:
     return f"upstream stream failed: {reason}"
 
 
+def tell_first_byte(lease: Lease, begun: int, answered: bool = True) -> None:
+    """Tell the lease its first byte as far as the answer has got (responses_api.answer_begun's
+    TOKEN, or FAILED: an error before any token, whose time says nothing of the prefill)."""
+    if begun == TOKEN:
+        lease.first_byte(answered=answered)
+    elif begun == FAILED:
+        lease.first_byte(tokens=False, answered=False)
+
+
 class FirstToken:
     """A chunk tap for a Responses stream, whose first events come before any token: tells
-    the lease the first byte at the first chunk past them (``begun``: 0 not yet, 1 a token,
-    2 an error, whose time says nothing of the prefill), then hands every chunk to
-    ``then``."""
+    the lease the first byte at the first chunk past them (``begun``: OPENING, TOKEN or
+    FAILED), then hands every chunk to ``then``."""
 
     __slots__ = ("_begun", "_lease", "_then", "_waiting")
 
@@ -289,11 +298,8 @@ class FirstToken:
         self._waiting = True
 
     def __call__(self, chunk: bytes) -> None:
-        if self._waiting and (state := self._begun(chunk)):
+        if self._waiting and (state := self._begun(chunk)) != OPENING:
             self._waiting = False
-            if state == 1:
-                self._lease.first_byte()
-            else:
-                self._lease.first_byte(tokens=False, answered=False)
+            tell_first_byte(self._lease, state)
         if self._then is not None:
             self._then(chunk)

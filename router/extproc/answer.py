@@ -16,6 +16,7 @@ from collections.abc import Callable
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
 from router.api.prediction import UsageTap, answer_taps
+from router.api.streaming import tell_first_byte
 from router.app import Gateway
 from router.core.endpoints import Lease
 from router.core.framework import RoutingRequest
@@ -65,10 +66,8 @@ class AnswerWatch:
             begun = answer_begun(chunk) if self._api == "responses" else TOKEN
             if begun != OPENING:
                 self._first_token = False
-                if self._lease is not None and begun == TOKEN:
-                    self._lease.first_byte()
-                elif self._lease is not None:  # an error: its time says nothing
-                    self._lease.first_byte(tokens=False, answered=False)
+                if self._lease is not None:
+                    tell_first_byte(self._lease, begun)
         if self._observe is not None:
             try:
                 self._observe(chunk)

@@ -21,7 +21,7 @@ from benchmarks.sim.cli import Replica, start_replicas
 from benchmarks.sim.config import SimConfig
 from router.serve.server import RunningGateway, running_gateway
 from tests.e2e.test_reliability_support import replica_routes, serve_app
-from tests.gateways import MODEL, gateway_config
+from tests.gateways import MODEL, gateway_config, learned_first_tokens
 from tests.router.protocol.test_responses_api import DESTINATION
 
 # -- end to end through the openai SDK ------------------------------------------------------------
@@ -288,14 +288,7 @@ async def test_a_streams_time_to_first_token_is_learned_at_its_first_token() -> 
     async with start_replicas(1, sim) as reps, running_gateway(
         gateway_config([reps[0].url])
     ) as gw:
-        calibrator, learned = gw.gateway.calibrator, []
-        observe = calibrator.observe
-
-        def spy(endpoint_id: str, tokens: float, seconds: float, *rest: float) -> None:
-            learned.append(seconds)
-            observe(endpoint_id, tokens, seconds, *rest)
-
-        calibrator.observe = spy  # type: ignore[method-assign]
+        learned = learned_first_tokens(gw.gateway.calibrator)
         body = {"model": MODEL, "input": "hello there", "max_output_tokens": 3, "stream": True}
         async with httpx.AsyncClient() as http:
             reply = await http.post(gw.url + "/v1/responses", json=body, timeout=30)

@@ -17,7 +17,7 @@ from benchmarks.sim.cli import Replica, start_replicas
 from benchmarks.sim.config import SimConfig
 from router.core.endpoints import endpoint_id_from_url
 from router.extproc.server import RunningEpp, running_epp
-from tests.gateways import MODEL
+from tests.gateways import MODEL, learned_first_tokens
 from tests.router.extproc.envoy import (
     MODE,
     Envoy,
@@ -121,19 +121,6 @@ async def test_without_response_bodies_the_replica_counts_the_prompts(
     await eventually(lambda: in_flight(dense_epp) == 0)
 
 
-def _learned(epp: RunningEpp) -> list[float]:
-    """The times to first token the calibrator learns from here on."""
-    calibrator, learned = epp.gateway.calibrator, []
-    observe = calibrator.observe
-
-    def spy(endpoint_id: str, tokens: float, seconds: float, *rest: float) -> None:
-        learned.append(seconds)
-        observe(endpoint_id, tokens, seconds, *rest)
-
-    calibrator.observe = spy  # type: ignore[method-assign]
-    return learned
-
-
 async def _answer_in_chunks(call: Any, *chunks: bytes) -> None:
     await call.write(pb.ProcessingRequest(response_headers=response_headers("200")))
     await call.read()
@@ -154,7 +141,7 @@ async def test_a_streams_first_token_is_timed_at_its_first_body_chunk_not_its_he
 ) -> None:
     """A streaming vLLM sends its headers at once; the picker learns the time to first token
     from the first body chunk Envoy streams through it, and from headers alone nothing."""
-    learned = _learned(dense_epp)
+    learned = learned_first_tokens(dense_epp.gateway.calibrator)
     async with grpc.aio.insecure_channel(dense_epp.target) as channel:
         envoy = Envoy(channel)
         body = chat_body("hello", max_tokens=2, stream=True)
@@ -179,7 +166,7 @@ async def test_a_streams_first_token_is_timed_at_its_first_body_chunk_not_its_he
 async def test_a_responses_streams_first_token_is_past_its_opening_events(
     dense_epp: RunningEpp,
 ) -> None:
-    learned = _learned(dense_epp)
+    learned = learned_first_tokens(dense_epp.gateway.calibrator)
     opening = b"".join(
         b'event: %s\ndata: {"type":"%s"}\n\n' % (name, name)
         for name in (b"response.created", b"response.in_progress")
