@@ -253,10 +253,9 @@ class Exchange:
     ) -> None:
         """A replica counts the prompt where the picker will read no usage (no response body,
         or none in it: router/index/token_counts.py); only a body decoded already."""
-        counts = self._gw.token_counts
-        if parsed.decoded is None or not counts.wants(routing.model):
+        if parsed.decoded is None:
             return
-        counts.consider(
+        self._gw.token_counts.consider(
             parsed.api, parsed.stream, parsed.decoded, routing.model, routing.prompt_bytes,
             endpoint, answer_seen=self._response_mode != _MODE.NONE,
         )
