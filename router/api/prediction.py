@@ -29,20 +29,18 @@ usage reader (the index sizer's bytes per token).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from router.core.framework import RoutingRequest
 from router.core.histogram import LoopHistogram
 from router.core.sampling import RateSampler
-from router.core.usage import cached_tokens, prompt_tokens, with_prompt_counts
+from router.core.usage import cached_tokens, prompt_tokens
 from router.estimators.answer_cache import AnswerCache
-from router.index.response_store import ResponseRoutes
 
 
 class PreciseFacts(Protocol):
@@ -79,9 +77,6 @@ class PreciseStates(Protocol):
 ANSWERS_READ_PER_S = 200.0
 ANSWERS_READ_BURST = 200.0
 
-# Another reader of each answer's usage (the index sizer): endpoint, request, usage.
-UsageObserver = Callable[[str, RoutingRequest, Mapping[str, Any] | None], None]
-
 MODES = ("approximate", "precise", "precise_confirmed")
 _TOKEN_BUCKETS = tuple(
     [-float(4**i) for i in range(8, 0, -1)] + [-1.0, 0.0, 1.0] + [float(4**i) for i in range(1, 9)]
@@ -102,85 +97,6 @@ def parse_usage(usage: Mapping[str, Any] | None) -> Usage | None:
     if prompt is None or cached is None:
         return None
     return Usage(prompt, cached)
-
-
-# A usage object is a few hundred bytes; past this the scan stops.
-_USAGE_OBJECT_BYTES = 4096
-
-
-def _usage_of(body: Any) -> Mapping[str, Any] | None:
-    """The usage of a JSON body or SSE event: at its top, or in the ``message`` (Messages'
-    ``message_start``) or ``response`` (Responses' ``response.completed``) it carries."""
-    if not isinstance(body, dict):
-        return None
-    for holder in (body, body.get("response"), body.get("message")):
-        usage = holder.get("usage") if isinstance(holder, dict) else None
-        if isinstance(usage, dict):
-            return usage
-    return None
-
-
-def find_usage(data: bytes, *, last: bool = True) -> Mapping[str, Any] | None:
-    """The ``usage`` object in a JSON body, or in the last (``last``) or first SSE ``data:``
-    event carrying one."""
-    text = data.strip()
-    if text.startswith(b"{"):
-        try:
-            return _usage_of(orjson.loads(text))
-        except orjson.JSONDecodeError:
-            return None
-    # Only the lines that name a usage are parsed (splitting a 16 KB tail into lines cost
-    # more than the rest of this).
-    for line in _usage_lines(text, last):
-        found = find_usage(line[5:]) if line.startswith(b"data:") else None
-        if found is None:
-            # An event cut by the kept tail (a Responses answer repeats its instructions and
-            # tools in its last event, tens of KB), or a body longer than the tail.
-            found = _usage_object(line)
-        if found is not None:
-            return found
-    return None
-
-
-def _usage_object(line: bytes) -> Mapping[str, Any] | None:
-    """The JSON object after the line's last ``"usage":``, read by matching its braces."""
-    at = line.rfind(b'"usage"')
-    start = line.find(b"{", at)
-    if at < 0 or start < 0 or line[at + 7 : start].strip() != b":":
-        return None
-    depth, quoted, escaped = 0, False, False
-    for end in range(start, min(len(line), start + _USAGE_OBJECT_BYTES)):
-        byte = line[end]
-        if quoted:
-            escaped, quoted = (False, True) if escaped else (byte == 0x5C, byte != 0x22)
-        elif byte == 0x22:
-            quoted = True
-        elif byte in b"{}":
-            depth += 1 if byte == 0x7B else -1
-            if depth == 0:
-                try:
-                    usage = orjson.loads(line[start : end + 1])
-                except orjson.JSONDecodeError:
-                    return None
-                return usage if isinstance(usage, dict) else None
-    return None
-
-
-def _usage_lines(text: bytes, last: bool) -> Iterator[bytes]:
-    """The lines of ``text`` that name a ``"usage"``, from the end (``last``) or the start."""
-    start, end = 0, len(text)
-    while True:
-        at = text.rfind(b'"usage"', start, end) if last else text.find(b'"usage"', start, end)
-        if at < 0:
-            return
-        begin = text.rfind(b"\n", 0, at) + 1
-        stop = text.find(b"\n", at)
-        stop = stop if stop >= 0 else len(text)
-        yield text[begin:stop]
-        if last:
-            end = begin
-        else:
-            start = stop
 
 
 @dataclass(slots=True)
@@ -350,93 +266,3 @@ class PredictionTracker:
         s.abs_error_tokens += abs(error)
         s.over += error > self.block_size
         s.under += error < -self.block_size
-
-
-class UsageTap:
-    """Keeps the tail of a relayed answer, where its ``usage`` is (the non-streaming body, or
-    the last SSE events), and its first chunk, and hands the usage to the tracker when the
-    answer ends. A Messages stream ends on a usage of output tokens only: its prompt's count
-    is in the first event (``message_start``), so that one's is read too where the last has
-    none."""
-
-    __slots__ = (
-        "_also", "_endpoint_id", "_first", "_first_size", "_parts", "_routing", "_size",
-        "_tracker",
-    )
-    TAIL_BYTES = 16384
-    FIRST_BYTES = 8192
-
-    def __init__(
-        self,
-        tracker: PredictionTracker,
-        endpoint_id: str,
-        routing: RoutingRequest,
-        also: UsageObserver | None = None,
-    ) -> None:
-        self._tracker = tracker
-        self._also = also
-        self._endpoint_id = endpoint_id
-        self._routing = routing
-        self._parts: list[bytes] = []
-        self._size = 0
-        self._first: list[bytes] = []  # the answer's first FIRST_BYTES, however chunked
-        self._first_size = 0
-
-    def __call__(self, chunk: bytes) -> None:
-        # Called for every relayed chunk: append, and cut back to the tail only once twice
-        # its size has piled up (copying the tail on every token cost more than relaying it).
-        if self._first_size < self.FIRST_BYTES:
-            self._first.append(chunk[: self.FIRST_BYTES - self._first_size])
-            self._first_size += len(self._first[-1])
-        self._parts.append(chunk)
-        self._size += len(chunk)
-        if self._size > 2 * self.TAIL_BYTES:
-            tail = self.tail()
-            self._parts, self._size = [tail], len(tail)
-
-    def tail(self) -> bytes:
-        """The last ``TAIL_BYTES`` relayed."""
-        return b"".join(self._parts)[-self.TAIL_BYTES :]
-
-    def usage(self) -> Mapping[str, Any] | None:
-        """The answer's usage: the last one it carries, completed by its first event's where
-        the last counts no prompt tokens."""
-        usage = find_usage(self.tail())
-        if self._first and prompt_tokens(usage) is None:
-            early = find_usage(b"".join(self._first), last=False)
-            if early is not None:
-                usage = with_prompt_counts(usage, early)
-        return usage
-
-    def finish(self) -> None:
-        usage = self.usage()
-        self._tracker.observe(self._endpoint_id, self._routing, usage)
-        if self._also is not None:
-            self._also(self._endpoint_id, self._routing, usage)
-
-
-def answer_taps(
-    status: int,
-    endpoint_id: str,
-    routing: RoutingRequest,
-    tracker: PredictionTracker | None,
-    also: UsageObserver | None,
-    stores: ResponseRoutes | None,
-) -> tuple[Callable[[bytes], None] | None, UsageTap | None]:
-    """What reads a relayed answer: its usage (how right the prefix index was, and ``also``:
-    what a token weighs) and, for the Responses API (``stores``), which endpoint keeps it; the
-    chunk tap and the usage tap to finish when the answer ends."""
-    if status != 200:
-        return None, None
-    usage = None
-    if tracker is not None and tracker.sampled(routing):
-        usage = UsageTap(tracker, endpoint_id, routing, also)
-    stored = stores.tap(endpoint_id) if stores is not None else None
-    if stored is None or usage is None:
-        return (stored or usage), usage
-
-    def both(chunk: bytes) -> None:
-        usage(chunk)
-        stored(chunk)
-
-    return both, usage

@@ -25,7 +25,7 @@ from flow_control.request import Ticket
 from router.api.attempt import Attempt, open_attempt
 from router.api.deadlines import Deadlines
 from router.api.logs import AccessLog
-from router.api.prediction import PredictionTracker, answer_taps
+from router.api.prediction import PredictionTracker
 from router.api.request_body import BodyPreparer, read_body
 from router.api.streaming import (
     DisconnectWatch,
@@ -35,6 +35,7 @@ from router.api.streaming import (
     sse_error_event,
     tell_first_byte,
 )
+from router.api.usage_tap import answer_taps
 from router.config.model import GatewayConfig
 from router.core.endpoints import EndpointSnapshot, Lease
 from router.core.errors import (

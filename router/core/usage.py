@@ -9,7 +9,7 @@
   Where an engine reports no cache fields, ``input_tokens`` is the whole prompt.
 
 Where they sit in an answer (a JSON body, or an SSE stream whose events nest ``usage`` in a
-``message`` or ``response``) is router/api/prediction.py's concern.
+``message`` or ``response``) is router/api/usage_tap.py's concern.
 """
 
 from __future__ import annotations

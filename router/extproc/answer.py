@@ -1,5 +1,5 @@
 """What the endpoint picker reads of an answer Envoy streams through it: the time to its first
-token, and its usage (router/api/prediction.py), as the HTTP gateway's relay does.
+token, and its usage (router/api/usage_tap.py), as the HTTP gateway's relay does.
 
 Headers alone time nothing: a streaming vLLM sends them before the request is even scheduled.
 A stream's first body chunk (with STREAMED or FULL_DUPLEX_STREAMED response bodies) is its
@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
-from router.api.prediction import UsageTap, answer_taps
 from router.api.streaming import tell_first_byte
+from router.api.usage_tap import UsageTap, answer_taps
 from router.app import Gateway
 from router.core.endpoints import Lease
 from router.core.framework import RoutingRequest

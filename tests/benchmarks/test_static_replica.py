@@ -7,7 +7,7 @@ import asyncio
 import httpx
 
 from benchmarks.static_replica import start
-from router.api.prediction import find_usage
+from router.api.usage_tap import find_usage
 from router.pool.scraper import parse_vllm_metrics
 from router.serve.server import running_gateway
 from tests.gateways import gateway_config

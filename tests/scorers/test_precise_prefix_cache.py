@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry
 from benchmarks.sim.cli import Replica, start_replicas
 from benchmarks.sim.config import SimConfig
 from benchmarks.sim.engine import Engine
-from router.api.prediction import PredictionTracker, find_usage
+from router.api.prediction import PredictionTracker
+from router.api.usage_tap import find_usage
 from router.app import build_gateway
 from router.config.model import parse_config
 from router.core.endpoints import endpoint_id_from_url
