@@ -72,8 +72,9 @@ class ConcurrencyLimits:
             cut = _MAX_CUT * min(1.0, 2.0 * (1.0 - gradient))
             state.limit = max(float(cfg.min_limit), state.limit * (1.0 - cut))
             return False
-        # Grow only when the limit was what bound: an unused limit proves nothing.
-        if queued_at_send + 1 >= state.limit and state.limit < cfg.max_limit:
+        # Grow only when the limit was what bound: an unused limit proves nothing. The room is
+        # its whole part (a cut leaves a fraction), so that is what a request sent at it met.
+        if queued_at_send + 1 >= int(state.limit) and state.limit < cfg.max_limit:
             state.limit = min(float(cfg.max_limit), state.limit + 1.0)
             return True
         return False

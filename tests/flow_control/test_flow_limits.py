@@ -53,6 +53,24 @@ def test_limit_grows_only_when_it_was_what_bound() -> None:
     assert limits.limit("a") == CFG.max_limit
 
 
+def test_a_limit_cut_to_a_fraction_grows_back_once_first_bytes_recover() -> None:
+    limits = ConcurrencyLimits(CFG)
+    detector = ConcurrencySaturationDetector(limits, staleness=1.0)
+    limits.observe("a", 1.0, 0)
+    for _ in range(3):
+        limits.observe("a", 10.0, 7)  # a slow spell cuts 8 to a fraction (6.1)
+    cut = limits.limit("a")
+    assert cut < CFG.initial_limit
+    for _ in range(50):
+        # Sent as the gateway sends: while the detector has room; every first byte ideal.
+        sent = 0
+        while not detector.saturated([snap(pending=sent)]):
+            sent += 1
+        for queued_at_send in range(sent):
+            limits.observe("a", 1.0, queued_at_send)
+    assert limits.limit("a") > cut, "a request sent at the room it had proves the limit bound"
+
+
 def test_slow_but_steady_replica_keeps_its_limit() -> None:
     """Only a rise against the endpoint's own baseline counts, not slowness itself."""
     limits = ConcurrencyLimits(CFG)
