@@ -85,6 +85,9 @@ class FlowController:
         self._default_band = self._band("default", None, config.default_band)
         self._queues: dict[str, ModelQueue] = {}
         self._issued: dict[str, int] = {}  # tickets not yet released, per model
+        # Of those, the ones whose request has not taken an endpoint yet (Ticket.leased): no
+        # endpoint's in-flight count shows them.
+        self._unplaced: dict[str, int] = {}
         self._deadlines: list[tuple[float, int, QueueItem]] = []
         self._seq = itertools.count()
         self._count = 0
@@ -158,12 +161,10 @@ class FlowController:
         return self._bands[i - 1] if i else self._default_band
 
     def _saturated(self, model: str, snapshots: list[EndpointSnapshot]) -> bool:
-        pending = self._issued.get(model, 0)
-        if pending:
-            # Tickets whose request has not leased an endpoint yet are invisible in in_flight.
-            for snapshot in snapshots:
-                pending -= snapshot.in_flight
-        saturated = self._detector.saturated(snapshots, max(0, pending))
+        # Counted, not inferred from in_flight: that one also holds other gateways' requests,
+        # and not those of endpoints that have left the candidates while their streams go on.
+        pending = self._unplaced.get(model, 0)
+        saturated = self._detector.saturated(snapshots, pending)
         self._metrics.set_saturated(model, saturated)
         return saturated
 
@@ -176,18 +177,20 @@ class FlowController:
     ) -> Ticket:
         model = request.model
         self._issued[model] = self._issued.get(model, 0) + 1
+        self._unplaced[model] = self._unplaced.get(model, 0) + 1
         self._resolver.boost.served(request.session_id)
         band.wait.observe(waited)
         (band.fast if path == "fast" else band.queued).inc()
-        return Ticket(request, waited, self._on_release)
+        return Ticket(request, waited, self._on_release, self._on_leased)
+
+    def _on_leased(self, ticket: Ticket) -> None:
+        _decrement(self._unplaced, ticket.request.model)
 
     def _on_release(self, ticket: Ticket) -> None:
         request = ticket.request
-        left = self._issued.get(request.model, 0) - 1
-        if left > 0:
-            self._issued[request.model] = left
-        else:
-            self._issued.pop(request.model, None)
+        _decrement(self._issued, request.model)
+        if not ticket.was_leased:
+            _decrement(self._unplaced, request.model)
         # A turn that just ended is what makes its session live for the next one.
         self._resolver.boost.served(request.session_id)
         if request.model in self._queues:
@@ -435,3 +438,11 @@ class FlowController:
     def outstanding(self, model: str) -> int:
         """Tickets issued for ``model`` and not yet released."""
         return self._issued.get(model, 0)
+
+
+def _decrement(counts: dict[str, int], model: str) -> None:
+    left = counts.get(model, 0) - 1
+    if left > 0:
+        counts[model] = left
+    else:
+        counts.pop(model, None)

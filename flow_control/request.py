@@ -29,24 +29,41 @@ class Ticket:
 
     :meth:`release` is idempotent, so it can sit in every ``finally`` that might end the
     request; only the first call frees the slot and lets the controller dispatch more.
+    :meth:`leased` says the request has taken an endpoint (its first lease; idempotent too):
+    from then on the endpoint's in-flight count shows it, and the controller stops counting it
+    as admitted but not yet placed.
     """
 
-    __slots__ = ("_on_release", "_released", "request", "waited")
+    __slots__ = ("_leased", "_on_leased", "_on_release", "_released", "request", "waited")
 
     def __init__(
         self,
         request: FlowRequest,
         waited: float = 0.0,
         on_release: Callable[[Ticket], None] | None = None,
+        on_leased: Callable[[Ticket], None] | None = None,
     ) -> None:
         self.request = request
         self.waited = waited
         self._on_release = on_release
+        self._on_leased = on_leased
         self._released = False
+        self._leased = False
 
     @property
     def released(self) -> bool:
         return self._released
+
+    @property
+    def was_leased(self) -> bool:
+        return self._leased
+
+    def leased(self) -> None:
+        if self._leased or self._released:
+            return
+        self._leased = True
+        if self._on_leased is not None:
+            self._on_leased(self)
 
     def release(self) -> None:
         if self._released:

@@ -10,7 +10,7 @@ fallbacks for a retry). Index and affinity updates run after the pick, off the h
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -63,6 +63,8 @@ class RoutingRequest:
     later_requests: float = 0.0
     # Time-to-first-token target (x-llm-d-slo-ttft-ms, or the objective's), in seconds.
     ttft_slo_s: float | None = None
+    # Told when the request takes an endpoint (its flow-control ticket's ``leased``).
+    on_lease: Callable[[], None] | None = None
     # Filled by the ranking when ``explain`` is set:
     explanation: dict[str, Any] | None = None
 

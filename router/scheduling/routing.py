@@ -154,6 +154,7 @@ class Router:
         routing.fairness_id = flow_request.fairness_id
         routing.priority = flow_request.priority
         routing.ttft_slo_s = slo_ms / 1000 if slo_ms is not None else None
+        routing.on_lease = ticket.leased
         return ticket
 
     async def rank(
@@ -253,12 +254,14 @@ class Router:
         requests running there (counted as the cost scorer counts them).
         """
         state = self._pool.get(endpoint_id)
+        if state is None:
+            raise KeyError(endpoint_id)  # left the pool since it was ranked (the pool's own)
+        if routing.on_lease is not None:
+            routing.on_lease()
         uncached = self.uncached_tokens(routing, endpoint_id)
-        queued = running = requests = 0.0
-        if state is not None:
-            queued = float(state.pending_prefill_tokens)
-            running = max(float(state.in_flight), state.metrics.running)
-            requests = float(state.pending_prefill_requests)
+        queued = float(state.pending_prefill_tokens)
+        running = max(float(state.in_flight), state.metrics.running)
+        requests = float(state.pending_prefill_requests)
         calibrator, flow = self._calibrator, self._flow
 
         errors, learning = self._errors, self._learning

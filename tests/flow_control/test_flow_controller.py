@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from flow_control.config import FlowControlConfig
 from flow_control.controller import FlowController
 from flow_control.request import FlowRequest, Ticket
-from router.core.endpoints import EndpointSnapshot
+from router.core.endpoints import Endpoint, EndpointPool, EndpointSnapshot
 from router.core.errors import NoEndpointsError, SaturatedError, TTLExpiredError
 
 
@@ -31,7 +31,8 @@ class Clock:
 
 class FakePool:
     """Endpoints that were never scraped, so only in-flight counts (tickets, here) matter,
-    unless ``overloaded`` reports fresh metrics with a long engine queue."""
+    unless ``overloaded`` reports fresh metrics with a long engine queue, one of the
+    gateway's requests among it (with none, liveness would let one through)."""
 
     def __init__(self, endpoints: int = 1) -> None:
         self.endpoints = endpoints
@@ -43,7 +44,7 @@ class FakePool:
         age, waiting = (0.0, 100.0) if self.overloaded else (math.inf, 0.0)
         return [
             EndpointSnapshot(
-                id=f"e{i}", url=f"http://e{i}:8000", role="both", in_flight=0,
+                id=f"e{i}", url=f"http://e{i}:8000", role="both", in_flight=int(self.overloaded),
                 pending_prefill_tokens=0, waiting=waiting, running=0.0, kv_usage=0.0,
                 metrics_age=age,
             )
@@ -434,3 +435,73 @@ async def test_metrics() -> None:
     assert sample(registry, "prefixgate_flow_queue_flow_bytes", flow="other", priority="0") == 0
     assert sample(registry, "prefixgate_flow_dispatches_total", band="0", path="queued") == 3
     assert sample(registry, "prefixgate_flow_queue_wait_seconds_count", band="0") == 4
+
+
+def _pool(clock: Clock, *names: str) -> EndpointPool:
+    pool = EndpointPool(clock=clock)
+    for name in names:
+        pool.add(Endpoint.from_url(f"http://{name}:8000", models=["m"])).healthy = True
+    return pool
+
+
+async def test_streams_on_an_endpoint_that_left_the_candidates_do_not_hold_an_idle_one() -> None:
+    clock = Clock()
+    pool = _pool(clock, "a", "b")
+    ctl = FlowController(
+        FlowControlConfig.model_validate({}), pool.candidates, clock=clock,
+        registry=CollectorRegistry(),
+    )
+    for i in range(20):  # 20 streams of ours on a, past their first byte
+        ticket = run_now(ctl.admit(req(f"s{i}")))
+        ticket.leased()
+        pool.lease("a:8000", 100).first_byte()
+    state = pool.get("a:8000")
+    assert state is not None
+    state.ejected = True  # (or gone from discovery) while its streams go on; b is idle
+    assert [s.id for s in pool.candidates("m")] == ["b:8000"]
+    run_now(ctl.admit(req("new")))
+
+
+async def test_other_gateways_requests_do_not_hide_this_ones_unplaced_tickets() -> None:
+    clock = Clock()
+    pool = _pool(clock, "a")
+
+    def with_remote(model: str) -> list[EndpointSnapshot]:
+        return pool.candidates(model, lambda endpoint_id: (50, 0, 0, 0.0))
+
+    ctl = FlowController(
+        FlowControlConfig.model_validate({}), with_remote, clock=clock,
+        registry=CollectorRegistry(),
+    )
+    tasks = [asyncio.create_task(ctl.admit(req(f"r{i}"))) for i in range(40)]
+    await settle()
+    # Another gateway decodes 50 there; a burst of ours, none placed yet, meets the learned
+    # limit's room (16), not 16 plus the others' 50.
+    assert sum(t.done() for t in tasks) == 16
+    for task in tasks:
+        task.cancel()
+    await settle()
+
+
+async def test_a_ticket_counts_as_placed_once_however_often_its_request_is_leased() -> None:
+    clock = Clock()
+    pool = _pool(clock, "a")
+    ctl = FlowController(
+        FlowControlConfig.model_validate(
+            {"saturationDetector": {"concurrencyLimit": {"initialLimit": 2}}}
+        ),
+        pool.candidates, clock=clock, registry=CollectorRegistry(),
+    )
+    first = run_now(ctl.admit(req("first")))
+    first.leased()
+    first.leased()  # a retry on another endpoint
+    pool.lease("a:8000", 100)  # its prefill, still waiting for a first byte
+    second = run_now(ctl.admit(req("second")))  # room 2: one pending there, none unplaced
+    queued = asyncio.create_task(ctl.admit(req("third")))
+    await settle()
+    assert not queued.done(), "one waiting there and one admitted, unplaced: the room is full"
+    second.release()  # gave up before taking an endpoint
+    await settle()
+    assert queued.done()
+    first.release()
+    queued.result().release()

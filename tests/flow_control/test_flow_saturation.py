@@ -65,23 +65,28 @@ DETECTOR = ThresholdSaturationDetector(
 )
 def test_endpoint_thresholds(endpoint: EndpointSnapshot, saturated: bool) -> None:
     assert DETECTOR.endpoint_saturated(endpoint) is saturated
-    assert DETECTOR.saturated([endpoint]) is saturated
+    # Liveness: with nothing of the gateway's in flight there, readings alone hold nothing.
+    assert DETECTOR.saturated([endpoint]) is (saturated and endpoint.in_flight > 0)
 
 
 @pytest.mark.parametrize(
     ("endpoints", "pending", "saturated"),
     [
         ([], 0, True),  # no endpoint can take anything
-        ([snap(waiting=9), snap(kv=0.9)], 0, True),
+        # Endpoints over a threshold with none of ours in flight: one request each (liveness).
+        ([snap(waiting=9), snap(kv=0.9)], 1, False),
+        ([snap(waiting=9), snap(kv=0.9)], 2, True),
+        ([snap(waiting=9, in_flight=1), snap(kv=0.9, in_flight=1)], 0, True),
         ([snap(waiting=9), snap(in_flight=3)], 0, False),  # one endpoint with room is enough
         ([snap(age=1.0), snap(age=INF)], 0, False),
-        ([snap(age=1.0), snap(age=INF, in_flight=10)], 0, True),
+        ([snap(age=1.0, in_flight=1), snap(age=INF, in_flight=10)], 0, True),
+        ([snap(age=1.0), snap(age=INF, in_flight=10)], 0, False),  # unseen, none of ours
         # Pending (admitted, not yet leased) requests fill the room that is left.
         ([snap(in_flight=7)], 2, False),
         ([snap(in_flight=7)], 3, True),
         ([snap(in_flight=8), snap(in_flight=8, eid="f")], 3, False),
         ([snap(in_flight=8), snap(in_flight=8, eid="f")], 4, True),
-        ([snap(in_flight=0), snap(waiting=5, eid="f")], 10, True),
+        ([snap(in_flight=0), snap(waiting=5, eid="f")], 11, True),
     ],
 )
 def test_pool_saturation(endpoints: list[EndpointSnapshot], pending: int, saturated: bool) -> None:
@@ -98,7 +103,7 @@ def test_one_slow_scrape_does_not_saturate_by_default() -> None:
     detector = ThresholdSaturationDetector()
     assert detector.staleness == default_staleness() == 1.0
     assert not detector.saturated([snap(age=0.35), snap(age=0.35, eid="f")])
-    assert detector.saturated([snap(age=1.01), snap(age=1.5, eid="f")])
+    assert detector.saturated([snap(age=1.01, in_flight=1), snap(age=1.5, in_flight=1, eid="f")])
 
 
 @pytest.mark.parametrize(

@@ -61,3 +61,19 @@ def test_without_a_sampler_every_streamed_first_byte_is_learned_from() -> None:
     for _ in range(300):
         answered(router, endpoint)
     assert len(calibrator.first_bytes) == 300
+
+
+async def test_taking_an_endpoint_tells_flow_control_the_request_is_placed() -> None:
+    gw = build_gateway(
+        parse_config({"pool": {"endpoints": [{"url": URL}]}, "flowControl": {"enabled": True}})
+    )
+    router = Router(gw.config, gw.pool, gw.pool.candidates, gw.scheduler, gw.flow, gw.metrics)
+    state = next(iter(gw.pool))
+    state.healthy, state.models = True, {"m"}
+    endpoint = state.endpoint.id
+    routing = RoutingRequest("r", "m", stream=True, prompt_tokens=100)
+    ticket = await router.admit(routing, {}, 10)
+    assert not ticket.was_leased
+    router.lease(routing, endpoint).release()
+    assert ticket.was_leased
+    ticket.release()
