@@ -115,6 +115,14 @@ def render_prompt(prompt: Any) -> str:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list):
-        # Token ids: four characters per id keeps the chars-per-token estimate honest.
-        return "".join(f"{int(t) & 0xFFFFFFFF:08x}"[4:] for t in prompt)
+        return "".join(map(_token_text, prompt))
     return ""
+
+
+def _token_text(token: Any) -> str:
+    """One token id as text, prefix-free so that distinct id lists render distinctly: four
+    hex digits below 65,536 (about the chars of a token of text), else ``~`` and eight (the
+    vocabularies of Llama 3 and Qwen reach past 65,536; cutting to 16 bits made their prompts
+    collide)."""
+    value = int(token) & 0xFFFFFFFF
+    return f"{value:04x}" if value < 0x10000 else f"~{value:08x}"
