@@ -140,7 +140,12 @@ class Connection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return self._complete and self._keep_alive and not self.closed and not self._unsent
+        # A paused one (its answer left unread past the high-water mark) would never read the
+        # next answer: only next_chunk resumes reading.
+        return (
+            self._complete and self._keep_alive and not self.closed and not self._unsent
+            and not self._paused
+        )
 
     def send(self, data: list[bytes]) -> None:
         """Write a request; its response state starts afresh."""

@@ -358,3 +358,39 @@ async def until(predicate: Callable[[], bool], seconds: float) -> bool:
             return True
         await asyncio.sleep(0.01)
     return predicate()
+
+
+async def test_a_connection_whose_whole_answer_paused_its_reading_is_not_pooled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first, rest = HIGH_WATER_BYTES * 3 // 4, HIGH_WATER_BYTES // 2  # together past the mark
+    loop = asyncio.get_running_loop()
+    transports: list[asyncio.Transport] = []
+    connect = loop.create_connection
+
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        transport, protocol = await connect(*args, **kwargs)
+        transports.append(transport)
+        return transport, protocol
+
+    async def in_two_writes(state: Server, reader: asyncio.StreamReader,
+                            writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (first + rest))
+            writer.write(b"x" * first)
+            await writer.drain()
+            writer.write(b"y" * rest)
+            await writer.drain()
+
+    monkeypatch.setattr(loop, "create_connection", recording)
+    client = UpstreamClient(8, 2)
+    async with serve(in_two_writes) as server:
+        reply = await client.post(server.url, [], b"")
+        # The whole answer arrives and nobody reads it (the client left): reading pauses.
+        assert await until(lambda: not transports[0].is_reading(), 10), "never paused"
+        reply.close()
+        second = await asyncio.wait_for(client.post(server.url, [], b""), 10)
+        assert len(await second.read_all(first + rest)) == first + rest
+        second.close()
+    await client.aclose()
