@@ -188,7 +188,9 @@ class Proxy:
             split = self.disagg is not None and parsed.api in ("chat", "completions")
             forward = self._disaggregated if split else self._forward
             response = await forward(parsed, routing, ranked, request, watch, ticket, ex)
-            handed_over = True
+            # A relay releases the ticket and stops the watch when it ends; an answer made
+            # here (a prefill step's 4xx) is done now.
+            handed_over = isinstance(response, UpstreamResponse)
             return response
         except asyncio.CancelledError:
             if watch.absorb_cancel():

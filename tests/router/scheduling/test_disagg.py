@@ -325,7 +325,9 @@ async def test_prefill_timeout_falls_back_and_cancels_the_prefill(
 
 @pytest.mark.slow
 async def test_prefill_4xx_goes_back_to_the_client(replicas: list[Replica]) -> None:
-    async with pd_gateway(replicas) as gw, httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+    config = pd_config(replicas)
+    config = config.model_copy(update={"flow_control": type(config.flow_control)(enabled=True)})
+    async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
         # The gateway accepts n=2; the (simulated) prefill endpoint does not.
         response = await chat(http, [{"role": "user", "content": LONG}], n=2, stream=True)
         assert response.status_code == 400
@@ -336,6 +338,8 @@ async def test_prefill_4xx_goes_back_to_the_client(replicas: list[Replica]) -> N
         }
         assert sum(served(replicas[2:])) == 0
         assert metric(gw, "prefixgate_disagg_fallbacks_total", {"reason": "5xx"}) == 0
+        # The answer was made here, not relayed: its admission ticket is released with it.
+        assert gw.gateway.flow.outstanding(MODEL) == 0 and gw.gateway.proxy.active == 0
 
 
 @pytest.mark.slow
