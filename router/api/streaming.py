@@ -29,6 +29,8 @@ from router.upstream.client import UPSTREAM_ERRORS, UpstreamReply
 # Where a server that calls back when a client leaves (the gateway's own HTTP protocol,
 # router/serve/http_protocol.py) puts the set of callbacks to call: a watch then needs no task.
 DISCONNECT_CALLBACKS = "prefixgate.disconnect_callbacks"
+# ... and marks, once the client has left, that it has (for a watch started after that).
+DISCONNECTED = "prefixgate.disconnected"
 
 
 class DisconnectWatch:
@@ -41,6 +43,7 @@ class DisconnectWatch:
     def __init__(self, receive: Receive, scope: Scope | None = None) -> None:
         self._receive = receive
         self._owner = asyncio.current_task()
+        self._scope = scope
         self._callbacks: set[Callable[[], None]] | None = (
             scope.get(DISCONNECT_CALLBACKS) if scope is not None else None
         )
@@ -49,6 +52,9 @@ class DisconnectWatch:
 
     def start(self) -> None:
         if self._callbacks is not None:
+            if self._scope is not None and self._scope.get(DISCONNECTED):
+                self._left()  # gone already (while its body was parsed, say)
+                return
             self._callbacks.add(self._left)
         else:
             self._watcher = asyncio.get_running_loop().create_task(self._watch())

@@ -16,7 +16,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from router.api.streaming import DISCONNECT_CALLBACKS
+from router.api.streaming import DISCONNECT_CALLBACKS, DISCONNECTED
 
 
 class HeadWithBody:
@@ -77,6 +77,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
         if cycle is None or cycle.response_complete:
             return
+        cycle.scope[DISCONNECTED] = True  # type: ignore[literal-required]
         callbacks: set[Callable[[], None]] = cycle.scope.get(  # type: ignore[assignment]
             DISCONNECT_CALLBACKS, set()
         )

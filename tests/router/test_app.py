@@ -16,6 +16,7 @@ import pytest
 from benchmarks.sim.cli import Replica
 from router.app import build_gateway, gateway_running
 from router.config.model import parse_config
+from router.serve.http_protocol import GatewayHttpProtocol
 from router.serve.server import RunningGateway, running_gateway
 from tests.gateways import MODEL, gateway_config
 
@@ -233,6 +234,45 @@ async def test_client_disconnect_cancels_upstream(
     assert await _wait_for(lambda: running() == 0)
     assert await _wait_for(lambda: all(s.in_flight == 0 for s in gateway.gateway.pool))
     assert sum(r.engine.stats.requests_aborted for r in replicas) == 1
+
+
+async def test_a_client_gone_before_its_watch_starts_is_not_sent_upstream(
+    gateway: RunningGateway, replicas: list[Replica], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client leaves after its body was read, while it is parsed (a large body's parse
+    runs elsewhere): the disconnect watch, started after that, still sees it."""
+    proxy = gateway.gateway.proxy
+    parsing, lost = asyncio.Event(), asyncio.Event()
+    prepare = proxy.preparer.prepare
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        parsing.set()
+        await lost.wait()
+        return await prepare(*args, **kwargs)
+
+    connection_lost = GatewayHttpProtocol.connection_lost
+
+    def noticed(self: GatewayHttpProtocol, exc: Exception | None) -> None:
+        connection_lost(self, exc)
+        lost.set()
+
+    monkeypatch.setattr(proxy.preparer, "prepare", held)
+    monkeypatch.setattr(GatewayHttpProtocol, "connection_lost", noticed)
+    body = orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4})
+    _reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await writer.drain()
+    await asyncio.wait_for(parsing.wait(), 20)
+    writer.close()
+    await asyncio.wait_for(lost.wait(), 20)
+    assert await _wait_for(lambda: proxy.active == 0)
+    assert sum(r.engine.stats.requests_succeeded for r in replicas) == 0
+    assert sum(r.engine.stats.requests_aborted for r in replicas) == 0
+    registry = gateway.gateway.metrics.registry
+    assert registry.get_sample_value("prefixgate_client_disconnects_total") == 1
 
 
 async def test_index_predictions_are_checked_against_usage(gateway: RunningGateway) -> None:

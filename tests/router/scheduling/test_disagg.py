@@ -327,7 +327,10 @@ async def test_prefill_timeout_falls_back_and_cancels_the_prefill(
 async def test_prefill_4xx_goes_back_to_the_client(replicas: list[Replica]) -> None:
     config = pd_config(replicas)
     config = config.model_copy(update={"flow_control": type(config.flow_control)(enabled=True)})
-    async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+    async with (
+        running_gateway(config) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as http,
+    ):
         # The gateway accepts n=2; the (simulated) prefill endpoint does not.
         response = await chat(http, [{"role": "user", "content": LONG}], n=2, stream=True)
         assert response.status_code == 400
