@@ -205,10 +205,14 @@ class UpstreamResponse(Response):
                 if await self._pump(body_send):
                     return outcome
             except UPSTREAM_ERRORS as exc:
+                if not self._sse:
+                    # A JSON body cut short has no way to say so but a cut: the body is left
+                    # unended, and the server closes the connection (its length, or the chunks'
+                    # missing end, tells the client the answer is incomplete).
+                    return "stream_error"
                 outcome = "stream_error"
-                if self._sse:
-                    event = _lead(self._last) + self._error_event(_failure(exc))
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                event = _lead(self._last) + self._error_event(_failure(exc))
+                await send({"type": "http.response.body", "body": event, "more_body": True})
         self._watch.stop()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return outcome

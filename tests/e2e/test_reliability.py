@@ -287,3 +287,58 @@ async def test_a_body_that_never_arrives_is_a_408() -> None:
             assert await _wait_for(lambda: gw.gateway.proxy.active == 0)
     assert head.startswith(b"HTTP/1.1 408")
     assert not echo.received
+
+
+MODELS_BODY = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+
+@contextlib.asynccontextmanager
+async def dying_upstream(chunked: bool) -> Any:
+    """Answers GETs (health, models); every POST gets half a JSON answer, then a hang-up."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            for _ in range(100):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                await reader.readexactly(length)
+                if head.startswith(b"GET"):
+                    body = MODELS_BODY if b"/v1/models" in head else b""
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
+                    await writer.drain()
+                    continue
+                part = b'{"id":"cmpl-1","choices":[{"text":"hello'
+                framing = (
+                    b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(part), part)
+                    if chunked else b"content-length: 1000\r\n\r\n" + part
+                )
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + framing)
+                await writer.drain()
+                break  # the replica dies mid-answer
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_a_json_answer_cut_mid_body_reaches_the_client_as_cut(chunked: bool) -> None:
+    async with (
+        dying_upstream(chunked) as url,
+        running_gateway(gateway_config([url])) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=20) as http,
+    ):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+        with pytest.raises(httpx.RemoteProtocolError):
+            await http.post("/v1/completions", json=body)
+        errors = gw.gateway.metrics.registry.get_sample_value(
+            "prefixgate_stream_errors_total", {"endpoint": url.removeprefix("http://")}
+        )
+        assert errors == 1, "counted as the endpoint's stream error (outlier detection sees it)"

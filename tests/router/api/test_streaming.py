@@ -12,6 +12,7 @@ from router.api.deadlines import TICK_S, Deadlines
 from router.api.streaming import DisconnectWatch, FirstToken, ServerSend, UpstreamResponse
 from router.core.endpoints import Lease
 from router.upstream.client import UpstreamReply
+from router.upstream.connection import UpstreamConnectionError
 from tests import virtual_clock
 
 
@@ -202,3 +203,19 @@ def test_an_error_before_any_token_is_no_time_to_first_token() -> None:
     for chunk in (b"created", b"error", b"later"):
         tap(chunk)
     assert lease.first_bytes == [(False, False)]
+
+
+class CutUpstream(FakeUpstream):
+    """A JSON answer whose replica dies after its first chunk."""
+
+    content_type = "application/json"
+
+    async def next_chunk(self) -> bytes:
+        raise UpstreamConnectionError("the endpoint closed the connection")
+
+
+async def test_a_json_answer_cut_mid_body_is_left_unended_for_the_server_to_cut() -> None:
+    got, sent = await _relay(CutUpstream([b"more"]), None)
+    # No end of body: uvicorn then closes the connection, and the client, short of the
+    # length or the chunks' end, knows the answer is incomplete.
+    assert (got, sent) == ("stream_error", [b"data: 0\n\n"])
