@@ -39,6 +39,7 @@ from router.api.usage_tap import answer_taps
 from router.config.model import GatewayConfig
 from router.core.endpoints import EndpointSnapshot, Lease
 from router.core.errors import (
+    ClientCancelledError,
     GatewayError,
     ShuttingDownError,
     UpstreamError,
@@ -147,6 +148,9 @@ class Proxy:
             response = await self._serve(request, headers, ex)
         except GatewayError as exc:
             ex.status, ex.outcome = exc.status_code, "rejected"
+            if isinstance(exc, ClientCancelledError):
+                ex.outcome = "client_disconnect"
+                self._metrics.client_disconnects.inc()
             self._finish(ex)
             raise
         except BaseException:

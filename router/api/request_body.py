@@ -17,7 +17,7 @@ from starlette.types import Receive
 
 from router.api.deadlines import Deadlines
 from router.config.model import GatewayConfig, PrefixIndexConfig
-from router.core.errors import PayloadTooLargeError, RequestTimeoutError
+from router.core.errors import ClientCancelledError, PayloadTooLargeError, RequestTimeoutError
 from router.protocol.parsing import Api, Digest, digest_body, digest_file
 from router.scheduling.routing import Prepared, Router
 
@@ -44,7 +44,7 @@ async def read_body(
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise asyncio.CancelledError
+                raise ClientCancelledError("the client left while sending its body")
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:

@@ -275,6 +275,25 @@ async def test_a_client_gone_before_its_watch_starts_is_not_sent_upstream(
     assert registry.get_sample_value("prefixgate_client_disconnects_total") == 1
 
 
+async def test_a_client_gone_while_sending_its_body_is_a_disconnect_not_a_crash(
+    gateway: RunningGateway,
+) -> None:
+    proxy = gateway.gateway.proxy
+    _reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: 1000\r\n\r\n{\"model\": "
+    )
+    await writer.drain()
+    assert await _wait_for(lambda: proxy.active == 1)
+    writer.close()
+    assert await _wait_for(lambda: proxy.active == 0)
+    registry = gateway.gateway.metrics.registry
+    assert registry.get_sample_value("prefixgate_client_disconnects_total") == 1
+    labels = {"endpoint": "none", "status": "499", "api": "completions"}
+    assert registry.get_sample_value("prefixgate_requests_total", labels) == 1
+
+
 async def test_index_predictions_are_checked_against_usage(gateway: RunningGateway) -> None:
     """Every answer's cached_tokens is compared with what the prefix index predicted."""
     messages: list[dict[str, str]] = [{"role": "system", "content": "agent " * 400}]
