@@ -126,10 +126,7 @@ class ResponseRoutes:
     def remember(self, response_id: str, endpoint_id: str) -> None:
         if not RESPONSE_ID.fullmatch(response_id):
             return
-        self._entries[response_id] = (endpoint_id, self._clock() + self._ttl)
-        self._entries.move_to_end(response_id)
-        while len(self._entries) > self._max:
-            self._entries.popitem(last=False)
+        self._keep(response_id, endpoint_id)
         if self._queue is not None:
             self._queue.put(response_id, endpoint_id)
 
@@ -155,8 +152,16 @@ class ResponseRoutes:
         endpoint = await self._link.get_text("response_get", self._prefix + response_id)
         if endpoint is None:
             return None
-        self._entries[response_id] = (endpoint, self._clock() + self._ttl)
+        self._keep(response_id, endpoint)
         return endpoint
+
+    def _keep(self, response_id: str, endpoint_id: str) -> None:
+        """Remember locally, the oldest dropped past ``max_entries`` (ids read from Redis too:
+        a gateway that mostly resolves others' ids would grow without bound)."""
+        self._entries[response_id] = (endpoint_id, self._clock() + self._ttl)
+        self._entries.move_to_end(response_id)
+        while len(self._entries) > self._max:
+            self._entries.popitem(last=False)
 
     async def locate(self, response_id: str, candidates: Sequence[EndpointSnapshot]) -> str | None:
         """Ask every candidate whether it holds ``response_id`` (bounded); the first that does."""
