@@ -37,6 +37,8 @@ from router.index.update_queue import UpdateQueue
 
 DEFAULT_KEY_TTL_SECONDS = 86_400.0
 DEFAULT_MAX_BLOCKS_PER_WRITE = 256  # ~1.5 ms of Redis time, evictions included
+# Chunks of one purge shipped in a row, at most (then it waits for its next batch).
+_FORGET_ROUNDS = 1000
 
 _Op = tuple[str, str, bytes]  # (kind: record | trim | forget, endpoint id, packed hashes)
 _MASK64 = (1 << 64) - 1
@@ -183,12 +185,20 @@ class RedisPrefixIndex:
         return _RECORD, keys, args
 
     async def _ship(self, batch: list[tuple[_Op, int]]) -> None:
-        """One pipelined round trip for a batch of updates; purges continue chunk by chunk."""
+        """Pipelined round trips for a batch of updates, in order: a purge is finished, chunk
+        by chunk, before what was queued after it (a new pod at the same address records
+        blocks its predecessor's purge must not take)."""
         refresh = time.monotonic() - self._refreshed_at > self._refresh_every
+        start = 0
+        for i, (op, _) in enumerate(batch):
+            if op[0] == "forget" or i == len(batch) - 1:
+                await self._ship_run(batch[start : i + 1], refresh)
+                start = i + 1
+
+    async def _ship_run(self, batch: list[tuple[_Op, int]], refresh: bool) -> None:
         calls = [
             self._script_args(op, capacity, refresh, self._max_touch) for op, capacity in batch
         ]
-
         results = await self._link.call(
             "index_update", lambda c: pipeline_scripts(c, calls), self._write_budget
         )
@@ -200,9 +210,27 @@ class RedisPrefixIndex:
             self._refreshed_at = time.monotonic()
         for (op, capacity), result in zip(batch, results, strict=True):
             if op[0] == "forget" and isinstance(result, int) and result > 0:
-                self._queue.put(op, capacity)  # bounded work per call: the rest in a later batch
+                await self._forget_rest(op)
             elif op[0] == "record" and isinstance(result, list) and len(result) == 2:
                 await self._record_in_pieces(op, capacity, int(result[0]) - 1, int(result[1]))
+
+    async def _forget_rest(self, op: _Op) -> None:
+        """A purge's later chunks, one bounded script each (a script runs alone on the
+        server)."""
+        _, keys, args = self._script_args(op, 0, False)
+
+        async def run(client: Any) -> Any:
+            return await eval_script(client, _FORGET, keys, args)
+
+        for _ in range(_FORGET_ROUNDS):
+            try:
+                left = await self._link.call("index_update", run, self._write_budget)
+            except Unavailable as exc:
+                self.metrics.dropped.labels("index_update", exc.reason).inc()
+                return
+            if not isinstance(left, int) or left <= 0:
+                return
+        self._queue.put(op, 0)
 
     async def _record_in_pieces(self, op: _Op, capacity: int, fresh: int, bound: int) -> None:
         """Touch a long chain as growing prefixes, one round trip each.
@@ -215,6 +243,9 @@ class RedisPrefixIndex:
         piece.
         """
         blob, step = op[2], self._max_touch
+        # A capacity shrunk since the record was queued (its trim ran in the same batch,
+        # before these pieces) holds for them too.
+        capacity = min(capacity, self.local.capacity(op[1]))
         ends = range(fresh + step, len(blob) // 8 + step, step)
         for end in ends:
             piece = (op[0], op[1], blob[: min(end * 8, len(blob))])

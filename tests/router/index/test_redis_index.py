@@ -111,6 +111,17 @@ async def test_set_capacity_trims_in_redis(make_index: Factory) -> None:
     assert await client.zcard(key_tag(reader_ns(writer)) + ":l:a") == 3
 
 
+async def test_a_shrink_holds_for_a_long_record_shipped_in_pieces_beside_it(
+    make_index: Factory,
+) -> None:
+    writer = make_index(max_blocks_per_write=4)
+    writer.record("a", list(range(1, 41)))  # ten pieces, touched after the batch's trim
+    writer.set_capacity("a", 5)
+    await writer.flush()
+    assert writer.local.entries("a") == 5
+    assert await writer.link.client.zcard(key_tag(reader_ns(writer)) + ":l:a") == 5
+
+
 def reader_ns(index: RedisPrefixIndex) -> str:
     return index._holders[len("{pg:") : index._holders.index("}")]
 
@@ -161,6 +172,21 @@ async def test_forget_endpoint_purges_in_chunks_and_frees_the_slot(make_index: F
     reader = await remote_view(make_index, writer)
     assert await reader.match(list(range(1, 8)), ["a", "b", "c"]) == {"a": 0, "b": 2, "c": 0}
     assert await client.hget(writer._slots, "c") == b"0"
+
+
+async def test_a_purge_in_chunks_ends_before_what_was_recorded_after_it(
+    make_index: Factory,
+) -> None:
+    writer = make_index(forget_chunk=10)
+    writer.record("10.0.0.5:8000", list(range(1, 101)))  # a pod that leaves
+    await writer.flush()
+    await writer.forget_endpoint("10.0.0.5:8000")
+    writer.record("10.0.0.5:8000", [1001, 1002, 1003])  # a new pod at the same address
+    await writer.flush()
+    client = writer.link.client
+    assert await client.zcard(key_tag(reader_ns(writer)) + ":l:10.0.0.5:8000") == 3
+    reader = await remote_view(make_index, writer)
+    assert await reader.match([1001, 1002, 1003], ["10.0.0.5:8000"]) == {"10.0.0.5:8000": 3}
 
 
 async def test_two_gateways_share_what_they_learn(make_index: Factory) -> None:
