@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import struct
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any
@@ -175,15 +176,32 @@ def coalesced(batch: list[Op]) -> list[Op]:
     return list(dict.fromkeys(reversed(batch)))[::-1]
 
 
+# How long after this process forgot an endpoint the other processes' records of it are
+# ignored: each runs its own discovery, so one that has not yet seen the pod leave may still
+# pick it, and its record, applied here, would bring back entries nothing forgets again.
+FORGOTTEN_FOR_S = 30.0
+
+
 class ReplicatedPrefixIndex:
     """A :class:`PrefixIndex` whose records reach every process sharing the replicator."""
 
-    def __init__(self, local: InMemoryPrefixIndex, replicator: Replicator) -> None:
+    def __init__(
+        self, local: InMemoryPrefixIndex, replicator: Replicator,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.local = local
         self._replicator = replicator
+        self._clock = clock
+        self._forgotten: dict[str, float] = {}  # endpoint -> when this process forgot it
         replicator.on("r", self._apply_record)
 
     def _apply_record(self, endpoint_id: str, blob: bytes) -> None:
+        if self._forgotten:
+            gone = self._forgotten.get(endpoint_id)
+            if gone is not None:
+                if self._clock() - gone < FORGOTTEN_FOR_S:
+                    return
+                del self._forgotten[endpoint_id]
         self.local.record(endpoint_id, struct.unpack(f"<{len(blob) // 8}Q", blob))
 
     async def match(self, hashes: Sequence[int], endpoint_ids: Collection[str]) -> dict[str, int]:
@@ -191,11 +209,17 @@ class ReplicatedPrefixIndex:
 
     def record(self, endpoint_id: str, hashes: Sequence[int]) -> None:
         if hashes:
+            self._forgotten.pop(endpoint_id, None)  # picked here: back in this pool
             self.local.record(endpoint_id, hashes)
             self._replicator.put(("r", endpoint_id, pack_hashes(hashes)))
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
         self.local.forget_now(endpoint_id)
+        now = self._clock()
+        self._forgotten = {
+            e: t for e, t in self._forgotten.items() if now - t < FORGOTTEN_FOR_S
+        }
+        self._forgotten[endpoint_id] = now
 
     def set_capacity(self, endpoint_id: str, blocks: int) -> None:
         self.local.set_capacity(endpoint_id, blocks)

@@ -14,13 +14,16 @@ from router.config.model import parse_config
 from router.core.errors import ConfigError
 from router.index.affinity import InMemoryAffinityStore
 from router.index.prefix_index import InMemoryPrefixIndex
+from router.index.redis_index import pack_hashes
 from router.index.redis_link import RedisMetrics
 from router.index.replicated import (
+    FORGOTTEN_FOR_S,
     ReplicatedAffinityStore,
     ReplicatedPrefixIndex,
     Replicator,
     coalesced,
 )
+from tests.manual_clock import ManualClock
 
 pytestmark = pytest.mark.redis
 T = TypeVar("T")
@@ -203,4 +206,33 @@ async def test_a_burst_on_one_prefix_is_published_once_a_linger(
         assert keys == [("r", "e1:8000"), ("r", "e2:8000")]
     finally:
         lingered.set()
+        await replicator.aclose()
+
+
+async def test_a_late_record_from_another_process_does_not_bring_back_a_forgotten_endpoint(
+    redis_url: str, redis_namespace: str
+) -> None:
+    clock = ManualClock()
+    replicator = Replicator(redis_url, redis_namespace, RedisMetrics(CollectorRegistry()))
+    index = ReplicatedPrefixIndex(InMemoryPrefixIndex(1000), replicator, clock=clock)
+    pod = "10.0.0.5:8000"
+
+    def late_record(hashes: list[int]) -> None:
+        # Another worker that has not seen the pod leave yet still picks it.
+        replicator.apply(msgpack.packb([b"other", [("r", pod, pack_hashes(hashes))]]))
+
+    try:
+        index.record(pod, [1, 2, 3])
+        await index.forget_endpoint(pod)
+        late_record([1, 2, 3])
+        assert index.local.entries(pod) == 0
+        assert await index.match([1, 2, 3], [pod]) == {pod: 0}
+        index.record(pod, [7])  # picked here again: a pod at that address is in the pool
+        late_record([8, 9])
+        assert index.local.entries(pod) == 3
+        await index.forget_endpoint(pod)
+        clock.now += FORGOTTEN_FOR_S
+        late_record([4])  # long after: the other worker's view is this one's again
+        assert index.local.entries(pod) == 1
+    finally:
         await replicator.aclose()
