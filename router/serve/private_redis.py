@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -53,9 +54,19 @@ def missing_redis_message(workers: int) -> str:
     )
 
 
+@dataclass(frozen=True)
+class PrivateRedis:
+    url: str  # unix://
+    proc: subprocess.Popen[bytes]
+
+    def alive(self) -> bool:
+        """False once it has exited (it is reaped then)."""
+        return self.proc.poll() is None
+
+
 @contextlib.contextmanager
-def private_redis(run_dir: Path, workers: int) -> Iterator[str]:
-    """A ``unix://`` URL of a fresh redis-server for as long as the context lasts."""
+def private_redis(run_dir: Path, workers: int) -> Iterator[PrivateRedis]:
+    """A fresh redis-server on a unix socket for as long as the context lasts."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise ConfigError(missing_redis_message(workers))
@@ -76,7 +87,7 @@ def private_redis(run_dir: Path, workers: int) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise ConfigError(f"the private redis-server did not answer in {START_TIMEOUT_S}s")
             time.sleep(0.05)
-        yield url
+        yield PrivateRedis(url, proc)
     finally:
         proc.terminate()
         try:

@@ -104,8 +104,13 @@ class Supervisor:
     def __init__(
         self, config: GatewayConfig, run_dir: Path, log_level: str, log_format: LogFormat | None,
         policy: RestartPolicy | None = None,
+        companion: Callable[[], bool] | None = None,
     ) -> None:
         self.config = config
+        # Whether what the workers share (the private redis-server) still runs: without it
+        # they would go on as separate gateways, degraded and unnoticed, so its end stops
+        # them all with a failure, for the orchestrator to restart the whole.
+        self._companion = companion
         self._run_dir = run_dir
         self._log = (log_level, log_format)
         self._policy = policy or RestartPolicy()
@@ -125,6 +130,7 @@ class Supervisor:
                 self._wait()
                 self._handle_signals()
                 self._reap()
+                self._check_companion()
                 self._restart_due()
                 self._kill_overdue()
         finally:
@@ -196,6 +202,13 @@ class Supervisor:
             self._code = self._code or 1
             self._send(signal.SIGKILL)
             self._stop_at = time.monotonic() + STOP_GRACE_S
+
+    def _check_companion(self) -> None:
+        if self._companion is None or self._stop_at is not None or self._companion():
+            return
+        log.error("the private redis-server the workers share exited: stopping")
+        self._code = 1
+        self.stop("private redis-server exited")
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -285,9 +298,10 @@ def supervise(
     with contextlib.ExitStack() as stack:
         run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="prefixgate-")))
         os.chmod(run_dir, 0o700)
-        redis_url = None
+        redis_url, companion = None, None
         if needs_private_redis(config):
-            redis_url = stack.enter_context(private_redis(run_dir, server.workers))
+            redis = stack.enter_context(private_redis(run_dir, server.workers))
+            redis_url, companion = redis.url, redis.alive
             log.info("workers share a private redis-server at %s", redis_url)
         # Held, never listening, for the supervisor's lifetime: it resolves port 0 and keeps
         # the port while workers come and go (SO_REUSEPORT lets theirs join it).
@@ -295,5 +309,7 @@ def supervise(
         port = reserved.getsockname()[1]
         workers_config = shared_config(config, redis_url, port)
         log.info("serving on %s:%d with %d workers", server.host, port, server.workers)
-        return Supervisor(workers_config, run_dir, log_level, log_format).run()
+        return Supervisor(
+            workers_config, run_dir, log_level, log_format, companion=companion
+        ).run()
     raise AssertionError("unreachable")  # pragma: no cover  (mypy: ExitStack may swallow)

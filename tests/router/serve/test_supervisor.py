@@ -257,6 +257,27 @@ async def test_killed_worker_is_replaced_and_sigterm_stops_everything(
     assert "restarting" in gw.log_path.read_text()
 
 
+async def test_the_private_redis_exiting_stops_the_workers_with_a_failure(
+    tmp_path: Path, pool_config: Callable[[list[str]], dict[str, Any]],
+) -> None:
+    """Without it the workers would go on as separate gateways, silently: the supervisor
+    stops them all and exits 1, for the orchestrator to restart the whole."""
+    async with start_replicas(1, SimConfig(speed=20.0)) as replicas:
+        config = pool_config([r.url for r in replicas])
+        config["server"] |= {"shutdownDelaySeconds": 0, "drainTimeoutSeconds": 5}
+        async with gateway_process(tmp_path, config) as gw:
+            supervisor = gw.proc.pid
+            up = await _poll(lambda: _per_worker(gw.url, "prefixgate_worker_up"), _all_up)
+            assert _all_up(up)
+            redis_pid = next(p for p, c in _children(supervisor).items() if c.startswith("redis"))
+            os.kill(redis_pid, signal.SIGKILL)
+            async with asyncio.timeout(BOUND_S):
+                code = await gw.proc.wait()
+    assert code == 1
+    assert not _children(supervisor), "no worker left, and the redis-server reaped"
+    assert "private redis-server the workers share exited" in gw.log_path.read_text()
+
+
 async def _async(fn: Callable[[int], T], arg: int) -> T:
     return fn(arg)
 
