@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -41,8 +42,11 @@ MAX_PAGE_BYTES = 4 << 20
 
 
 def parse_vllm_metrics(text: str, scraped_at: float) -> EngineMetrics:
-    """Sum each wanted series over its label sets (several models or LoRA adapters)."""
+    """Sum each wanted series over its label sets (several models, LoRA adapters, the engines
+    of a data-parallel server), except KV use, a share: their mean. A value that is not a
+    finite number is skipped."""
     values: dict[str, float] = {}
+    counts: dict[str, int] = {}
     labels_of_config: dict[str, str] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
@@ -64,11 +68,16 @@ def parse_vllm_metrics(text: str, scraped_at: float) -> EngineMetrics:
             value = float(tokens[0])
         except ValueError:
             continue
+        if not math.isfinite(value):
+            continue
         values[field] = values.get(field, 0.0) + value
+        counts[field] = counts.get(field, 0) + 1
+    kv_field = "kv_usage" if "kv_usage" in values else "kv_usage_deprecated"
+    kv_usage = values.get(kv_field, 0.0) / max(1, counts.get(kv_field, 0))
     return EngineMetrics(
         waiting=values.get("waiting", 0.0),
         running=values.get("running", 0.0),
-        kv_usage=min(1.0, max(0.0, values.get("kv_usage", values.get("kv_usage_deprecated", 0.0)))),
+        kv_usage=min(1.0, max(0.0, kv_usage)),
         block_size=_int_label(labels_of_config, "block_size"),
         num_gpu_blocks=_int_label(labels_of_config, "num_gpu_blocks"),
         prefix_hits=values.get("prefix_hits", 0.0),
@@ -158,16 +167,24 @@ class EndpointMonitor:
 
     async def _run(self, state: EndpointState) -> None:
         next_health = self._clock() + self._settings.health_interval
+        failing = False
         while True:
-            if self._clock() >= next_health:
-                await self._health(state)
-                next_health = self._clock() + self._settings.health_interval
-            if self._pool.ejection_expired(state):
-                await self._probe_ejected(state)
-            if state.healthy:
-                await self._scrape(state)
-            if self._on_scrape is not None:
-                self._on_scrape()
+            try:
+                if self._clock() >= next_health:
+                    next_health = self._clock() + self._settings.health_interval
+                    await self._health(state)
+                if self._pool.ejection_expired(state):
+                    await self._probe_ejected(state)
+                if state.healthy:
+                    await self._scrape(state)
+                if self._on_scrape is not None:
+                    self._on_scrape()
+                failing = False
+            except Exception:
+                # An endpoint whose monitor died would stay as healthy as it last was, for good.
+                if not failing:
+                    log.exception("endpoint %s: monitoring step failed", state.endpoint.id)
+                failing = True
             await asyncio.sleep(self._settings.scrape_interval)
 
     async def _get(

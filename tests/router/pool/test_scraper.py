@@ -8,6 +8,7 @@ import socket
 from collections.abc import AsyncIterator
 
 import httpx
+import pytest
 
 from benchmarks.sim.cli import start_replicas
 from benchmarks.sim.config import DEFAULT_MODEL, SimConfig
@@ -52,6 +53,24 @@ def test_parse_tolerates_garbage() -> None:
     m = parse_vllm_metrics("vllm:num_requests_waiting nan-ish\nvllm:kv_cache_usage_perc 7\n", 0)
     assert m.waiting == 0.0 and m.kv_usage == 1.0  # clamped to [0, 1]
     assert m.block_size is None and m.num_gpu_blocks is None
+
+
+def test_parse_skips_values_that_are_not_finite() -> None:
+    page = "vllm:num_requests_running 2\nvllm:num_requests_running{x=\"b\"} NaN\n"
+    page += "vllm:num_requests_waiting +Inf\nvllm:kv_cache_usage_perc NaN\n"
+    m = parse_vllm_metrics(page, 0)
+    assert (m.running, m.waiting, m.kv_usage) == (2.0, 0.0, 0.0)
+
+
+def test_parse_takes_the_mean_kv_use_of_a_data_parallel_servers_engines() -> None:
+    page = "".join(
+        f'vllm:kv_cache_usage_perc{{engine="{e}"}} 0.6\n'
+        f'vllm:num_requests_running{{engine="{e}"}} 3\n'
+        for e in (0, 1)
+    )
+    m = parse_vllm_metrics(page, 0)
+    assert m.kv_usage == 0.6, "a share, not a count: two engines 60% full are 60% full"
+    assert m.running == 6.0
 
 
 @contextlib.asynccontextmanager
@@ -99,6 +118,32 @@ async def test_monitor_scrapes_a_replica_and_marks_a_dead_one_unhealthy() -> Non
         assert capacity == [(live.id, config.block_size, 512)]
         assert states[live.id].metrics.scraped_at > 0
         assert states[live.id].healthy
+
+
+async def test_a_monitoring_step_that_fails_does_not_end_the_endpoints_monitoring(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = MonitorSettings(
+        scrape_interval=0.02, scrape_timeout=0.5, health_interval=0.05, unhealthy_threshold=2
+    )
+
+    async def broken(self: EndpointMonitor, state: EndpointState) -> None:
+        raise RuntimeError("a bug on an odd page")
+
+    monkeypatch.setattr(EndpointMonitor, "_scrape", broken)
+    async with monitor_client() as http:
+        dead = Endpoint.from_url(f"http://127.0.0.1:{_closed_port()}")
+        pool = EndpointPool([dead])
+        monitor = EndpointMonitor(pool, http, settings)
+        (state,) = pool
+        state.healthy = True  # as if it had been up: its health checks must still run
+        monitor.start()
+        try:
+            async with asyncio.timeout(20):
+                while state.healthy:  # noqa: ASYNC110 (monitor tasks)
+                    await asyncio.sleep(0.02)
+        finally:
+            await monitor.stop()
 
 
 async def test_a_scrape_remembers_the_gateway_requests_it_may_have_counted() -> None:
