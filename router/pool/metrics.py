@@ -21,6 +21,7 @@ class GatewayMetrics:
     def __init__(self, pool: EndpointPool) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._pool = pool
+        self._labelled: set[str] = set()  # endpoints the per-endpoint gauges have labels for
         # The requests counter's children by label values: ``labels`` validates the values,
         # builds its key and takes a lock on every call, once per request.
         self._request_children: dict[tuple[str, int | str, str], Counter] = {}
@@ -134,6 +135,15 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         # Per-endpoint gauges are refreshed at scrape time: cheaper than on every request.
+        # An endpoint that has left the pool leaves them too (a pod gone would read healthy
+        # for good, and churn would pile up labels).
+        present = {state.endpoint.id for state in self._pool}
+        for gone in self._labelled - present:
+            for gauge in (
+                self.in_flight, self.healthy, self.waiting, self.kv_usage, self.slot_limit
+            ):
+                gauge.remove(gone)
+        self._labelled = present
         for state in self._pool:
             eid = state.endpoint.id
             self.in_flight.labels(eid).set(state.in_flight)

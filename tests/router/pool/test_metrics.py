@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.core.endpoints import EndpointPool
+from router.core.endpoints import Endpoint, EndpointPool
 from router.pool.metrics import GatewayMetrics
 
 
@@ -19,3 +19,15 @@ def test_requests_are_counted_by_endpoint_status_and_api() -> None:
 
     assert value("e1", "200", "chat") == 3 and value("e1", "429", "chat") == 1
     assert value("none", "400", "completions") == 1 and value("e1", "400", "chat") is None
+
+
+def test_an_endpoint_that_left_the_pool_leaves_its_gauges() -> None:
+    pool = EndpointPool([Endpoint.from_url("http://a:8000"), Endpoint.from_url("http://b:8000")])
+    for state in pool:
+        state.healthy = True
+    metrics = GatewayMetrics(pool)
+    metrics.render()
+    pool.remove("b:8000")
+    text = metrics.render().decode()
+    assert 'prefixgate_endpoint_healthy{endpoint="a:8000"} 1.0' in text
+    assert 'endpoint="b:8000"' not in text
