@@ -121,11 +121,14 @@ def _build_pool(config: GatewayConfig) -> EndpointPool:
 
 
 def _plugins(config: GatewayConfig) -> Strategy:
-    """The configured plugins and first profile, or the named strategy's."""
+    """The configured plugins and profile (the only one, or the one named decode: llm-d's
+    disaggregation turned off leaves both), or the named strategy's."""
     if config.plugins is None:
         return builtin_strategy(config.strategy)
-    assert config.scheduling_profiles  # enforced by the config model
-    return config.plugins, config.scheduling_profiles[0]
+    profiles = config.scheduling_profiles
+    assert profiles  # enforced by the config model
+    decode = [p for p in profiles if p.name == "decode"]
+    return config.plugins, (decode or profiles)[0]
 
 
 def _build_scheduler(

@@ -332,13 +332,24 @@ class GatewayConfig(Strict):
             raise ValueError("strategy: give a strategy or plugins, not both")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy: unknown {self.strategy!r} (known: {sorted(STRATEGIES)})")
-        if self.disaggregation.enabled and self.scheduling_profiles is not None:
-            missing = {"prefill", "decode"} - {p.name for p in self.scheduling_profiles}
-            if missing:
+        profiles = self.scheduling_profiles
+        names = [p.name for p in profiles] if profiles is not None else []
+        if self.disaggregation.enabled and profiles is not None:
+            missing = {"prefill", "decode"} - set(names)
+            extra = set(names) - {"prefill", "decode"}
+            if missing or extra:
                 raise ValueError(
                     "schedulingProfiles: disaggregation needs profiles named prefill and decode "
-                    f"(missing: {', '.join(sorted(missing))})"
+                    f"and no other (missing: {', '.join(sorted(missing)) or 'none'}; "
+                    f"others: {', '.join(sorted(extra)) or 'none'})"
                 )
+        elif len(names) > 1 and "decode" not in names:
+            # Taking the first would route everything by it (a prefill pool's, say).
+            raise ValueError(
+                f"schedulingProfiles: {len(names)} profiles ({', '.join(names)}), but without "
+                "disaggregation.enabled one schedules every request: give one, or name the one "
+                "to use decode"
+            )
         return self
 
 

@@ -57,6 +57,27 @@ def test_example_loads(tmp_path: Path) -> None:
         ({"strategy": "nope"}, "strategy"),
         ({"plugins": []}, "schedulingProfiles go together"),
         (
+            {
+                "plugins": [{"type": "queue-scorer"}, {"type": "prefill-filter"}],
+                "schedulingProfiles": [
+                    {"name": "prefill", "plugins": [{"pluginRef": "prefill-filter"}]},
+                    {"name": "main", "plugins": [{"pluginRef": "queue-scorer"}]},
+                ],
+            },
+            "schedulingProfiles: 2 profiles (prefill, main), but without disaggregation",
+        ),
+        (
+            {
+                "plugins": [{"type": "queue-scorer"}],
+                "disaggregation": {"enabled": True},
+                "schedulingProfiles": [
+                    {"name": n, "plugins": [{"pluginRef": "queue-scorer"}]}
+                    for n in ("prefill", "decode", "spare")
+                ],
+            },
+            "others: spare",
+        ),
+        (
             {"pool": {"endpoints": [{"url": "http://a:1"}, {"url": "http://a:1/"}]}},
             "duplicate endpoints: a:1",
         ),
