@@ -103,10 +103,13 @@ def _session_affinity(state: State, name: str, p: Params) -> None:
 def _approx_producer(state: State, name: str, p: Params) -> None:
     state.producers[name] = "approx-prefix-cache-producer"
     auto = p.get("autoTune", bool, True)
-    tokens = p.get("blockSizeTokens", int, 0) or p.get("blockSize", int, 0)
+    tokens = p.get("blockSizeTokens", int, 0)
+    chars = p.get("blockSize", int, 0)  # llm-d's deprecated size, in characters; tokens win
     index = state.section("prefixIndex")
     if tokens > 0:
         index["blockBytes"] = max(16, round(tokens * BYTES_PER_TOKEN))
+    elif chars > 0:
+        index["blockBytes"] = max(16, chars)
     block_tokens = index.get("blockBytes", DEFAULT_BLOCK_BYTES) / BYTES_PER_TOKEN
     max_tokens = p.get("maxPrefixTokensToMatch", int, 0)
     max_blocks = p.get("maxPrefixBlocksToMatch", int, 0)
@@ -116,7 +119,8 @@ def _approx_producer(state: State, name: str, p: Params) -> None:
         index["maxBlocksPerRequest"] = max_blocks
     capacity = p.get("lruCapacityPerServer", int, 0)
     if capacity > 0 and not auto:
-        llmd_block = tokens if tokens > 0 else 16
+        # llm-d counts entries of its own blocks: blockSizeTokens, or blockSize characters.
+        llmd_block = tokens if tokens > 0 else chars / BYTES_PER_TOKEN if chars > 0 else 16
         index["capacityBlocks"] = max(1, round(capacity * llmd_block / block_tokens))
     elif capacity > 0:
         state.notes.ignore(f"{p.at('lruCapacityPerServer')} ({p.type})",
@@ -142,7 +146,8 @@ def _precise_producer(state: State, name: str, p: Params) -> None:
 def _precise_parameters(state: State, p: Params) -> None:
     precise = state.section("precisePrefix")
     tokens = p.sub("tokenProcessorConfig")
-    size = tokens.get("blockSizeTokens", int, 0) or tokens.get("blockSize", int, 0)
+    in_tokens, legacy = tokens.get("blockSizeTokens", int, 0), tokens.get("blockSize", int, 0)
+    size = in_tokens or legacy
     if size > 0:
         precise["blockSize"] = size
     tokens.ignore("block keys are prefixgate's own, computed from token ids; the engine's "

@@ -86,6 +86,14 @@ def test_approx_producer_sizes_the_prefix_index() -> None:
     assert config.prefix_index.capacity_blocks is None, "sized by each endpoint's KV"
     assert config.compatibility is not None
     assert any("lruCapacityPerServer" in n for n in config.compatibility.ignored)
+    # llm-d's deprecated blockSize counts characters, and blockSizeTokens wins beside it.
+    legacy = {"type": "approx-prefix-cache-producer", "parameters": {
+        "autoTune": False, "blockSize": 64, "lruCapacityPerServer": 1000}}
+    index = parse_config(llmd([legacy])).prefix_index
+    assert (index.block_bytes, index.capacity_blocks) == (64, 1000)
+    both = {"type": "approx-prefix-cache-producer", "parameters": {
+        "blockSizeTokens": 16, "blockSize": 64}}
+    assert parse_config(llmd([both])).prefix_index.block_bytes == 64  # 16 tokens, 4 bytes each
 
 
 def test_precise_producer_token_producer_and_the_scorer_that_reads_them() -> None:
