@@ -283,6 +283,9 @@ class Lease:
         return self._pool.record_failure(self.state) if self._pool is not None else False
 
 
+DEPARTED_KEPT_S = 60.0
+
+
 class EndpointPool:
     """All endpoints by id. Mutated only from the event loop, so no locks are needed."""
 
@@ -295,18 +298,34 @@ class EndpointPool:
         self.clock = clock
         self._outliers = outliers
         self._states: dict[str, EndpointState] = {}
+        # Endpoints removed lately, with when: one back within DEPARTED_KEPT_S (a readiness
+        # probe that failed once) gets its state back, its requests in flight and its
+        # ejection with it, rather than coming back idle and healthy.
+        self._departed: dict[str, tuple[EndpointState, float]] = {}
         for endpoint in endpoints:
             self.add(endpoint)
 
     def add(self, endpoint: Endpoint) -> EndpointState:
         state = self._states.get(endpoint.id)
         if state is None:
-            state = EndpointState(endpoint, models=set(endpoint.models))
+            kept = self._departed.pop(endpoint.id, None)
+            fresh = kept is not None and self.clock() - kept[1] < DEPARTED_KEPT_S
+            if kept is not None and fresh and kept[0].endpoint == endpoint:
+                state = kept[0]
+            else:
+                state = EndpointState(endpoint, models=set(endpoint.models))
             self._states[endpoint.id] = state
         return state
 
     def remove(self, endpoint_id: str) -> EndpointState | None:
-        return self._states.pop(endpoint_id, None)
+        state = self._states.pop(endpoint_id, None)
+        now = self.clock()
+        self._departed = {
+            e: kept for e, kept in self._departed.items() if now - kept[1] < DEPARTED_KEPT_S
+        }
+        if state is not None:
+            self._departed[endpoint_id] = (state, now)
+        return state
 
     def __iter__(self) -> Iterator[EndpointState]:
         return iter(list(self._states.values()))

@@ -4,7 +4,14 @@ import math
 
 import pytest
 
-from router.core.endpoints import QUEUE_AVERAGE_S, Endpoint, EndpointPool, EndpointState, Lease
+from router.core.endpoints import (
+    DEPARTED_KEPT_S,
+    QUEUE_AVERAGE_S,
+    Endpoint,
+    EndpointPool,
+    EndpointState,
+    Lease,
+)
 from tests.manual_clock import ManualClock
 
 
@@ -114,3 +121,24 @@ def test_only_answers_time_a_slots_hold_and_an_idle_endpoint_holds_nothing() -> 
     assert state.slots.hold_s == 5.0 and state.headers_only == 0
     state.slots.hold_s = 0.0
     assert state.slots.hold(clock.now + 60.0) == 0.0, "nothing in flight: no hold from idle time"
+
+
+def test_an_endpoint_back_soon_after_it_left_keeps_its_requests_and_its_ejection() -> None:
+    clock = ManualClock()
+    endpoint = Endpoint.from_url("http://10.0.0.2:8000")
+    pool = EndpointPool([endpoint], clock=clock)
+    state = pool.get(endpoint.id)
+    assert state is not None
+    leases = [pool.lease(endpoint.id) for _ in range(5)]
+    state.ejected = True
+    pool.remove(endpoint.id)  # its readiness probe failed once
+    clock.now += 5.0
+    back = pool.add(endpoint)
+    assert back is state and back.in_flight == 5 and back.ejected
+    for lease in leases:
+        lease.release()
+    assert back.in_flight == 0
+    pool.remove(endpoint.id)
+    clock.now += DEPARTED_KEPT_S
+    fresh = pool.add(endpoint)
+    assert fresh is not state and not fresh.ejected
