@@ -232,8 +232,13 @@ class EndpointMonitor:
         in_flight, decoding = self._counts(state)
         try:
             status, body = await self._get(f"{url}/metrics", self._settings.scrape_timeout)
+        except TimeoutError:
+            # A replica busy enough to answer /metrics late is not a dead one: its metrics go
+            # stale, and its health checks decide (a timeout counted here took a serving
+            # replica out after three scrape intervals).
+            return
         except UPSTREAM_ERRORS:
-            self._mark(state, False)
+            self._mark(state, False)  # refused or reset: gone, noticed well before a health check
             return
         if status != 200:
             return  # not every backend exports metrics; health decides liveness

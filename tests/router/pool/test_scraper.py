@@ -146,6 +146,46 @@ async def test_a_monitoring_step_that_fails_does_not_end_the_endpoints_monitorin
             await monitor.stop()
 
 
+async def test_a_replica_slow_to_answer_its_metrics_stays_healthy() -> None:
+    metrics_asked = 0
+    release = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal metrics_asked
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            for _ in range(1000):
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"GET /metrics"):
+                    metrics_asked += 1
+                    await release.wait()  # busy: later than the scrape timeout
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    settings = MonitorSettings(
+        scrape_interval=0.01, scrape_timeout=0.02, health_interval=60.0, unhealthy_threshold=2
+    )
+    try:
+        async with monitor_client() as http:
+            pool = EndpointPool([Endpoint.from_url(f"http://127.0.0.1:{port}")])
+            (state,) = pool
+            state.healthy = True
+            monitor = EndpointMonitor(pool, http, settings)
+            monitor.start()
+            try:
+                async with asyncio.timeout(20):
+                    while metrics_asked < 4:  # noqa: ASYNC110 (monitor tasks)
+                        await asyncio.sleep(0.01)
+            finally:
+                await monitor.stop()
+            assert state.healthy, "slow metrics are stale metrics, not a dead replica"
+    finally:
+        release.set()
+        server.close()
+
+
 async def test_a_scrape_remembers_the_gateway_requests_it_may_have_counted() -> None:
     """A request that finished after the scrape still shows in its stale ``waiting``: it must
     not pass for another gateway's queue until the next scrape (it once moved a session)."""
