@@ -54,13 +54,14 @@ def test_prompt_forms() -> None:
     assert render_prompt("abc") == "abc"
     assert render_prompt(["abc"]) == "abc"
     assert render_prompt([1, 2, 3]) == render_prompt([[1, 2, 3]])
-    assert len(render_prompt([1, 2, 3])) == 24
+    assert len(render_prompt([1, 2, 3])) == 15
     assert render_prompt([1, 2]) != render_prompt([2, 1])
     # Ids past 16 bits (Llama 3's and Qwen's vocabularies) stay distinct from their low bits,
     # and no two lists render alike by running into each other.
     assert render_prompt([100_000, 7]) != render_prompt([100_000 - 65_536, 7])
     assert render_prompt([0x10000]) != render_prompt([0x0001, 0x0000])
-    assert render_prompt([151_000]) == f"{151_000:08x}"
+    assert render_prompt([151_000]) == f"{151_000:05x}"
+    assert render_prompt([5, 7]).startswith(render_prompt([5])), "a turn renders its prefix"
 
 
 def test_the_last_answer_is_spanned_in_bytes() -> None:
