@@ -180,6 +180,10 @@ class Proxy:
         # must leave its queue or cancel the upstream request at once.
         watch = DisconnectWatch(request.receive, request.scope)
         watch.start()
+        if watch.disconnected:
+            ex.status, ex.outcome = 499, "client_disconnect"
+            self._metrics.client_disconnects.inc()
+            return Response(status_code=499)
         ticket: Ticket | None = None
         handed_over = False
         try:

@@ -53,7 +53,10 @@ class DisconnectWatch:
     def start(self) -> None:
         if self._callbacks is not None:
             if self._scope is not None and self._scope.get(DISCONNECTED):
-                self._left()  # gone already (while its body was parsed, say)
+                # Gone already (while its body was parsed, say): the caller checks
+                # ``disconnected`` before sending anything (a cancel would land only at the
+                # task's next wait, which may be past the send).
+                self.disconnected = True
                 return
             self._callbacks.add(self._left)
         else:
