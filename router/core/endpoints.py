@@ -298,9 +298,11 @@ class EndpointPool:
         self.clock = clock
         self._outliers = outliers
         self._states: dict[str, EndpointState] = {}
-        # Endpoints removed lately, with when: one back within DEPARTED_KEPT_S (a readiness
-        # probe that failed once) gets its state back, its requests in flight and its
-        # ejection with it, rather than coming back idle and healthy.
+        # Endpoints taken out lately but still there (not ready), with when: one back within
+        # DEPARTED_KEPT_S (a readiness probe that failed once) gets its state back, its
+        # requests in flight and its ejection with it, rather than coming back idle and
+        # healthy. One removed for good (a pod deleted) is not kept: a new pod at its address
+        # starts afresh.
         self._departed: dict[str, tuple[EndpointState, float]] = {}
         for endpoint in endpoints:
             self.add(endpoint)
@@ -312,18 +314,23 @@ class EndpointPool:
             fresh = kept is not None and self.clock() - kept[1] < DEPARTED_KEPT_S
             if kept is not None and fresh and kept[0].endpoint == endpoint:
                 state = kept[0]
-            else:
-                state = EndpointState(endpoint, models=set(endpoint.models))
+                self._states[endpoint.id] = state
+                if state.ejected and not self._ejections_allowed(state):
+                    self.readmit(state)  # others were ejected meanwhile: within the cap
+                return state
+            state = EndpointState(endpoint, models=set(endpoint.models))
             self._states[endpoint.id] = state
         return state
 
-    def remove(self, endpoint_id: str) -> EndpointState | None:
+    def remove(self, endpoint_id: str, keep: bool = False) -> EndpointState | None:
+        """Take an endpoint out; ``keep``: it is still there, only not ready (see add)."""
         state = self._states.pop(endpoint_id, None)
         now = self.clock()
         self._departed = {
             e: kept for e, kept in self._departed.items() if now - kept[1] < DEPARTED_KEPT_S
         }
-        if state is not None:
+        self._departed.pop(endpoint_id, None)
+        if state is not None and keep:
             self._departed[endpoint_id] = (state, now)
         return state
 
@@ -404,12 +411,26 @@ class EndpointPool:
     def _may_eject(self, settings: OutlierSettings) -> bool:
         states = self._states.values()
         ejected = sum(1 for s in states if s.ejected)
+        # Never the last eligible endpoint: a failing answer beats a certain 503.
+        others = sum(1 for s in states if s.healthy and not s.ejected) - 1
+        return ejected < self._ejection_cap(settings) and others > 0
+
+    def _ejection_cap(self, settings: OutlierSettings) -> int:
         cap = math.floor(len(self._states) * settings.max_ejection_percent / 100)
         if settings.max_ejection_percent > 0:
             cap = max(1, cap)  # as Envoy: one endpoint can always be ejected
-        # Never the last eligible endpoint: a failing answer beats a certain 503.
-        others = sum(1 for s in states if s.healthy and not s.ejected) - 1
-        return ejected < cap and others > 0
+        return cap
+
+    def _ejections_allowed(self, state: EndpointState) -> bool:
+        """Whether ``state``'s ejection, back with it, keeps within the cap and leaves
+        another endpoint eligible."""
+        settings = self._outliers
+        if settings is None:
+            return True
+        states = self._states.values()
+        ejected = sum(1 for s in states if s.ejected)
+        others = sum(1 for s in states if s is not state and s.healthy and not s.ejected)
+        return ejected <= self._ejection_cap(settings) and others > 0
 
     def ejection_expired(self, state: EndpointState) -> bool:
         return state.ejected and self.clock() >= state.ejected_until

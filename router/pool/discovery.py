@@ -292,8 +292,8 @@ class LivePool:
         self._joined = list(joined)
         self._managed: dict[str, Endpoint] = {}
 
-    def _leave(self, endpoint_id: str) -> None:
-        self._pool.remove(endpoint_id)
+    def _leave(self, endpoint_id: str, keep: bool = False) -> None:
+        self._pool.remove(endpoint_id, keep)
         if self._monitor is not None:
             self._monitor.unwatch(endpoint_id)
 
@@ -322,7 +322,7 @@ class LivePool:
                     self._monitor.watch(state)
                 added = True
             elif not ready and present:
-                self._leave(endpoint_id)
+                self._leave(endpoint_id, keep=True)  # still there: back soon, most likely
         if added and self._monitor is not None:
             # Learns the new endpoints' models (/v1/models) now instead of a health tick later.
             await self._monitor.check_all()

@@ -11,6 +11,7 @@ from router.core.endpoints import (
     EndpointPool,
     EndpointState,
     Lease,
+    OutlierSettings,
 )
 from tests.manual_clock import ManualClock
 
@@ -131,14 +132,36 @@ def test_an_endpoint_back_soon_after_it_left_keeps_its_requests_and_its_ejection
     assert state is not None
     leases = [pool.lease(endpoint.id) for _ in range(5)]
     state.ejected = True
-    pool.remove(endpoint.id)  # its readiness probe failed once
+    pool.remove(endpoint.id, keep=True)  # its readiness probe failed once
     clock.now += 5.0
     back = pool.add(endpoint)
     assert back is state and back.in_flight == 5 and back.ejected
     for lease in leases:
         lease.release()
     assert back.in_flight == 0
-    pool.remove(endpoint.id)
+    pool.remove(endpoint.id, keep=True)
     clock.now += DEPARTED_KEPT_S
-    fresh = pool.add(endpoint)
-    assert fresh is not state and not fresh.ejected
+    assert pool.add(endpoint) is not state, "kept a minute at most"
+    pool.remove(endpoint.id)  # deleted: a new pod at its address starts afresh
+    assert pool.add(endpoint) is not state
+
+
+def test_an_ejected_endpoint_back_from_a_blip_keeps_the_ejection_cap() -> None:
+    clock = ManualClock()
+    a, b, c = (Endpoint.from_url(f"http://{n}:8000") for n in "abc")
+    outliers = OutlierSettings(5, 30.0, 300.0, max_ejection_percent=50)
+    pool = EndpointPool([a, b], clock=clock, outliers=outliers)
+    for state in pool:
+        state.healthy = True
+    state_a = pool.get(a.id)
+    assert state_a is not None
+    state_a.ejected = True
+    pool.remove(a.id, keep=True)
+    pool.add(c).healthy = True
+    state_b = pool.get(b.id)
+    assert state_b is not None
+    state_b.ejected = True  # allowed meanwhile: c was up
+    pool.remove(c.id)
+    back = pool.add(a)
+    back.healthy = True
+    assert not back.ejected, "two of two ejected would leave nothing to route to"
