@@ -3,9 +3,9 @@
 An endpoint is saturated when it is at or over any threshold (engine waiting queue, KV cache
 usage, the gateway's in-flight count) or its metrics are stale: a replica we cannot see is
 treated as full, as llm-d does. The pool is saturated when every endpoint is, except that an
-endpoint with nothing of this gateway's in flight always has room for one request, whatever
-its readings say or however old they are (a replica whose ``/metrics`` fails while it serves
-would otherwise be held for good).
+endpoint with nothing of the gateways' in flight (this one's, and others' sharing Redis)
+always has room for one request, whatever its readings say or however old they are (a
+replica whose ``/metrics`` fails while it serves would otherwise be held for good).
 
 How old is "stale"? Not llm-d's 200 ms (see :func:`default_staleness`): by default the
 threshold is derived from the gateway's scrape settings so that only a missed scrape cycle,
@@ -107,7 +107,7 @@ class ThresholdSaturationDetector:
             if not self.endpoint_saturated(endpoint):
                 room += self.in_flight - endpoint.in_flight
             elif endpoint.in_flight == 0:
-                room += 1  # liveness: readings alone never hold an endpoint with none of ours
+                room += 1  # liveness: readings alone never hold one with no gateway's request
             if room > pending:
                 return False
         return True

@@ -192,7 +192,7 @@ class RedisPrefixIndex:
         start = 0
         for i, (op, _) in enumerate(batch):
             if op[0] == "forget" or i == len(batch) - 1:
-                await self._ship_run(batch[start : i + 1], refresh)
+                await self._ship_run(batch[start : i + 1], refresh and start == 0)
                 start = i + 1
 
     async def _ship_run(self, batch: list[tuple[_Op, int]], refresh: bool) -> None:
