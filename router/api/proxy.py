@@ -37,7 +37,7 @@ from router.api.streaming import (
 )
 from router.api.usage_tap import answer_taps
 from router.config.model import GatewayConfig
-from router.core.endpoints import EndpointSnapshot, Lease
+from router.core.endpoints import EndpointSnapshot
 from router.core.errors import (
     ClientCancelledError,
     GatewayError,
@@ -46,6 +46,7 @@ from router.core.errors import (
     UpstreamTimeoutError,
 )
 from router.core.framework import RoutingRequest
+from router.core.lease import Lease
 from router.index.sizing import IndexSizer
 from router.index.token_counts import TokenCounts
 from router.pool.metrics import GatewayMetrics

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from router.api.deadlines import Deadlines
-from router.core.endpoints import Lease
+from router.core.lease import Lease
 from router.protocol.responses_api import FAILED, OPENING, TOKEN
 from router.upstream.client import UPSTREAM_ERRORS, UpstreamReply
 

@@ -18,8 +18,8 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from router.api.streaming import tell_first_byte
 from router.api.usage_tap import UsageTap, answer_taps
 from router.app import Gateway
-from router.core.endpoints import Lease
 from router.core.framework import RoutingRequest
+from router.core.lease import Lease
 from router.protocol.responses_api import OPENING, TOKEN, answer_begun
 
 log = logging.getLogger("prefixgate.extproc")

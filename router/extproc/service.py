@@ -25,9 +25,10 @@ from flow_control.request import Ticket
 from router.api.request_body import join_body
 from router.app import Gateway
 from router.config.model import ExtProcConfig
-from router.core.endpoints import EndpointSnapshot, Lease
+from router.core.endpoints import EndpointSnapshot
 from router.core.errors import GatewayError, NoEndpointsError, PayloadTooLargeError
 from router.core.framework import RoutingRequest
+from router.core.lease import Lease
 from router.extproc.answer import AnswerWatch
 from router.extproc.messages import (
     continue_body,

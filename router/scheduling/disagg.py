@@ -22,9 +22,10 @@ from prometheus_client import Counter, Histogram
 from starlette.responses import Response
 
 from router.config.model import DisaggregationConfig, PluginConfig, ProfileConfig
-from router.core.endpoints import EndpointSnapshot, Lease
+from router.core.endpoints import EndpointSnapshot
 from router.core.errors import NoEndpointsError
 from router.core.framework import RoutingRequest, SchedulingProfile
+from router.core.lease import Lease
 from router.pool.metrics import GatewayMetrics
 from router.protocol.parsing import ParsedRequest
 from router.scheduling.filters import decode_filter, prefill_filter

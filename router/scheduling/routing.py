@@ -18,10 +18,11 @@ import orjson
 from flow_control.controller import FlowController
 from flow_control.request import Ticket
 from router.config.model import GatewayConfig
-from router.core.endpoints import EndpointPool, EndpointSnapshot, Lease
+from router.core.endpoints import EndpointPool, EndpointSnapshot
 from router.core.errors import BadRequestError, ModelNotFoundError, NoEndpointsError
 from router.core.framework import RoutingRequest, Scheduler, SchedulingProfile
 from router.core.hashing import estimate_tokens
+from router.core.lease import Lease
 from router.core.sampling import RateSampler
 from router.estimators.answer_cache import AnswerCache
 from router.estimators.calibration import Calibrator

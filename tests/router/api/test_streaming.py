@@ -10,7 +10,7 @@ from starlette.types import Message
 
 from router.api.deadlines import TICK_S, Deadlines
 from router.api.streaming import DisconnectWatch, FirstToken, ServerSend, UpstreamResponse
-from router.core.endpoints import Lease
+from router.core.lease import Lease
 from router.upstream.client import UpstreamReply
 from router.upstream.connection import UpstreamConnectionError
 from tests import virtual_clock

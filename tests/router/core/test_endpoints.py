@@ -10,9 +10,9 @@ from router.core.endpoints import (
     Endpoint,
     EndpointPool,
     EndpointState,
-    Lease,
     OutlierSettings,
 )
+from router.core.lease import Lease
 from tests.manual_clock import ManualClock
 
 
