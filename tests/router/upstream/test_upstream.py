@@ -323,10 +323,8 @@ async def test_max_connections_holds_back_the_next_request_until_one_is_done() -
     await client.aclose()
 
 
-async def test_a_slow_reader_stops_the_socket_being_read(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    size = 4 * HIGH_WATER_BYTES
+def recorded_transports(monkeypatch: pytest.MonkeyPatch) -> list[asyncio.Transport]:
+    """The transports of the connections the running loop makes from here on."""
     loop = asyncio.get_running_loop()
     transports: list[asyncio.Transport] = []
     connect = loop.create_connection
@@ -337,6 +335,14 @@ async def test_a_slow_reader_stops_the_socket_being_read(
         return transport, protocol
 
     monkeypatch.setattr(loop, "create_connection", recording)
+    return transports
+
+
+async def test_a_slow_reader_stops_the_socket_being_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    size = 4 * HIGH_WATER_BYTES
+    transports = recorded_transports(monkeypatch)
     big = answer_once(ok(b"x" * size), hold_open=True)
     client = UpstreamClient(8, 2)
     async with serve(big) as server:
@@ -364,14 +370,7 @@ async def test_a_connection_whose_whole_answer_paused_its_reading_is_not_pooled(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     first, rest = HIGH_WATER_BYTES * 3 // 4, HIGH_WATER_BYTES // 2  # together past the mark
-    loop = asyncio.get_running_loop()
-    transports: list[asyncio.Transport] = []
-    connect = loop.create_connection
-
-    async def recording(*args: Any, **kwargs: Any) -> Any:
-        transport, protocol = await connect(*args, **kwargs)
-        transports.append(transport)
-        return transport, protocol
+    transports = recorded_transports(monkeypatch)
 
     async def in_two_writes(state: Server, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
@@ -383,7 +382,6 @@ async def test_a_connection_whose_whole_answer_paused_its_reading_is_not_pooled(
             writer.write(b"y" * rest)
             await writer.drain()
 
-    monkeypatch.setattr(loop, "create_connection", recording)
     client = UpstreamClient(8, 2)
     async with serve(in_two_writes) as server:
         reply = await client.post(server.url, [], b"")
