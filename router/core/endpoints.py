@@ -228,10 +228,11 @@ class EndpointPool:
     def add(self, endpoint: Endpoint) -> EndpointState:
         state = self._states.get(endpoint.id)
         if state is None:
-            kept = self._departed.pop(endpoint.id, None)
-            fresh = kept is not None and self.clock() - kept[1] < DEPARTED_KEPT_S
-            if kept is not None and fresh and kept[0].endpoint == endpoint:
-                state = kept[0]
+            kept, since = self._departed.pop(endpoint.id, (None, 0.0))
+            if kept is not None and self.clock() - since < DEPARTED_KEPT_S and (
+                kept.endpoint == endpoint
+            ):
+                state = kept
                 self._states[endpoint.id] = state
                 if state.ejected and not self._ejections_allowed(state):
                     self.readmit(state)  # others were ejected meanwhile: within the cap
