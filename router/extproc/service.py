@@ -4,8 +4,8 @@ the request should go; prefixgate answers through the same
 its HTTP front door (flow control, prefix index, affinity), so both shapes route alike.
 
 Request phase: headers, then the body (FULL_DUPLEX_STREAMED: chunks that Envoy forwards only
-once streamed back; BUFFERED: one message, answered after the headers were let through). The
-pick is sent once the body is complete. Response phase: the lease (in-flight count) and the
+once streamed back; BUFFERED: one message, answered after the headers were let through, whose end_of_stream is
+false when trailers follow). The pick is sent once the body is complete. Response phase: the lease (in-flight count) and the
 flow-control ticket are released at the response's end of stream or when the stream closes,
 whichever comes first, exactly once.
 """
@@ -162,8 +162,7 @@ class Exchange:
         if kind == "request_body":
             return await self._request_body(part)
         if kind == "request_trailers":
-            answers = [] if self._destination else await self._route(end_of_stream=False)
-            return [*answers, trailers("request")]
+            return await self._request_trailers()
         if kind == "response_headers":
             return self._response_headers(part)
         if kind == "response_body":
@@ -202,7 +201,17 @@ class Exchange:
             raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
         if part.end_of_stream or part.end_of_stream_without_message:
             return await self._route(end_of_stream=True)
-        return [] if self._duplex else [continue_body("request")]
+        if not self._duplex:  # BUFFERED sends the whole body at once, open when trailers follow
+            return await self._route(end_of_stream=False)
+        return []
+
+    async def _request_trailers(self) -> list[Any]:
+        if self._destination is not None:
+            return [trailers("request")]
+        if self._duplex:  # the body streamed in without an end: it ends here
+            return [*await self._route(end_of_stream=False), trailers("request")]
+        # Trailers with no body before them: a trailers answer cannot set request headers.
+        raise GatewayError("a request without a body that ends on trailers cannot be routed")
 
     async def _route(self, end_of_stream: bool) -> list[Any]:
         path = self._headers.get(":path", "")

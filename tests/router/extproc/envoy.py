@@ -129,9 +129,11 @@ class Envoy:
         chunk: int = 64 * 1024,
         announce_mode: bool = True,
         response_mode: int | None = None,
+        trailers: bool = False,
     ) -> tuple[Any, Routed]:
         """Send a request phase as Envoy would and collect the picker's answers to it
-        (``response_mode``: the response body's, when not the request body's)."""
+        (``response_mode``: the response body's, when not the request body's; ``trailers``:
+        the request ends on trailers, so its body does not end the stream)."""
         call = self._stub.Process()
         body_mode = MODE.FULL_DUPLEX_STREAMED if mode == "duplex" else MODE.BUFFERED
         first = pb.ProcessingRequest(
@@ -154,18 +156,23 @@ class Envoy:
             return call, routed
         if mode == "buffered":
             routed.answers.append(await call.read())  # headers let through first
-            await call.write(_body(body, end_of_stream=True))
+            await call.write(_body(body, end_of_stream=not trailers))
             routed.answers.append(await call.read())
+            if trailers:
+                await call.write(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+                routed.answers.append(await call.read())
             return call, routed
         for i in range(0, len(body), chunk):
             part = body[i : i + chunk]
             last = i + chunk >= len(body)
-            await call.write(_body(part, end_of_stream=last))
+            await call.write(_body(part, end_of_stream=last and not trailers))
+        if trailers:
+            await call.write(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
         while True:
             answer = await call.read()
             assert answer is not grpc.aio.EOF, "stream ended before the body came back"
             routed.answers.append(answer)
-            if answer.HasField("immediate_response"):
+            if answer.HasField("immediate_response") or answer.HasField("request_trailers"):
                 return call, routed
             stream = answer.request_body.response.body_mutation.streamed_response
             if answer.HasField("request_body") and stream.end_of_stream:

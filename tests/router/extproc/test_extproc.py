@@ -226,3 +226,25 @@ async def test_health_services_and_metrics(epp: RunningEpp, envoy: Envoy) -> Non
     assert resp.status_code == 200
     assert 'prefixgate_extproc_decisions_total{outcome="routed"} 1.0' in resp.text
     assert "prefixgate_requests_total" in resp.text
+
+
+@pytest.mark.parametrize("mode", ["duplex", "buffered"])
+async def test_a_request_that_ends_on_trailers_is_routed_once(
+    epp: RunningEpp, envoy: Envoy, mode: str
+) -> None:
+    """Envoy sends a buffered body with end_of_stream false when trailers follow: the body
+    message is still the whole body, and the answer to it carries the destination (a trailers
+    answer cannot set request headers)."""
+    body = chat_body("ends on trailers")
+    call, routed = await envoy.send_request(body, mode=mode, trailers=True)
+    kinds = [a.WhichOneof("response") for a in routed.answers]
+    assert kinds[-1] == "request_trailers"
+    assert kinds.count("request_trailers") == 1
+    assert routed.header in {s.endpoint.id for s in epp.gateway.pool}
+    if mode == "duplex":
+        assert routed.body == body
+    else:
+        assert kinds == ["request_headers", "request_body", "request_trailers"]
+    assert in_flight(epp) == 1
+    await envoy.finish(call, duplex=mode == "duplex")
+    await eventually(lambda: in_flight(epp) == 0 and epp.gateway.flow.outstanding(MODEL) == 0)
