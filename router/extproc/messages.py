@@ -89,28 +89,43 @@ def lb_metadata(destination: str) -> Any:
     return metadata
 
 
-def _routed(destination: str, extra: Mapping[str, str]) -> Any:
+def _routed(
+    destination: str, extra: Mapping[str, str], remove: tuple[str, ...] = ()
+) -> Any:
     return pb.CommonResponse(
         header_mutation=header_mutation(
-            {DESTINATION_HEADER: destination, **extra}, CLIENT_FORBIDDEN_HEADERS
+            {DESTINATION_HEADER: destination, **extra}, (*CLIENT_FORBIDDEN_HEADERS, *remove)
         ),
         clear_route_cache=True,
     )
 
 
-def routed_headers(destination: str, extra: Mapping[str, str] | None = None) -> Any:
+def routed_headers(
+    destination: str, extra: Mapping[str, str] | None = None, rewritten: bool = False
+) -> Any:
     """FULL_DUPLEX_STREAMED: the (held back) answer to the request headers carries the pick
-    (and ``extra`` headers for the upstream, such as the prefiller for a P/D sidecar)."""
+    (and ``extra`` headers for the upstream, such as the prefiller for a P/D sidecar);
+    ``rewritten``: the body streamed back is not the client's, so its length header goes."""
+    remove = ("content-length",) if rewritten else ()
     return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=_routed(destination, extra or {})),
+        request_headers=pb.HeadersResponse(response=_routed(destination, extra or {}, remove)),
         dynamic_metadata=lb_metadata(destination),
     )
 
 
-def routed_body(destination: str, extra: Mapping[str, str] | None = None) -> Any:
-    """BUFFERED: the answer to the buffered body carries the pick (headers are still held)."""
+def routed_body(
+    destination: str, extra: Mapping[str, str] | None = None, rewritten: bytes | None = None
+) -> Any:
+    """BUFFERED: the answer to the buffered body carries the pick (headers are still held),
+    and the body to send in the client's place when parsing ``rewritten`` it."""
+    if rewritten is None:
+        common = _routed(destination, extra or {})
+    else:
+        length = {"content-length": str(len(rewritten))}
+        common = _routed(destination, {**(extra or {}), **length})
+        common.body_mutation.body = rewritten
     return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=_routed(destination, extra or {})),
+        request_body=pb.BodyResponse(response=common),
         dynamic_metadata=lb_metadata(destination),
     )
 

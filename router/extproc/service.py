@@ -4,10 +4,10 @@ the request should go; prefixgate answers through the same
 its HTTP front door (flow control, prefix index, affinity), so both shapes route alike.
 
 Request phase: headers, then the body (FULL_DUPLEX_STREAMED: chunks that Envoy forwards only
-once streamed back; BUFFERED: one message, answered after the headers were let through, whose end_of_stream is
-false when trailers follow). The pick is sent once the body is complete. Response phase: the lease (in-flight count) and the
-flow-control ticket are released at the response's end of stream or when the stream closes,
-whichever comes first, exactly once.
+once streamed back; BUFFERED: one message, answered after the headers were let through, with
+end_of_stream false when trailers follow). The pick is sent once the body is complete.
+Response phase: the lease (in-flight count) and the flow-control ticket are released at the
+response's end of stream or when the stream closes, whichever comes first, exactly once.
 """
 
 from __future__ import annotations
@@ -219,16 +219,18 @@ class Exchange:
         body = await join_body(self._parts, self._size)
         self._parts, self._size = [], 0
         stored = stored_response_id(path)
+        forwarded = body
         if api is not None:
-            destination = await self._pick(api, body)
+            destination, forwarded = await self._pick(api, body)
         elif stored is not None:
             destination = await self._pick_stored(stored)
         else:
             destination = self._pick_any()
+        rewritten = forwarded is not body
         if not self._duplex:
-            return [routed_body(destination, self._extra)]
-        chunks = streamed_chunks(body, self._settings.body_chunk_bytes, end_of_stream)
-        return [routed_headers(destination, self._extra), *chunks]
+            return [routed_body(destination, self._extra, forwarded if rewritten else None)]
+        chunks = streamed_chunks(forwarded, self._settings.body_chunk_bytes, end_of_stream)
+        return [routed_headers(destination, self._extra, rewritten), *chunks]
 
     def _allowed(self) -> Callable[[EndpointSnapshot], bool] | None:
         """Envoy's subset hint, as a filter on the candidates (None: every endpoint)."""
@@ -237,9 +239,10 @@ class Exchange:
             return None
         return lambda candidate: in_subset(candidate.id, subset)
 
-    async def _pick(self, api: Api, body: bytes) -> str:
+    async def _pick(self, api: Api, body: bytes) -> tuple[str, bytes]:
         """The full routing path of the HTTP gateway: parse (a large body off the loop), admit,
-        rank, lease, learn."""
+        rank, lease, learn. Returns the destination and the body to forward (the client's,
+        unless parsing dropped fields only the gateway sets)."""
         # The picker only names a prefiller (the decode endpoint's sidecar sends the prefill
         # request): nothing here reads the decoded body.
         prepared = await self._gw.preparer.prepare(api, body, decodes_payload=False)
@@ -256,7 +259,7 @@ class Exchange:
         self._count_tokens(prepared.parsed, routing, ranked[0])
         await self._choose_prefiller(routing, ranked[0])
         destination = ",".join(e.id for e in ranked[: 1 + self._settings.fallback_endpoints])
-        return self._routed(destination, "routed")
+        return self._routed(destination, "routed"), prepared.parsed.body
 
     def _count_tokens(
         self, parsed: ParsedRequest, routing: RoutingRequest, endpoint: EndpointSnapshot

@@ -87,11 +87,13 @@ class Digest:
     answer_span: tuple[int, int] | None
     prompt_bytes: int
     block_hashes: list[int]
+    # The body as the gateway forwards it, when parsing rewrote it (None: unchanged).
+    rewritten: bytes | None = None
 
     def parsed(self, api: Api, body: bytes) -> ParsedRequest:
         return ParsedRequest(
-            api, body, None, self.model, self.stream, None, self.session_hint,
-            self.previous_response_id, self.answer_span,
+            api, body if self.rewritten is None else self.rewritten, None, self.model,
+            self.stream, None, self.session_hint, self.previous_response_id, self.answer_span,
         )
 
 
@@ -110,7 +112,7 @@ def digest_body(api: Api, body: bytes, block_bytes: int, max_blocks: int) -> Dig
     size, hashes = prompt_hashes(parsed, block_bytes, max_blocks)
     return Digest(
         parsed.model, parsed.stream, parsed.session_hint, parsed.previous_response_id,
-        parsed.answer_span, size, hashes,
+        parsed.answer_span, size, hashes, None if parsed.body is body else parsed.body,
     )
 
 
@@ -123,6 +125,13 @@ def digest_file(api: Api, path: str, block_bytes: int, max_blocks: int) -> Diges
     finally:
         os.unlink(path)
     return digest_body(api, body, block_bytes, max_blocks)
+
+
+def _encode(payload: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(payload)
+    except TypeError:  # orjson refuses to serialise past 254 levels
+        raise BadRequestError("request body is nested too deeply") from None
 
 
 def decode_json(body: bytes) -> dict[str, Any]:
@@ -226,8 +235,17 @@ def _check_tools(payload: dict[str, Any]) -> Any:
     return tools
 
 
+# Body fields only the gateway sets: a client's would steer a replica (vLLM's NixlConnector
+# pulls KV from the remote_host it names), so they are dropped like routing headers.
+GATEWAY_FIELDS = ("kv_transfer_params",)
+
+
 def parse_request(api: Api, body: bytes) -> ParsedRequest:
     payload = decode_json(body)
+    if any(key in payload for key in GATEWAY_FIELDS):
+        for key in GATEWAY_FIELDS:
+            payload.pop(key, None)
+        body = _encode(payload)
     model = _require_model(payload)
     stream = _check_common(payload)
     try:

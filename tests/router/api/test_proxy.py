@@ -46,3 +46,20 @@ async def test_without_parser_processes_a_large_body_is_parsed_in_a_thread(
             assert gw.gateway.proxy.preparer.parser is None
     assert large.status_code == 200
     assert parses.threads and parses.threads[0] is not threading.current_thread()
+
+
+async def test_a_clients_kv_transfer_params_never_reach_a_replica() -> None:
+    """They steer a replica's KV connector (which host it pulls from): the gateway's to set."""
+    steer = {"do_remote_prefill": True, "remote_host": "169.254.169.254", "remote_port": 80}
+    small = {**_chat("hello"), "kv_transfer_params": steer}
+    large = {**_chat("x y " * 300_000), "kv_transfer_params": steer}
+    async with echo_upstream() as echo:
+        config = gateway_config([echo.url], server={"port": 0, "offloadBodyBytes": 4096})
+        async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+            for payload in (small, large):
+                answer = await http.post("/v1/chat/completions", content=orjson.dumps(payload))
+                assert answer.status_code == 200
+            parser = gw.gateway.proxy.preparer.parser
+            assert parser is not None and parser.digested == 1, "the large body, in the pool"
+    forwarded = [orjson.loads(b) for b in echo.bodies[-2:]]
+    assert forwarded == [_chat("hello"), _chat("x y " * 300_000)]

@@ -98,6 +98,18 @@ class Routed:
         return None
 
     @property
+    def removed_headers(self) -> list[str]:
+        a = self._mutation_answer()
+        common = getattr(a, a.WhichOneof("response")).response
+        return list(common.header_mutation.remove_headers)
+
+    @property
+    def replaced_body(self) -> bytes:
+        """BUFFERED: the body Envoy sends in the client's place."""
+        a = self._mutation_answer()
+        return bytes(a.request_body.response.body_mutation.body)
+
+    @property
     def metadata(self) -> str:
         meta = json_format.MessageToDict(self._mutation_answer().dynamic_metadata)
         value: str = meta["envoy.lb"][DEST]

@@ -248,3 +248,19 @@ async def test_a_request_that_ends_on_trailers_is_routed_once(
     assert in_flight(epp) == 1
     await envoy.finish(call, duplex=mode == "duplex")
     await eventually(lambda: in_flight(epp) == 0 and epp.gateway.flow.outstanding(MODEL) == 0)
+
+
+@pytest.mark.parametrize("mode", ["duplex", "buffered"])
+async def test_a_clients_kv_transfer_params_are_dropped_from_the_body(
+    envoy: Envoy, mode: str
+) -> None:
+    plain = chat_body("steered", max_tokens=2)
+    steered = chat_body("steered", max_tokens=2, kv_transfer_params={"remote_host": "10.0.0.1"})
+    call, routed = await envoy.send_request(steered, mode=mode)
+    if mode == "duplex":
+        assert orjson.loads(routed.body) == orjson.loads(plain)
+        assert "content-length" in routed.removed_headers
+    else:
+        assert orjson.loads(routed.replaced_body) == orjson.loads(plain)
+        assert routed.set_header("content-length") == str(len(routed.replaced_body))
+    await envoy.finish(call, duplex=mode == "duplex")

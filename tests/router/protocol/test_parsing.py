@@ -4,7 +4,7 @@ import orjson
 import pytest
 
 from router.core.errors import BadRequestError
-from router.protocol.parsing import parse_request
+from router.protocol.parsing import digest_body, parse_request
 
 
 def body(**kw: object) -> bytes:
@@ -59,3 +59,15 @@ def test_bad_requests_are_400_with_param(api: str, raw: bytes, param: str | None
 def test_invalid_utf8_is_a_400() -> None:
     with pytest.raises(BadRequestError):
         parse_request("chat", b'{"model": "\xff\xfe"}')
+
+
+def test_fields_only_the_gateway_sets_are_dropped_from_the_forwarded_body() -> None:
+    raw = body(model="m", prompt="hi", kv_transfer_params={"do_remote_prefill": True})
+    parsed = parse_request("completions", raw)
+    assert orjson.loads(parsed.body) == {"model": "m", "prompt": "hi"}
+    assert "kv_transfer_params" not in parsed.payload
+    digest = digest_body("completions", raw, 64, 100)
+    assert digest.parsed("completions", raw).body == parsed.body
+    plain = body(model="m", prompt="hi")
+    assert parse_request("completions", plain).body is plain  # nothing to drop: not re-encoded
+    assert digest_body("completions", plain, 64, 100).rewritten is None
