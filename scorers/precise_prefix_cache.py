@@ -22,7 +22,7 @@ class PreciseScores(Protocol):
         self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
     ) -> list[float] | None: ...
 
-    def held_share(self, request_id: str, endpoint_id: str) -> float | None:
+    def held_share(self, serial: int, endpoint_id: str) -> float | None:
         """After ``scores``: the share a trusted endpoint holds; None to use the approximate
         index (untrusted stream, or a request that could not be tokenized)."""
         ...

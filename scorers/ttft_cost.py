@@ -141,7 +141,7 @@ class TTFTCostScorer:
 
     def _uncached(self, request: RoutingRequest, endpoint_id: str) -> int:
         precise = self._precise
-        share = precise.held_share(request.request_id, endpoint_id) if precise else None
+        share = precise.held_share(request.serial, endpoint_id) if precise else None
         if share is None:
             return request.uncached_tokens(endpoint_id)
         return request.uncached_at(share)

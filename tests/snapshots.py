@@ -31,15 +31,15 @@ class FixedScores:
 
     def __init__(self, values: list[float] | None) -> None:
         self.values = values
-        self._shares: dict[tuple[str, str], float] = {}
+        self._shares: dict[tuple[int, str], float] = {}
 
     def scores(
         self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]
     ) -> list[float] | None:
         if self.values is not None:
             for e, v in zip(endpoints, self.values, strict=True):
-                self._shares[request.request_id, e.id] = v
+                self._shares[request.serial, e.id] = v
         return self.values
 
-    def held_share(self, request_id: str, endpoint_id: str) -> float | None:
-        return self._shares.get((request_id, endpoint_id))
+    def held_share(self, serial: int, endpoint_id: str) -> float | None:
+        return self._shares.get((serial, endpoint_id))

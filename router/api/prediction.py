@@ -69,7 +69,7 @@ class PreciseStates(Protocol):
     """Precise routing's per-request facts (router.precise.routing.PreciseTracker): typed
     here so the always-on proxy does not import the precise stack (and zmq) for a hint."""
 
-    def finish(self, request_id: str) -> PreciseFacts | None: ...
+    def finish(self, serial: int) -> PreciseFacts | None: ...
 
 
 # How many answers a second the gateway reads the usage of (router/core/sampling.py): every
@@ -177,7 +177,7 @@ class PredictionTracker:
         if self._sampler is None or self._sampler.take():
             return True
         if self._precise is not None:
-            self._precise.finish(routing.request_id)
+            self._precise.finish(routing.serial)
         self._skip("sampled_out")
         return False
 
@@ -194,7 +194,7 @@ class PredictionTracker:
         Call once per answered request, with the ``usage`` object of the non-streaming body
         or of the final SSE chunk (``find_usage`` extracts it). Never raises on odd input.
         """
-        state = self._precise.finish(routing.request_id) if self._precise is not None else None
+        state = self._precise.finish(routing.serial) if self._precise is not None else None
         actual = parse_usage(usage)
         if actual is None:
             self._skip("no_usage")

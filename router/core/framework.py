@@ -67,6 +67,9 @@ class RoutingRequest:
     on_lease: Callable[[], None] | None = None
     # Filled by the ranking when ``explain`` is set:
     explanation: dict[str, Any] | None = None
+    # Unique among the router's requests, unlike a client's x-request-id: what per-request
+    # tables (precise routing's) are keyed by.
+    serial: int = 0
 
     def uncached_tokens(self, endpoint_id: str) -> int:
         """This request's prompt tokens the endpoint probably has to compute."""

@@ -97,9 +97,10 @@ class PreciseTracker:
         self.tokenizer = tokenizer
         self.settings = settings
         self._clock = clock
-        self._states: OrderedDict[str, PreciseState] = OrderedDict()
+        self._states: OrderedDict[int, PreciseState] = OrderedDict()
 
-    def attach(self, request_id: str, parsed: ParsedRequest) -> None:
+    def attach(self, serial: int, parsed: ParsedRequest) -> None:
+        """Keep the request's tokenizer input under its ``RoutingRequest.serial``."""
         size = len(parsed.body)
         if parsed.api == "messages" or parsed.api == "responses":
             # Tokenized as the chat request vLLM turns it into.
@@ -109,17 +110,17 @@ class PreciseTracker:
             source = TokenizeInput("chat", parsed.model, chat, size)
         else:
             source = TokenizeInput(parsed.api, parsed.model, parsed.payload, size)
-        self._states[request_id] = PreciseState(source)
-        self._states.move_to_end(request_id)
+        self._states[serial] = PreciseState(source)
+        self._states.move_to_end(serial)
         while len(self._states) > self.settings.max_requests:
             self._states.popitem(last=False)
 
-    def state(self, request_id: str) -> PreciseState | None:
-        return self._states.get(request_id)
+    def state(self, serial: int) -> PreciseState | None:
+        return self._states.get(serial)
 
-    def finish(self, request_id: str) -> PreciseState | None:
+    def finish(self, serial: int) -> PreciseState | None:
         """The request's state, removed from the table (read once, when its usage is known)."""
-        return self._states.pop(request_id, None)
+        return self._states.pop(serial, None)
 
     async def _keys(self, tokens: Sequence[int]) -> list[int]:
         s = self.settings.config
@@ -130,7 +131,7 @@ class PreciseTracker:
         )
 
     async def produce(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> None:
-        state = self._states.get(request.request_id)
+        state = self._states.get(request.serial)
         if state is None or state.source is None or not endpoints:
             return
         source, state.source = state.source, None  # the body is not needed past this point
@@ -177,14 +178,14 @@ class PreciseTracker:
             held = max(held, remote.confirmed)
         return {endpoint_id: held}
 
-    def prefilled(self, request_id: str, endpoint_id: str) -> None:
+    def prefilled(self, serial: int, endpoint_id: str) -> None:
         """The request's first byte came back: its blocks are computed on the endpoint."""
-        state = self._states.get(request_id)
+        state = self._states.get(serial)
         if state is not None and state.keys:
             self.index.settle(endpoint_id, state.keys)
 
     def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
-        state = self._states.get(request.request_id)
+        state = self._states.get(request.serial)
         if state is None:
             return
         first_pick = state.picked_at is None
@@ -204,10 +205,10 @@ class PreciseTracker:
             if self.shared is not None:
                 self.shared.speculated(endpoint_id, state.keys, ttl)
 
-    def held_share(self, request_id: str, endpoint_id: str) -> float | None:
+    def held_share(self, serial: int, endpoint_id: str) -> float | None:
         """The share of the prompt's blocks a trusted endpoint held when the request was
         scored; None when precise scores were not computed for it."""
-        state = self._states.get(request_id)
+        state = self._states.get(serial)
         if state is None or not state.keys or endpoint_id not in state.trusted:
             return None
         held = state.hits.get(endpoint_id)
@@ -220,7 +221,7 @@ class PreciseTracker:
 
         Endpoints whose event stream is not trusted get the approximate index's share.
         """
-        state = self._states.get(request.request_id)
+        state = self._states.get(request.serial)
         if state is None or not state.keys:
             return None
         # Matched here, not in produce: scoring, picking and on_pick run without a suspension
@@ -258,17 +259,17 @@ class PreciseRouter(Router):
         prepared: Prepared | None = None,
     ) -> RoutingRequest:
         routing = super().routing_request(parsed, headers, request_id, prepared)
-        self.tracker.attach(routing.request_id, parsed)
+        self.tracker.attach(routing.serial, parsed)
         return routing
 
     def uncached_tokens(self, routing: RoutingRequest, endpoint_id: str) -> int:
-        share = self.tracker.held_share(routing.request_id, endpoint_id)
+        share = self.tracker.held_share(routing.serial, endpoint_id)
         if share is None:
             return super().uncached_tokens(routing, endpoint_id)
         return routing.uncached_at(share)
 
     def prefilled(self, routing: RoutingRequest, endpoint_id: str) -> None:
-        self.tracker.prefilled(routing.request_id, endpoint_id)
+        self.tracker.prefilled(routing.serial, endpoint_id)
 
 
 def precise_enabled(config: GatewayConfig, plugins: Iterable[PluginConfig]) -> bool:

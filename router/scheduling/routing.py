@@ -7,6 +7,7 @@ control, the prefix index and affinity behave the same whichever way a request a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -89,6 +90,7 @@ class Router:
         # Which streamed first bytes the calibrator and the prediction errors learn from: all
         # of them below the sampler's rate (router/core/sampling.py); None: every one.
         self._learning = learning
+        self._serials = itertools.count(1)
         affinity = config.session_affinity
         self._identity = AgentIdentity(affinity.headers, affinity.agent_headers)
         # Bytes per token learned from the answers: the prompt's token estimate follows it.
@@ -121,6 +123,7 @@ class Router:
         identity = self._identity.identify(headers, parsed.session_hint)
         return RoutingRequest(
             request_id=request_id,
+            serial=next(self._serials),
             model=parsed.model,
             api=parsed.api,
             stream=parsed.stream,

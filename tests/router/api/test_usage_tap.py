@@ -156,10 +156,10 @@ class Finishes:
     """Precise routing's state table, as far as the tracker uses it."""
 
     def __init__(self) -> None:
-        self.finished: list[str] = []
+        self.finished: list[int] = []
 
-    def finish(self, request_id: str) -> None:
-        self.finished.append(request_id)
+    def finish(self, serial: int) -> None:
+        self.finished.append(serial)
 
 
 def test_answers_beyond_the_sampling_rate_are_not_read() -> None:
@@ -174,13 +174,13 @@ def test_answers_beyond_the_sampling_rate_are_not_read() -> None:
     taps = []
     for n in range(4):
         chunk_tap, usage_tap = answer_taps(
-            200, "e1", RoutingRequest(f"r{n}", "m"), tracker, None, None
+            200, "e1", RoutingRequest(f"r{n}", "m", serial=n), tracker, None, None
         )
         assert chunk_tap is usage_tap
         taps.append(usage_tap)
     assert [t is not None for t in taps] == [True, True, False, False]
     # The two left out are done with: precise routing's state for them is dropped at once.
-    assert precise.finished == ["r2", "r3"]
+    assert precise.finished == [2, 3]
     assert tracker.skips == {"sampled_out": 2}
     clock.now += 0.5  # one answer's worth at 2 a second
     assert answer_taps(200, "e1", RoutingRequest("r4", "m"), tracker, None, None)[1] is not None
@@ -188,4 +188,4 @@ def test_answers_beyond_the_sampling_rate_are_not_read() -> None:
         assert tap is not None
         tap(body)
         tap.finish()
-    assert precise.finished == ["r2", "r3", "r0", "r1"]
+    assert precise.finished == [2, 3, 0, 1]

@@ -123,10 +123,10 @@ def snapshot(eid: str) -> EndpointSnapshot:
     return EndpointSnapshot(eid, f"http://{eid}", "both", 0, 0, 0.0, 0.0, 0.0, 0.0)
 
 
-async def scored(tracker: PreciseTracker, request_id: str) -> tuple[list[float], PreciseState]:
+async def scored(tracker: PreciseTracker, serial: int) -> tuple[list[float], PreciseState]:
     state = PreciseState(TokenizeInput("completions", "m", {"prompt": "x"}))
-    tracker._states[request_id] = state
-    request = RoutingRequest(request_id, "m")
+    tracker._states[serial] = state
+    request = RoutingRequest(f"r{serial}", "m", serial=serial)
     endpoints = [snapshot(A), snapshot(B)]
     await tracker.produce(request, endpoints)
     scores = tracker.scores(request, endpoints)
@@ -162,11 +162,11 @@ async def test_a_late_replica_routes_on_the_full_picture(
             PreciseSettings(PrecisePrefixConfig(block_size=BS)),
             shared=late.shared,
         )
-        scores, state = await scored(tracker, "r1")
+        scores, state = await scored(tracker, 1)
         assert scores == [1.0, 0.0] and state.shared_only == {A}
         # A stream that looks broken here is not vouched for by Redis either.
         late.local.set_trusted(A, False, "silent publisher", stale=True)
-        scores, state = await scored(tracker, "r2")
+        scores, state = await scored(tracker, 2)
         assert scores == [0.0, 0.0] and not state.trusted
 
 

@@ -271,9 +271,9 @@ def test_precise_routing_tokenizes_the_chat_request_vllm_runs() -> None:
         system=SYSTEM,
         tools=TOOLS,
     )
-    gateway.router.routing_request(parsed(body), {}, "r1")
+    routing = gateway.router.routing_request(parsed(body), {}, "r1")
     assert gateway.precise is not None
-    state = gateway.precise.tracker.state("r1")
+    state = gateway.precise.tracker.state(routing.serial)
     assert state is not None and state.source.api == "chat"
     tokenizer = Tokenizer()
     chat = sim_anthropic.to_chat_body(body)
