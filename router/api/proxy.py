@@ -61,7 +61,7 @@ from router.protocol.headers import (
     response_headers,
 )
 from router.protocol.parsing import UPSTREAM_PATHS, Api, ParsedRequest
-from router.scheduling.disagg import Disaggregator
+from router.scheduling.disagg import SPLIT_APIS, Disaggregator
 from router.scheduling.routing import Router
 from router.upstream.client import UPSTREAM_ERRORS, UpstreamClient, UpstreamReply
 
@@ -191,10 +191,8 @@ class Proxy:
             ticket = await self._router.admit(routing, headers, len(body))
             ranked = await self._router.rank(routing)
             self._metrics.gateway_delay.observe(time.perf_counter() - ex.started)
-            # The prefill step speaks chat and completions (router/scheduling/disagg.py); a
-            # Responses
-            # follow-up's history lives on its pinned endpoint alone.
-            split = self.disagg is not None and parsed.api in ("chat", "completions")
+            # The prefill step speaks chat and completions (router/scheduling/disagg.py).
+            split = self.disagg is not None and parsed.api in SPLIT_APIS
             forward = self._disaggregated if split else self._forward
             response = await forward(parsed, routing, ranked, request, watch, ticket, ex)
             # A relay releases the ticket and stops the watch when it ends; an answer made

@@ -259,7 +259,8 @@ class PreciseRouter(Router):
         prepared: Prepared | None = None,
     ) -> RoutingRequest:
         routing = super().routing_request(parsed, headers, request_id, prepared)
-        self.tracker.attach(routing.serial, parsed)
+        if not parsed.previous_response_id:  # tokens of a follow-up's input are no prefix
+            self.tracker.attach(routing.serial, parsed)
         return routing
 
     def uncached_tokens(self, routing: RoutingRequest, endpoint_id: str) -> int:

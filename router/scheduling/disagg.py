@@ -36,6 +36,9 @@ from router.upstream.client import UPSTREAM_ERRORS, UpstreamReply
 log = logging.getLogger("prefixgate.disagg")
 
 PREFILLER_HEADER = "x-prefiller-host-port"
+# The APIs a prefill step speaks (vLLM's P/D proxy protocol, llm-d's sidecar): the agent APIs
+# go to decode alone, as does a Responses follow-up (only its endpoint holds the stored turns).
+SPLIT_APIS = frozenset({"chat", "completions"})
 PREFILL_PROFILE = "prefill"
 DECODE_PROFILE = "decode"
 # A prefill answer is one token, usage and the block ids of the prompt (~6 bytes a block).
@@ -171,7 +174,7 @@ class Disaggregator:
         hits (which its lease and retries still need) are not overwritten by the prefill pool's.
         """
         decisions = self.metrics.decisions
-        if not self.decider.needs_prefill(routing, decode):
+        if routing.api not in SPLIT_APIS or not self.decider.needs_prefill(routing, decode):
             decisions.labels("decode_only").inc()
             return None
         prefill_routing = replace(routing, prefix_hits={})

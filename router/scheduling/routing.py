@@ -135,7 +135,9 @@ class Router:
             prompt_bytes=prepared.prompt_bytes,
             prompt_tokens=self._estimate_tokens(parsed.model, prepared.prompt_bytes),
             block_bytes=index.block_bytes,
-            block_hashes=prepared.block_hashes,
+            # A follow-up's rendered input is the end of the replica's prompt, not its start:
+            # its blocks are neither looked up nor indexed (the stored response pins it).
+            block_hashes=() if parsed.previous_response_id else prepared.block_hashes,
             answer_bytes=parsed.answer_span,
             answer_share=self._answers.share(parsed.model),
         )

@@ -107,6 +107,15 @@ async def test_disaggregation_names_the_prefiller_for_the_decode_sidecar() -> No
             assert routed.header in decode_ids
             assert routed.set_header("x-prefiller-host-port") is None  # short: decode alone
             await envoy.finish(call)
+            # The prefill step speaks chat and completions: an agent API's long prompt
+            # goes to decode alone, with no prefill endpoint counted for it.
+            long = [{"role": "user", "content": "an agent's own long prompt " * 400}]
+            body = orjson.dumps({"model": MODEL, "max_tokens": 4, "messages": long})
+            call, routed = await envoy.send_request(body, path="/v1/messages")
+            assert routed.header in decode_ids
+            assert routed.set_header("x-prefiller-host-port") is None
+            assert in_flight(epp) == 1
+            await envoy.finish(call)
             await eventually(lambda: in_flight(epp) == 0)
 
 

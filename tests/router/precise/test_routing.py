@@ -28,3 +28,13 @@ def test_requests_that_share_a_client_request_id_keep_their_own_state() -> None:
         assert state.source.payload["prompt"] == prompt
     assert tracker.finish(first.serial) is not None
     assert tracker.state(second.serial) is not None
+
+
+def test_a_follow_up_to_a_stored_response_gets_no_precise_state() -> None:
+    endpoint = {"url": "http://127.0.0.1:1", "models": [MODEL]}
+    gateway = build_gateway(gateway_config([], pool={"endpoints": [endpoint]}, strategy="precise"))
+    assert gateway.precise is not None
+    body = {"model": MODEL, "input": "go on", "previous_response_id": "resp_1"}
+    parsed = parse_request("responses", orjson.dumps(body))
+    routing = gateway.router.routing_request(parsed, {}, "r")
+    assert gateway.precise.tracker.state(routing.serial) is None

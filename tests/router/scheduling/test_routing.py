@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import orjson
+
 from router.app import build_gateway
 from router.config.model import parse_config
 from router.core.framework import RoutingRequest
 from router.core.sampling import RateSampler
 from router.estimators.calibration import Calibrator
+from router.protocol.parsing import parse_request
 from router.scheduling.routing import Router
 from tests.manual_clock import ManualClock
 
@@ -77,3 +80,19 @@ async def test_taking_an_endpoint_tells_flow_control_the_request_is_placed() -> 
     router.lease(routing, endpoint).release()
     assert ticket.was_leased
     ticket.release()
+
+
+def test_a_follow_up_to_a_stored_response_is_neither_looked_up_nor_indexed() -> None:
+    """Its input is the end of the replica's prompt (the stored turns come first): hashed
+    from the start, its blocks would claim a prefix no replica holds."""
+    gw = build_gateway(parse_config({"pool": {"endpoints": [{"url": URL, "models": ["m"]}]}}))
+    text = "please go on with the next step of the plan " * 20
+    fresh = {"model": "m", "input": text}
+    follow_up = {**fresh, "previous_response_id": "resp_0123"}
+    routings = [
+        gw.router.routing_request(parse_request("responses", orjson.dumps(body)), {}, "r")
+        for body in (fresh, follow_up)
+    ]
+    assert routings[0].block_hashes, "the same input, sent fresh, is indexed"
+    assert routings[1].block_hashes == ()
+    assert routings[1].prompt_tokens == routings[0].prompt_tokens  # its own input still counts
