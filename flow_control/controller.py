@@ -14,8 +14,6 @@ Everything runs on the event loop and nothing blocks: no locks are needed.
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import logging
 import time
 from bisect import bisect_right
@@ -28,7 +26,7 @@ from flow_control.config import BandConfig, FlowControlConfig
 from flow_control.limits import ConcurrencyLimits, ConcurrencySaturationDetector
 from flow_control.metrics import FlowControlMetrics
 from flow_control.policies import make_policy
-from flow_control.queues import BandState, FlowQueue, Level, ModelQueue, QueueItem, pick_victim
+from flow_control.queues import BandState
 from flow_control.request import FlowRequest, Ticket
 from flow_control.resolve import RequestResolver
 from flow_control.saturation import (
@@ -38,17 +36,14 @@ from flow_control.saturation import (
     ThresholdSaturationDetector,
     default_staleness,
 )
+from flow_control.waiting import WaitingRoom
 from router.core.endpoints import EndpointSnapshot
-from router.core.errors import NoEndpointsError, SaturatedError, SLORejectedError, TTLExpiredError
+from router.core.errors import NoEndpointsError, SaturatedError, SLORejectedError
 from router.core.tasks import cancel_and_wait
 
 log = logging.getLogger("prefixgate.flow_control")
 
 Candidates = Callable[[str], list[EndpointSnapshot]]
-_FAILURES = {
-    "evicted": "flow control queues are full and this tenant holds the most queued requests",
-    "shutdown": "the gateway is shutting down",
-}
 
 
 class FlowController:
@@ -83,15 +78,11 @@ class FlowController:
         self._band_priorities = [b.priority for b in bands]
         self._bands = [self._band(str(b.priority), b.priority, b) for b in bands]
         self._default_band = self._band("default", None, config.default_band)
-        self._queues: dict[str, ModelQueue] = {}
+        self._room = WaitingRoom(config, self._metrics, self._resolver.objectives.ttl)
         self._issued: dict[str, int] = {}  # tickets not yet released, per model
         # Of those, the ones whose request has not taken an endpoint yet (Ticket.leased): no
         # endpoint's in-flight count shows them.
         self._unplaced: dict[str, int] = {}
-        self._deadlines: list[tuple[float, int, QueueItem]] = []
-        self._seq = itertools.count()
-        self._count = 0
-        self._bytes = 0
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._stopped = False
@@ -142,18 +133,19 @@ class FlowController:
             raise NoEndpointsError(f"no healthy endpoint serves model {model!r}")
         saturated = self._saturated(model, snapshots)
         band = self._band_for(request.priority)
-        queue = self._queues.get(model)
-        ahead = queue.max_priority() if queue is not None else None
+        ahead = self._room.max_priority(model)
         if not saturated and (ahead is None or ahead < request.priority):
             return self._issue(request, band, 0.0, "fast")
         if saturated and request.priority < 0:
             raise self._shed("sheddable", f"pool for model {model!r} is saturated")
         if self._stopped:
             raise self._shed("shutdown", "the gateway is shutting down")
-        item = self._enqueue(request, band)
+        item = self._room.enqueue(request, band, self._clock())
+        if self._wakeup is not None:
+            self._wakeup.set()
         if not saturated:
             self._dispatch_model(model)  # work of equal priority is ahead: policy order decides
-        return await self._wait(item)
+        return await self._room.wait(item)
 
     def _band_for(self, priority: int) -> BandState:
         """The nearest band at or below ``priority``; the default band below them all."""
@@ -193,7 +185,7 @@ class FlowController:
             _decrement(self._unplaced, request.model)
         # A turn that just ended is what makes its session live for the next one.
         self._resolver.boost.served(request.session_id)
-        if request.model in self._queues:
+        if request.model in self._room.queues:
             try:
                 self._dispatch_model(request.model)
             except Exception:  # a release must never fail the request that ends; tick retries
@@ -209,7 +201,7 @@ class FlowController:
     def poke(self) -> None:
         """Something the detector reads changed (a first byte, a scrape): dispatch now rather
         than on the next tick. Never raises: callers are on the request and scrape paths."""
-        if not self._count or not self.enabled:
+        if not self._room.count or not self.enabled:
             return
         try:
             self.dispatch()
@@ -228,114 +220,17 @@ class FlowController:
         if self.limits is not None:
             self.limits.forget(endpoint_id)
 
-    # -- queues -----------------------------------------------------------------------------
-
-    def _enqueue(self, request: FlowRequest, band: BandState) -> QueueItem:
-        size = max(0, request.size)
-        self._make_room(request, band, size)
-        now = self._clock()
-        arrival = request.arrival if request.arrival is not None else now
-        deadline = arrival + self._resolver.objectives.ttl(request.objective)
-        queue = self._queues.get(request.model)
-        if queue is None:
-            queue = self._queues[request.model] = ModelQueue()
-        level = queue.levels.get(request.priority)
-        if level is None:
-            level = queue.levels[request.priority] = Level(request.priority, band)
-        flow = level.flows.get(request.fairness_id)
-        if flow is None:
-            gauges = self._metrics.flow_gauges(request.fairness_id, request.priority)
-            flow = FlowQueue(request.fairness_id, request.priority, *gauges)
-            level.flows[request.fairness_id] = flow
-        future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        item = QueueItem(request, next(self._seq), now, deadline, future, level, flow)
-        flow.items[item.seq] = item
-        self._account(item, size, +1)
-        queue.count += 1
-        heapq.heappush(self._deadlines, (deadline, item.seq, item))
-        if len(self._deadlines) > 2 * self._count + 64:
-            # Dispatched and cancelled items stay in the heap until popped: compact it so
-            # that it stays bounded by what is queued.
-            self._deadlines = [e for e in self._deadlines if e[2].queued]
-            heapq.heapify(self._deadlines)
-        if self._wakeup is not None:
-            self._wakeup.set()
-        return item
-
-    def _make_room(self, request: FlowRequest, band: BandState, size: int) -> None:
-        """Push out queued requests (see ``pick_victim``) until ``request`` fits, or shed it."""
-        cfg = self.config
-        while True:
-            band_full = not band.fits(size)
-            global_full = self._count >= cfg.max_requests or self._bytes + size > cfg.max_bytes
-            if not band_full and not global_full:
-                return
-            too_big = size > band.limits.max_bytes or size > cfg.max_bytes
-            victim = None if too_big else pick_victim(
-                self._queues.values(), request, band if band_full else None
-            )
-            if victim is None:
-                full = f"queue of band {band.name!r} is" if band_full else "queues are"
-                raise self._shed("queue-full", f"flow control {full} full")
-            self._unlink(victim, rotate=False)
-            self._fail(victim, "evicted")
-
-    def _account(self, item: QueueItem, size: int, sign: int) -> None:
-        flow, band = item.flow, item.level.band
-        flow.bytes += sign * size
-        band.count += sign
-        band.bytes += sign * size
-        self._count += sign
-        self._bytes += sign * size
-        flow.gauge_requests.inc(sign)
-        flow.gauge_bytes.inc(sign * size)
-        band.gauge_requests.inc(sign)
-        band.gauge_bytes.inc(sign * size)
-
-    def _unlink(self, item: QueueItem, rotate: bool) -> None:
-        """Take a queued item out, dropping every structure that empties."""
-        item.queued = False
-        flow, level = item.flow, item.level
-        del flow.items[item.seq]
-        self._account(item, max(0, item.request.size), -1)
-        queue = self._queues[item.request.model]
-        queue.count -= 1
-        if not flow.items:
-            del level.flows[flow.fairness_id]
-        elif rotate:
-            level.band.policy.dispatched(level.flows, flow)
-        if not level.flows:
-            del queue.levels[level.priority]
-        if not queue.levels:
-            del self._queues[item.request.model]
-
-    async def _wait(self, item: QueueItem) -> Ticket:
-        try:
-            return await item.future
-        except asyncio.CancelledError:
-            if item.queued:
-                self._unlink(item, rotate=False)
-                self._metrics.rejections.labels("cancelled").inc()
-            elif (
-                item.future.done()
-                and not item.future.cancelled()
-                and item.future.exception() is None
-            ):
-                # Dispatched just before the cancel arrived: give the slot back.
-                item.future.result().release()
-            raise
-
     # -- dispatching ------------------------------------------------------------------------
 
     def dispatch(self) -> int:
         """Expire what is past its TTL, then dispatch every model's queue while its pool is
         not saturated. Returns the number dispatched (the tick calls this; so can tests)."""
         self.expire()
-        return sum(self._dispatch_model(model) for model in list(self._queues))
+        return sum(self._dispatch_model(model) for model in list(self._room.queues))
 
     def _dispatch_model(self, model: str) -> int:
         dispatched = 0
-        queue = self._queues.get(model)
+        queue = self._room.queues.get(model)
         while queue is not None:
             snapshots = self._candidates(model)
             # An empty pool keeps its queue: endpoints may come back before the TTL ends.
@@ -343,14 +238,14 @@ class FlowController:
                 break
             level = queue.top()
             item = level.band.policy.select(level.flows).head()
-            self._unlink(item, rotate=True)
-            queue = self._queues.get(model)
+            self._room.unlink(item, rotate=True)
+            queue = self._room.queues.get(model)
             if item.future.done():  # its task was cancelled and has not run yet
                 self._metrics.rejections.labels("cancelled").inc()
                 continue
             now = self._clock()
             if item.deadline <= now:
-                self._fail(item, "ttl-expired")
+                self._room.fail(item, "ttl-expired")
                 continue
             waited = max(0.0, now - item.enqueued_at)
             item.future.set_result(self._issue(item.request, level.band, waited, "queued"))
@@ -359,29 +254,7 @@ class FlowController:
 
     def expire(self) -> int:
         """Reject queued requests whose TTL has passed; returns how many."""
-        now = self._clock()
-        expired = 0
-        while self._deadlines and self._deadlines[0][0] <= now:
-            item = heapq.heappop(self._deadlines)[2]
-            if item.queued:
-                self._unlink(item, rotate=False)
-                self._fail(item, "ttl-expired")
-                expired += 1
-        return expired
-
-    def _fail(
-        self, item: QueueItem, reason: Literal["ttl-expired", "evicted", "shutdown"]
-    ) -> None:
-        self._metrics.rejections.labels(reason).inc()
-        if item.future.done():
-            return
-        retry = self.config.retry_after_seconds
-        if reason == "ttl-expired":
-            ttl = self._resolver.objectives.ttl(item.request.objective)
-            message = f"request waited longer than its TTL of {ttl:g}s in the flow control queue"
-            item.future.set_exception(TTLExpiredError(message, retry_after=retry))
-        else:
-            item.future.set_exception(SaturatedError(_FAILURES[reason], retry_after=retry))
+        return self._room.expire(self._clock())
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -391,7 +264,7 @@ class FlowController:
         if self._task is not None or not self.enabled:
             return
         self._wakeup = asyncio.Event()
-        if self._count:
+        if self._room.count:
             self._wakeup.set()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="flow-control")
 
@@ -400,17 +273,13 @@ class FlowController:
         self._stopped = True
         task, self._task = self._task, None
         await cancel_and_wait(task)
-        for _, _, item in self._deadlines:
-            if item.queued:
-                self._unlink(item, rotate=False)
-                self._fail(item, "shutdown")
-        self._deadlines.clear()
+        self._room.close()
 
     async def _run(self) -> None:
         assert self._wakeup is not None
         interval = self.config.dispatch_interval_seconds
         while True:
-            if not self._count:
+            if not self._room.count:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             await asyncio.sleep(interval)
@@ -423,17 +292,15 @@ class FlowController:
 
     @property
     def queued(self) -> int:
-        return self._count
+        return self._room.count
 
     @property
     def queued_bytes(self) -> int:
-        return self._bytes
+        return self._room.bytes
 
     def active_flows(self) -> int:
         """Flows with queued requests (empty flows are dropped at once)."""
-        return sum(
-            len(level.flows) for queue in self._queues.values() for level in queue.levels.values()
-        )
+        return sum(1 for _ in self._room.flows())
 
     def outstanding(self, model: str) -> int:
         """Tickets issued for ``model`` and not yet released."""

@@ -305,7 +305,7 @@ async def test_cancellation_removes_the_item() -> None:
     a.cancel()
     c.cancel()
     await settle()
-    assert ctl.queued == 0 and ctl.active_flows() == 0 and not ctl._queues
+    assert ctl.queued == 0 and ctl.active_flows() == 0 and not ctl._room.queues
     held.release()
     assert ctl.outstanding("m") == 0
 
@@ -340,8 +340,8 @@ async def test_nothing_is_left_behind_after_many_flows() -> None:
     tasks = await queue_all(ctl, [req(f"r{i}", f"tenant{i}", priority=i % 3) for i in range(50)])
     await serve_one_by_one(held, tasks)
     assert ctl.queued == 0 and ctl.queued_bytes == 0 and ctl.active_flows() == 0
-    assert not ctl._queues and not ctl._issued
-    assert len(ctl._deadlines) <= 64
+    assert not ctl._room.queues and not ctl._issued
+    assert len(ctl._room._deadlines) <= 64
 
 
 async def test_empty_pool_keeps_the_queue_until_endpoints_return() -> None:
