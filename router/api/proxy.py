@@ -75,7 +75,7 @@ _ERROR_EVENTS: dict[str, ErrorEvent] = {
 
 
 class Proxy:
-    """Built complete by the composition root (router/app.py): it owns none of its
+    """Built complete by the composition root (router/app/): it owns none of its
     collaborators' lifetimes; the upstream client is opened and closed by the lifespan."""
 
     def __init__(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -27,36 +26,23 @@ from router.api.proxy import Proxy
 from router.api.request_body import BodyParser, BodyPreparer
 from router.api.routes import add_routes
 from router.api.stored_responses import StoredResponses, make_probe
-from router.config.model import (
-    GatewayConfig,
-    PluginConfig,
-    ProfileConfig,
-    Strategy,
-    builtin_strategy,
-)
+from router.app.routing import RoutingGraph, build_disagg, build_routing
+from router.config.model import GatewayConfig
 from router.core.endpoints import Endpoint, EndpointPool, OutlierSettings
-from router.core.framework import PickObserver, Producer, Scheduler, SchedulingProfile
+from router.core.framework import Scheduler
 from router.core.sampling import RateSampler
-from router.estimators.answer_cache import AnswerCache
 from router.estimators.calibration import Calibrator
-from router.estimators.live_sessions import LiveSessions
 from router.estimators.token_density import TokenDensity
 from router.index.sizing import IndexSizer
-from router.index.stores import Candidates, Stores, build_stores
+from router.index.stores import Stores, build_stores
 from router.index.token_counts import TokenCounts
 from router.pool.discovery import KubernetesDiscovery, LivePool
 from router.pool.metrics import GatewayMetrics
 from router.pool.scraper import CapacityCallback, EndpointMonitor, MonitorSettings
-from router.precise.routing import PreciseRouter, PreciseRuntime, precise_enabled
+from router.precise.routing import PreciseRuntime
 from router.protocol.auth import UpstreamKeys, build_authenticator, build_upstream_keys
-from router.scheduling.disagg import Disaggregator, build_disagg_profiles
-from router.scheduling.plugins import PluginContext, PluginRegistry, build_profile, default_registry
-from router.scheduling.producers import AffinityTracker, PrefixTracker
-from router.scheduling.routing import (
-    FIRST_BYTES_LEARNED_BURST,
-    FIRST_BYTES_LEARNED_PER_S,
-    Router,
-)
+from router.scheduling.plugins import PluginRegistry, default_registry
+from router.scheduling.routing import Router
 from router.upstream.client import UpstreamClient
 
 log = logging.getLogger("prefixgate.app")
@@ -94,20 +80,6 @@ class Gateway:
     discovery: KubernetesDiscovery | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class _Routing:
-    """The scheduling half of the graph: what the proxy routes with."""
-
-    scheduler: Scheduler
-    flow: FlowController
-    router: Router
-    calibrator: Calibrator
-    density: TokenDensity
-    answers: AnswerCache
-    precise: PreciseRuntime | None
-    prefill_profile: SchedulingProfile | None
-
-
 def _build_pool(config: GatewayConfig) -> EndpointPool:
     od = config.pool.outlier_detection
     outliers = OutlierSettings(
@@ -118,48 +90,6 @@ def _build_pool(config: GatewayConfig) -> EndpointPool:
         (Endpoint.from_url(e.url, e.role, e.models) for e in config.pool.endpoints),
         outliers=outliers if od.enabled else None,
     )
-
-
-def _plugins(config: GatewayConfig) -> Strategy:
-    """The configured plugins and profile (the only one, or the one named decode: llm-d's
-    disaggregation turned off leaves both), or the named strategy's."""
-    if config.plugins is None:
-        return builtin_strategy(config.strategy)
-    profiles = config.scheduling_profiles
-    assert profiles  # enforced by the config model
-    decode = [p for p in profiles if p.name == "decode"]
-    return config.plugins, (decode or profiles)[0]
-
-
-def _build_scheduler(
-    config: GatewayConfig,
-    plugins: list[PluginConfig],
-    profile_cfg: ProfileConfig,
-    registry: PluginRegistry,
-    context: PluginContext,
-    stores: Stores,
-    metrics: GatewayMetrics,
-    precise: PreciseRuntime | None,
-) -> tuple[Scheduler, SchedulingProfile | None]:
-    """The scheduler with its producers and observers, and the prefill profile (disaggregated)."""
-    prefill_profile: SchedulingProfile | None = None
-    if config.disaggregation.enabled:
-        profile, prefill_profile = build_disagg_profiles(
-            plugins, config.scheduling_profiles or [profile_cfg], registry, context
-        )
-    else:
-        profile = build_profile(plugins, profile_cfg, registry, context)
-    prefix = PrefixTracker(stores.index)
-    sessions = AffinityTracker(stores.affinity)
-    live = LiveSessions(config.session_affinity.max_sessions, registry=metrics.registry)
-    producers: list[Producer] = [prefix, sessions, live]
-    observers: list[PickObserver] = [prefix, sessions, live]
-    if precise is not None:
-        producers.append(precise.tracker)
-        observers.append(precise.tracker)
-    # Scorers that learn from the pick (no-hit-lru-scorer), after the stores have recorded it.
-    observers += [ws.scorer for ws in profile.scorers if isinstance(ws.scorer, PickObserver)]
-    return Scheduler(profile, producers=producers, observers=observers), prefill_profile
 
 
 def _log_compatibility(config: GatewayConfig) -> None:
@@ -189,69 +119,6 @@ def _build_sizer(
         stores.index, density, index.block_bytes,
         fixed_blocks=index.capacity_blocks, models=models, registry=registry,
     )
-
-
-def _build_flow(
-    config: GatewayConfig, candidates: Candidates, registry: CollectorRegistry
-) -> FlowController:
-    scrape = config.pool.metrics_scrape
-    return FlowController(
-        config.flow_control,
-        candidates,
-        registry=registry,
-        scrape_interval=scrape.interval_seconds,
-        scrape_timeout=scrape.timeout_seconds,
-    )
-
-
-def _build_routing(
-    config: GatewayConfig,
-    registry: PluginRegistry,
-    pool: EndpointPool,
-    stores: Stores,
-    metrics: GatewayMetrics,
-) -> _Routing:
-    calibrator = Calibrator(registry=metrics.registry)
-    density = TokenDensity(metrics.registry)
-    answers = AnswerCache(metrics.registry)
-    plugins, profile_cfg = _plugins(config)
-    precise = None
-    if precise_enabled(config, plugins):
-        precise = PreciseRuntime(config, metrics.registry, stores.redis_metrics)
-    context = PluginContext(
-        random.Random(config.seed), calibrator, precise.tracker if precise else None
-    )
-    scheduler, prefill_profile = _build_scheduler(
-        config, plugins, profile_cfg, registry, context, stores, metrics, precise
-    )
-    candidates = stores.candidates(pool)
-    flow = _build_flow(config, candidates, metrics.registry)
-    learning = RateSampler(FIRST_BYTES_LEARNED_PER_S, FIRST_BYTES_LEARNED_BURST)
-    router: Router
-    if precise is not None:
-        router = PreciseRouter(
-            config, pool, candidates, scheduler, flow, metrics, tracker=precise.tracker,
-            responses=stores.responses, calibrator=calibrator, answers=answers, density=density,
-            learning=learning,
-        )
-    else:
-        router = Router(
-            config, pool, candidates, scheduler, flow, metrics, responses=stores.responses,
-            calibrator=calibrator, answers=answers, density=density, learning=learning,
-        )
-    return _Routing(
-        scheduler, flow, router, calibrator, density, answers, precise, prefill_profile
-    )
-
-
-def _build_disagg(
-    config: GatewayConfig, routing: _Routing, metrics: GatewayMetrics
-) -> Disaggregator | None:
-    if routing.prefill_profile is None:
-        return None
-    pd = config.disaggregation
-    timeout = pd.prefill_timeout_seconds or config.proxy.first_byte_timeout_seconds
-    return Disaggregator(pd, routing.router, routing.prefill_profile, metrics, timeout)
 
 
 def _capacity_bound(precise: PreciseRuntime | None, sizer: IndexSizer) -> CapacityCallback:
@@ -296,7 +163,7 @@ def _build_discovery(
     pool: EndpointPool,
     monitor: EndpointMonitor,
     stores: Stores,
-    routing: _Routing,
+    routing: RoutingGraph,
     sizer: IndexSizer,
 ) -> KubernetesDiscovery | None:
     """Kubernetes discovery, wired to everything that follows the pool's joins and leaves."""
@@ -336,7 +203,7 @@ def build_gateway(
     upstream = UpstreamClient(config.proxy.max_connections, config.proxy.connect_timeout_seconds)
     probe = make_probe(upstream, keys.headers, config.responses.probe_timeout_seconds)
     stores = build_stores(config, pool, metrics.registry, probe)
-    routing = _build_routing(config, registry or default_registry(), pool, stores, metrics)
+    routing = build_routing(config, registry or default_registry(), pool, stores, metrics)
     precise = routing.precise
     sizer = _build_sizer(config, pool, stores, routing.density, metrics.registry)
     prediction = PredictionTracker(
@@ -356,7 +223,7 @@ def build_gateway(
     proxy = Proxy(
         config, routing.router, metrics, upstream, preparer=preparer, upstream_keys=keys,
         auth=build_authenticator(config.auth, environ), prediction=prediction, sizer=sizer,
-        token_counts=token_counts, disagg=_build_disagg(config, routing, metrics),
+        token_counts=token_counts, disagg=build_disagg(config, routing, metrics),
     )
     monitor = _build_monitor(
         config, pool, monitor_client, stores, routing.flow, keys, _capacity_bound(precise, sizer)
