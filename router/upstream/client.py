@@ -137,6 +137,10 @@ class UpstreamReply:
             self._client.release(self._conn)
 
 
+# Methods a request of which may be sent twice (RFC 9110 9.2.2).
+_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+
+
 class UpstreamClient:
     def __init__(
         self,
@@ -172,7 +176,7 @@ class UpstreamClient:
         data = [head, body] if body else [head]
         await self._slots.acquire()
         try:
-            conn = await self._exchange(target, data)
+            conn = await self._exchange(target, data, method in _IDEMPOTENT)
         except BaseException:
             self._slots.release()
             raise
@@ -202,16 +206,18 @@ class UpstreamClient:
             if reply is not None:
                 reply.close()
 
-    async def _exchange(self, target: _Target, data: list[bytes]) -> Connection:
+    async def _exchange(self, target: _Target, data: list[bytes], idempotent: bool) -> Connection:
         conn = self._pooled(target.key)
         if conn is not None:
             try:
                 await _send(conn, data)
                 return conn
             except OSError:
-                if conn.answered:
+                if conn.answered or not idempotent:
                     raise
-                # Closed by the endpoint while idle: it never read the request.
+                # Probably closed by the endpoint while idle, before it read the request; but
+                # it may have read it and then failed, so only a request that may run twice
+                # goes again (RFC 9110 9.2.2). A POST's failure is the caller's to retry.
         conn = await self._connect(target)
         await _send(conn, data)
         return conn

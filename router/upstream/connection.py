@@ -44,6 +44,7 @@ class Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self._head_done = False
+        self._interim = False  # between an interim (1xx) head and its message's end
         self._framed = False
         self._complete = self._keep_alive = False
         self._error: BaseException | None = None
@@ -51,8 +52,8 @@ class Connection(asyncio.Protocol):
         self._unsent: deque[memoryview] = deque()  # slices of a large request to write
         self._write_paused = False
         # Bytes of a response arrived since the request was written: a reused connection that
-        # fails before any did was closed by the endpoint while idle, and the request can go
-        # again on a new one (the endpoint never saw it).
+        # fails before any did was probably closed by the endpoint while idle, and an
+        # idempotent request goes again on a new one (router/upstream/client.py).
         self.answered = False
         self.requests = 0
         self.key: tuple[str, int, bool] = ("", 0, False)  # (host, port, tls) it was dialled to
@@ -88,8 +89,10 @@ class Connection(asyncio.Protocol):
         self.closed = True
         self._unsent.clear()
         if self.requests and not self._complete:
-            if self._head_done and not self._framed and self._error is None:
-                self._complete = True  # a body without length or chunks ends with the connection
+            if self._head_done and not self._framed and self._error is None and exc is None:
+                # A body without length or chunks ends with the connection: a clean close
+                # (a reset says it was cut).
+                self._complete = True
             else:
                 cause = exc or UpstreamConnectionError("the endpoint closed the connection")
                 if not isinstance(cause, OSError):
@@ -102,13 +105,22 @@ class Connection(asyncio.Protocol):
     # httptools callbacks
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self._head_done:  # a chunked body's trailers are not relayed
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if 100 <= self.status < 200:
+            # An interim answer (100 Continue, 103 Early Hints): the final one follows on the
+            # same connection. llhttp reports it as a whole message (see on_message_complete).
+            self._interim = True
+            self.headers = []
+            return
         self._head_done = True
         for name, value in self.headers:
             low = name.lower()
-            if low == b"content-length" or (low == b"transfer-encoding" and b"chunked" in value):
+            if low == b"content-length" or (
+                low == b"transfer-encoding" and b"chunked" in value.lower()
+            ):
                 self._framed = True
         self._wake()
 
@@ -118,6 +130,9 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         # llhttp answers this only while the message is current, not once it has ended.
         self._keep_alive = bool(self._parser.should_keep_alive())
         self._complete = True
@@ -154,6 +169,7 @@ class Connection(asyncio.Protocol):
         self.answered = False
         self.headers = []
         self._head_done = self._framed = self._complete = self._keep_alive = False
+        self._interim = False
         self._chunks.clear()
         self._buffered = 0
         if len(data[-1]) <= WRITE_SLICE_BYTES:
