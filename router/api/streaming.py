@@ -14,6 +14,7 @@ When shutdown's drain deadline cancels a stream, it ends with an error event, no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -215,9 +216,9 @@ class UpstreamResponse(Response):
                     return "stream_error"
                 outcome = "stream_error"
                 event = _lead(self._last) + self._error_event(_failure(exc))
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+                await self._send_chunk(send, event)
         self._watch.stop()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await self._send_chunk(send, b"", more=False)
         return outcome
 
     async def _pump(self, send: Send) -> bool:
@@ -255,6 +256,8 @@ class UpstreamResponse(Response):
             idle.stop()
 
     async def _send_chunk(self, send: Send, chunk: bytes, more: bool = True) -> None:
+        """A send outside the pump, under the idle timeout too: a client that stopped reading
+        blocks any send, the body's end included."""
         idle = self._deadlines.start(self._idle_timeout)
         try:
             await send({"type": "http.response.body", "body": chunk, "more_body": more})
@@ -273,8 +276,9 @@ class UpstreamResponse(Response):
             "the gateway is shutting down; the stream was cut", "service_unavailable", 503
         )
         self._watch.stop()
-        await send({"type": "http.response.body", "body": event, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        with contextlib.suppress(ClientStalled):  # the connection is closed after it anyway
+            await self._send_chunk(send, event)
+            await self._send_chunk(send, b"", more=False)
 
 
 def _lead(last: bytes) -> bytes:

@@ -73,14 +73,19 @@ class FakeUpstream:
     raw_headers: list[tuple[bytes, bytes]] = []
     content_type = "text/event-stream"
 
-    def __init__(self, chunks: list[bytes], stall_after: int | None = None) -> None:
+    def __init__(
+        self, chunks: list[bytes], stall_after: int | None = None, end_apart: bool = False
+    ) -> None:
         self.chunks = chunks
         self.stall_after = stall_after
+        # The body's end read apart from its last chunk (vLLM's last chunk, then the
+        # terminating zero-length chunk in a segment of its own).
+        self.end_apart = end_apart
         self.closed = False
 
     @property
     def ended(self) -> bool:
-        return not self.chunks and self.stall_after is None
+        return not self.chunks and self.stall_after is None and not self.end_apart
 
     async def next_chunk(self) -> bytes:
         if self.stall_after is not None and not self.chunks[self.stall_after :]:
@@ -219,3 +224,20 @@ async def test_a_json_answer_cut_mid_body_is_left_unended_for_the_server_to_cut(
     # No end of body: uvicorn then closes the connection, and the client, short of the
     # length or the chunks' end, knows the answer is incomplete.
     assert (got, sent) == ("stream_error", [b"data: 0\n\n"])
+
+
+@pytest.mark.parametrize(
+    ("stall_after", "end_apart", "blocked_send"),
+    [(None, True, 4), (2, False, 3)],
+    ids=["the body's end", "the error event"],
+)
+def test_every_send_of_a_relay_is_under_the_idle_timeout(
+    stall_after: int | None, end_apart: bool, blocked_send: int
+) -> None:
+    """A client that stops reading just before the body's end (or an error event) must not
+    hold the request, its ticket and its lease for as long as its connection lives."""
+    chunks = [b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n"]
+    upstream = FakeUpstream(chunks, stall_after, end_apart)
+    got, sent = virtual_clock.run(_relay(upstream, blocked_send))
+    assert got == "client_stalled"
+    assert len(sent) == blocked_send
