@@ -179,6 +179,7 @@ class ProxyConfig(Strict):
     first_byte_timeout_seconds: float = Field(600.0, gt=0)
     idle_timeout_seconds: float = Field(300.0, gt=0)
     max_attempts: int = Field(3, ge=1, le=10)
+    # Requests in flight to each endpoint (more wait for one to end).
     max_connections: int = Field(1024, ge=1)
 
 

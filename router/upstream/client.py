@@ -149,7 +149,11 @@ class UpstreamClient:
         keepalive_seconds: float = 4.0,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self._slots = asyncio.Semaphore(max_connections)
+        # Requests in flight to each endpoint, at most max_connections: one that hangs takes
+        # no other endpoint's slots. Per endpoint, the requests holding or awaiting a slot.
+        self._max = max_connections
+        self._slots: dict[tuple[str, int, bool], asyncio.Semaphore] = {}
+        self._holders: dict[tuple[str, int, bool], int] = {}
         self._connect_timeout = connect_timeout
         self._keepalive = keepalive_seconds
         self._ssl = ssl_context
@@ -174,13 +178,33 @@ class UpstreamClient:
         target = _target(url)
         head = _head(method, target, headers, body)
         data = [head, body] if body else [head]
-        await self._slots.acquire()
+        key = target.key
+        slots = self._slots.get(key)
+        if slots is None:
+            slots = self._slots[key] = asyncio.Semaphore(self._max)
+        self._holders[key] = self._holders.get(key, 0) + 1
+        try:
+            await slots.acquire()
+        except BaseException:
+            self._let_go(key)
+            raise
         try:
             conn = await self._exchange(target, data, method in _IDEMPOTENT)
         except BaseException:
-            self._slots.release()
+            self._release_slot(key)
             raise
         return UpstreamReply(self, conn)
+
+    def _release_slot(self, key: tuple[str, int, bool]) -> None:
+        self._slots[key].release()
+        self._let_go(key)
+
+    def _let_go(self, key: tuple[str, int, bool]) -> None:
+        left = self._holders[key] - 1
+        if left:
+            self._holders[key] = left
+        else:  # nobody holds or awaits one: an endpoint that left leaves nothing behind
+            del self._holders[key], self._slots[key]
 
     async def fetch(
         self,
@@ -294,7 +318,7 @@ class UpstreamClient:
 
     def release(self, conn: Connection) -> None:
         """A reply is done with its connection: pool it if its answer ended cleanly."""
-        self._slots.release()
+        self._release_slot(conn.key)
         if self._closed or not conn.reusable:
             conn.close()
             return

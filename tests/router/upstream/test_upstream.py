@@ -467,3 +467,27 @@ async def test_a_body_framed_by_the_close_and_cut_by_a_reset_is_an_error() -> No
             await asyncio.wait_for(reply.read_all(), 2)
         reply.close()
     await client.aclose()
+
+
+async def test_an_endpoint_that_holds_all_its_slots_leaves_the_others_theirs() -> None:
+    seen = asyncio.Event()
+
+    async def hang(state: Server, reader: asyncio.StreamReader,
+                   writer: asyncio.StreamWriter) -> None:
+        state.requests.append(await read_request(reader))
+        if len(state.requests) == 2:
+            seen.set()
+        await reader.read()  # never answers
+
+    client = UpstreamClient(2, 2)
+    async with serve(hang) as hung, serve(answer_once(ok(b"here"))) as healthy:
+        stuck = [asyncio.create_task(client.post(hung.url, [], b"x")) for _ in range(2)]
+        await asyncio.wait_for(seen.wait(), 2)
+        reply = await asyncio.wait_for(client.post(healthy.url, [], b"x"), 2)
+        assert await asyncio.wait_for(reply.read_all(), 2) == b"here"
+        reply.close()
+        for task in stuck:
+            task.cancel()
+        await asyncio.gather(*stuck, return_exceptions=True)
+        assert not client._slots, "no slots kept for endpoints nobody sends to"
+    await client.aclose()
