@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Receive, Scope, Send
 
+from router.serve import worker_metrics
 from router.serve.worker_metrics import FleetMetrics, merge
 
 
@@ -73,3 +76,25 @@ async def test_a_scrape_of_one_worker_reads_its_siblings_sockets(tmp_path: Path)
     ] == [1, 2, 3]
     assert other.status_code == 404 and other.text == "inner", "the rest goes to the app"
     assert [gone[("prefixgate_worker_up", (("worker", str(n)),))] for n in range(3)] == [1, 0, 0]
+
+
+async def test_rendering_and_merging_run_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tens of milliseconds a scrape with many workers and endpoints: on the loop, every
+    stream the worker relays would stall that long."""
+    threads: list[str] = []
+
+    def render(n: int) -> bytes:
+        threads.append(threading.current_thread().name)
+        return generate_latest(_registry(n, 0))
+
+    def merged(texts: dict[int, str | None]) -> bytes:
+        threads.append(threading.current_thread().name)
+        return merge(texts)
+
+    monkeypatch.setattr(worker_metrics, "merge", merged)
+    workers = [FleetMetrics(_not_found, lambda n=n: render(n), tmp_path, n, 2) for n in range(2)]
+    async with workers[1].serving():
+        await workers[0].scrape()
+    assert len(threads) == 3 and threading.main_thread().name not in threads
