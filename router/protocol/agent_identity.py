@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from flow_control.resolve import SESSION_HEADER, header_value
+from flow_control.resolve import MAX_ID_CHARS, SESSION_HEADER, header_value
 
 # Claude Code; OpenCode; Codex (both spellings: some proxies rewrite '-' to '_' or back).
 AGENT_SESSION_HEADERS = (
@@ -43,4 +43,6 @@ class AgentIdentity:
         """``hint``: a session id the body carries (Anthropic metadata, Responses API)."""
         agent = header_value(headers, self.headers)
         explicit = header_value(headers, (SESSION_HEADER,))
+        if hint:  # cut as the headers are: it keys an LRU entry and a Redis key
+            hint = hint.strip()[:MAX_ID_CHARS]
         return Identity(explicit or agent or hint or None, agent)

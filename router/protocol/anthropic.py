@@ -50,6 +50,8 @@ _ERROR_TYPES = {
     408: "timeout_error",
     413: "request_too_large",
     429: "rate_limit_error",
+    # No endpoint, or shutting down: a try-again-later, as Anthropic says overloaded.
+    503: "overloaded_error",
     504: "timeout_error",
     OVERLOADED: "overloaded_error",
 }

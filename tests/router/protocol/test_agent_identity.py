@@ -18,6 +18,7 @@ from benchmarks.sim.config import SimConfig
 from flow_control.config import FlowControlConfig
 from flow_control.controller import FlowController
 from flow_control.request import Ticket
+from flow_control.resolve import MAX_ID_CHARS
 from router.config.model import parse_config
 from router.core.endpoints import EndpointSnapshot
 from router.core.errors import ConfigError
@@ -168,3 +169,11 @@ def test_an_explicit_fairness_header_wins_over_the_agent() -> None:
     found = AgentIdentity().identify(headers)
     assert ctl.build_request(headers, "m", default_fairness=found.agent).fairness_id == "tenant"
     assert ctl.build_request({}, "m", default_fairness="agent").fairness_id == "agent"
+
+
+def test_a_body_session_key_is_cut_as_the_headers_are() -> None:
+    """metadata.user_id or prompt_cache_key, of any length a client sends, keys an affinity
+    entry and a Redis key: no longer than a header's id."""
+    identity = AgentIdentity().identify({}, "  " + "k" * 1_000_000 + " ")
+    assert identity.session == "k" * MAX_ID_CHARS
+    assert AgentIdentity().identify({}, "   ").session is None

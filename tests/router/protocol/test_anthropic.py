@@ -250,7 +250,10 @@ def test_errors_take_anthropics_shape_and_shedding_is_529() -> None:
     assert orjson.loads(error_response(UpstreamError("down")).body)["error"]["type"] == "api_error"
     event = stream_error_event("cut", "service_unavailable", 503)
     assert event.startswith(b"event: error\ndata: ") and event.endswith(b"\n\n")
-    assert orjson.loads(event.split(b"data: ", 1)[1])["type"] == "error"
+    data = orjson.loads(event.split(b"data: ", 1)[1])
+    assert data["type"] == "error"
+    # The gateway shutting down mid-stream: try again later, as Anthropic says it.
+    assert data["error"]["type"] == "overloaded_error"
 
 
 def test_metadata_user_id_is_the_session_unless_a_header_says_otherwise() -> None:
