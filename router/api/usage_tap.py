@@ -180,7 +180,9 @@ def answer_taps(
     usage = None
     if tracker is not None and tracker.sampled(routing):
         usage = UsageTap(tracker, endpoint_id, routing, also)
-    stored = stores.tap(endpoint_id) if stores is not None else None
+    stored = None
+    if stores is not None and routing.stores_response:  # ``store: false``: kept nowhere
+        stored = stores.tap(endpoint_id)
     if stored is None or usage is None:
         return (stored or usage), usage
 

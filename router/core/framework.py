@@ -43,6 +43,8 @@ class RoutingRequest:
     answer_share: float = 1.0
     # Responses API: the stored response this request continues; only its endpoint can serve it.
     previous_response_id: str | None = None
+    # Responses API: the answer is stored where it is served (not with ``store: false``).
+    stores_response: bool = False
     # Report why this request went where it went: to the debug log, and to the client when
     # it asked and the gateway allows it (``explain_to_client``).
     explain: bool = False

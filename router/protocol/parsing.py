@@ -52,6 +52,9 @@ class ParsedRequest:
     previous_response_id: str | None = None
     # UTF-8 byte span of ``rendered``'s last answer (router.protocol.rendering.render_conversation).
     answer_span: tuple[int, int] | None = None
+    # Responses: the replica keeps the answer (``store``, true unless the client says false),
+    # so where it went is worth remembering.
+    stored: bool = False
 
     @property
     def payload(self) -> dict[str, Any]:
@@ -89,11 +92,13 @@ class Digest:
     block_hashes: list[int]
     # The body as the gateway forwards it, when parsing rewrote it (None: unchanged).
     rewritten: bytes | None = None
+    stored: bool = False
 
     def parsed(self, api: Api, body: bytes) -> ParsedRequest:
         return ParsedRequest(
             api, body if self.rewritten is None else self.rewritten, None, self.model,
             self.stream, None, self.session_hint, self.previous_response_id, self.answer_span,
+            self.stored,
         )
 
 
@@ -113,6 +118,7 @@ def digest_body(api: Api, body: bytes, block_bytes: int, max_blocks: int) -> Dig
     return Digest(
         parsed.model, parsed.stream, parsed.session_hint, parsed.previous_response_id,
         parsed.answer_span, size, hashes, None if parsed.body is body else parsed.body,
+        parsed.stored,
     )
 
 
@@ -259,8 +265,9 @@ def parse_request(api: Api, body: bytes) -> ParsedRequest:
             rendered, answer = responses_api.render_responses(payload)
             hint = responses_api.session_hint(payload)
             previous = payload.get("previous_response_id")
+            stored = payload.get("store") is not False
             return ParsedRequest(
-                api, body, payload, model, stream, rendered, hint, previous, answer
+                api, body, payload, model, stream, rendered, hint, previous, answer, stored
             )
         if api == "chat":
             messages = _check_messages(payload)

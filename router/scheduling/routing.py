@@ -130,6 +130,7 @@ class Router:
             session_id=identity.session,
             agent_id=identity.agent,
             previous_response_id=parsed.previous_response_id,
+            stores_response=parsed.stored,
             explain=to_client or decision_log.isEnabledFor(logging.DEBUG),
             explain_to_client=to_client,
             prompt_bytes=prepared.prompt_bytes,

@@ -80,6 +80,25 @@ async def test_follow_ups_land_on_the_replica_that_stored_the_response(
     assert remembered == 32
 
 
+async def test_an_answer_not_stored_is_not_remembered(
+    oai: openai.AsyncOpenAI, gateway: RunningGateway
+) -> None:
+    """Codex sends ``store: false`` with every request: remembering those ids would push
+    out the entries of responses that are stored."""
+    responses = gateway.gateway.stores.responses
+    before = len(responses)
+    for stream in (False, True):
+        ask: dict[str, Any] = {"model": MODEL, "input": "kept nowhere", "max_output_tokens": 4}
+        if stream:
+            async for _ in await oai.responses.create(**ask, store=False, stream=True):
+                pass
+        else:
+            await oai.responses.create(**ask, store=False)
+    assert len(responses) == before
+    await follow(oai, None, "kept", stream=False)
+    assert len(responses) == before + 1
+
+
 async def test_get_delete_and_cancel_go_to_the_holder(
     oai: openai.AsyncOpenAI, gateway: RunningGateway
 ) -> None:
