@@ -352,3 +352,13 @@ async def handle(sim: SimHost, request: Request) -> Response:
     if too_big is not None:
         return error_response(too_big)
     return MessagesResponse(sim.engine, sim.new_request(params), params, sim.transfer_params)
+
+
+async def count_tokens(sim: SimHost, request: Request) -> Response:
+    """``POST /v1/messages/count_tokens``: the prompt's tokens, as ``/v1/messages`` counts them."""
+    try:
+        body = p.parse_json(await request.body())
+        ids = p.chat_prompt_ids(to_chat_body({**body, "max_tokens": 1}), sim.engine.tokenizer)
+    except p.ApiError as err:
+        return error_response(err)
+    return Response(orjson.dumps({"input_tokens": len(ids)}), media_type="application/json")

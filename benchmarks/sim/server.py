@@ -104,6 +104,7 @@ class SimServer:
             Route("/v1/completions", self.completions, methods=post),
             Route("/v1/chat/completions", self.chat_completions, methods=post),
             Route("/v1/messages", self.messages, methods=post),
+            Route("/v1/messages/count_tokens", self.count_tokens, methods=post),
             Route("/v1/responses", self.create_response, methods=post),
             Route("/v1/responses/{response_id}", self.get_response, methods=get),
             Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
@@ -133,6 +134,9 @@ class SimServer:
 
     async def messages(self, request: Request) -> Response:
         return await anthropic_api.handle(self, request)
+
+    async def count_tokens(self, request: Request) -> Response:
+        return await anthropic_api.count_tokens(self, request)
 
     async def create_response(self, request: Request) -> Response:
         return await responses_api.create(self, request)

@@ -14,6 +14,8 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from router.api.asgi import JSON, GatewayApp, error_response, internal_error
+from router.api.count_tokens import PATH as COUNT_TOKENS_PATH
+from router.api.count_tokens import TokenCounting
 from router.api.proxy import Proxy
 from router.api.stored_responses import StoredResponses
 from router.core.endpoints import EndpointPool
@@ -27,6 +29,7 @@ def add_routes(
     app: GatewayApp,
     proxy: Proxy,
     stored: StoredResponses,
+    counting: TokenCounting,
     pool: EndpointPool,
     metrics: GatewayMetrics,
 ) -> None:
@@ -34,6 +37,7 @@ def add_routes(
     add_error_handlers(app)
     add_inference_routes(app, proxy)
     add_stored_response_routes(app, stored)
+    add_token_counting_route(app, counting)
     add_operations_routes(app, proxy, pool, metrics)
 
 
@@ -100,6 +104,16 @@ def add_stored_response_routes(app: GatewayApp, stored: StoredResponses) -> None
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(request: Request, response_id: str) -> Response:
         return await stored.handle(request, response_id, "/cancel")
+
+
+def add_token_counting_route(app: GatewayApp, counting: TokenCounting) -> None:
+
+    @app.post(COUNT_TOKENS_PATH)
+    async def count_tokens(request: Request) -> Response:
+        try:
+            return await counting.handle(request)
+        except GatewayError as exc:  # Anthropic's clients expect its error shape
+            return anthropic.error_response(exc)
 
 
 def add_operations_routes(

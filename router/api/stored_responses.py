@@ -12,15 +12,14 @@ from collections.abc import Callable, Mapping
 from starlette.requests import Request
 from starlette.responses import Response
 
+from router.api.passthrough import pass_through
 from router.api.proxy import Proxy
-from router.api.streaming import DisconnectWatch, UpstreamResponse
 from router.config.model import GatewayConfig
 from router.core.endpoints import EndpointPool, EndpointSnapshot
-from router.core.errors import UpstreamError, UpstreamTimeoutError
 from router.index.response_store import Probe, ResponseRoutes
 from router.protocol.auth import TenantHeaders
-from router.protocol.headers import request_id_of, response_headers
-from router.upstream.client import UPSTREAM_ERRORS, UpstreamClient, UpstreamReply
+from router.protocol.headers import request_id_of
+from router.upstream.client import UPSTREAM_ERRORS, UpstreamClient
 
 Candidates = Callable[[str], list[EndpointSnapshot]]
 
@@ -82,41 +81,12 @@ class StoredResponses:
         endpoint_id = await self._routes.resolve(response_id, self._pool, healthy)
         endpoint = next(c for c in healthy if c.id == endpoint_id)
         url = f"{endpoint.url}/v1/responses/{response_id}{suffix}"
-        if request.url.query:
-            url += "?" + request.url.query
         request_id = request_id_of(request.headers)
         upstream_headers = proxy.upstream_headers(request, request_id, tenant, endpoint_id)
-        lease = self._pool.lease(endpoint_id)  # still in the pool: no await since resolve
-        try:
-            reply, first = await self._send(request.method, url, upstream_headers, body)
-        except BaseException:
-            lease.release()
-            raise
-        if request.method == "DELETE" and reply.status == 200:
-            self._routes.forget(response_id)
-        watch = DisconnectWatch(request.receive, request.scope)
-        watch.start()
-        return UpstreamResponse(
-            reply,
-            first,
-            response_headers(reply.raw_headers, endpoint_id, request_id),
-            lease=lease,
-            watch=watch,
-            idle_timeout=self._config.proxy.idle_timeout_seconds,
-            deadlines=self._proxy.deadlines,
-            on_finish=lambda outcome: None,
+        response = await pass_through(
+            proxy, self._pool, request, endpoint_id, url, upstream_headers, body, request_id,
+            "the endpoint holding the response", self._config.proxy.idle_timeout_seconds,
         )
-
-    async def _send(
-        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes
-    ) -> tuple[UpstreamReply, bytes]:
-        try:
-            attempt = await self._proxy.open_upstream(method, url, headers, body)
-        except TimeoutError:
-            raise UpstreamTimeoutError("the endpoint holding the response did not answer") from None
-        except UPSTREAM_ERRORS as exc:
-            kind = type(exc).__name__
-            raise UpstreamError(
-                f"the endpoint holding the response is unreachable ({kind})"
-            ) from None
-        return attempt.reply, attempt.first_chunk
+        if request.method == "DELETE" and response.status_code == 200:
+            self._routes.forget(response_id)
+        return response

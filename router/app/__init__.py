@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from flow_control.controller import FlowController
 from router import __version__
 from router.api.asgi import GatewayApp
+from router.api.count_tokens import TokenCounting
 from router.api.loop_lag import LoopLagMonitor
 from router.api.prediction import ANSWERS_READ_BURST, ANSWERS_READ_PER_S, PredictionTracker
 from router.api.proxy import Proxy
@@ -285,5 +286,9 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
         config, gateway.pool, gateway.stores.candidates(gateway.pool), gateway.stores.responses,
         gateway.proxy,
     )
-    add_routes(app, gateway.proxy, stored, gateway.pool, gateway.metrics)
+    counting = TokenCounting(
+        gateway.pool, gateway.stores.candidates(gateway.pool), gateway.proxy,
+        config.proxy.idle_timeout_seconds,
+    )
+    add_routes(app, gateway.proxy, stored, counting, gateway.pool, gateway.metrics)
     return app

@@ -83,6 +83,28 @@ async def test_agent_session_streaming_and_not_with_tool_turns(
     assert cached[0] == 0 and all(a < b for a, b in itertools.pairwise(cached))
 
 
+async def test_token_counts_are_passed_to_an_endpoint_outside_flow_control(
+    claude: anthropic.AsyncAnthropic, gateway: RunningGateway
+) -> None:
+    """Claude Code counts a prompt's tokens to size its context: a replica tokenizes it,
+    and the gateway neither queues nor indexes it."""
+    ask: dict[str, Any] = {"model": MODEL, "system": SYSTEM, "tools": TOOLS}
+    short = await claude.messages.count_tokens(
+        **ask, messages=[{"role": "user", "content": "hi"}]
+    )
+    long = await claude.messages.count_tokens(
+        **ask, messages=[{"role": "user", "content": "a longer question " * 50}]
+    )
+    assert 0 < short.input_tokens < long.input_tokens
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        await claude.messages.count_tokens(
+            model="nope", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert unknown.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    assert gateway.gateway.flow.outstanding(MODEL) == 0
+    assert sum(s.in_flight for s in gateway.gateway.pool) == 0
+
+
 async def test_bad_input_gets_anthropic_errors_from_the_gateway(
     claude: anthropic.AsyncAnthropic,
 ) -> None:
