@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import Counter, Gauge
 from starlette.requests import Request
@@ -238,6 +238,8 @@ class Proxy:
         headers = self._headers.base(request.headers.raw, routing.request_id, ex.tenant)
         headers.extend(extra_headers)
         path = UPSTREAM_PATHS[parsed.api]
+        # A Responses stream is answered before its first token: wait for that token.
+        opening = responses_api.opening if parsed.api == "responses" and parsed.stream else None
         last_error: BaseException | None = None
         attempts = ranked[: self._config.proxy.max_attempts]
         for n, endpoint in enumerate(attempts):
@@ -253,7 +255,7 @@ class Proxy:
             try:
                 attempt = await self.open_upstream(
                     "POST", endpoint.url + path, self._headers.keyed(headers, endpoint.id),
-                    parsed.body,
+                    parsed.body, opening,
                 )
             except UPSTREAM_ERRORS as exc:
                 lease.release()
@@ -325,11 +327,14 @@ class Proxy:
             ex.prefix_match = hits / len(routing.block_hashes)
 
     async def open_upstream(
-        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes
+        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes,
+        opening: Callable[[bytes], bool] | None = None,
     ) -> Attempt:
         """Send a request upstream and wait for its answer's first chunk (router/api/attempt.py)."""
         timeout = self._config.proxy.first_byte_timeout_seconds
-        return await open_attempt(self.client, self.deadlines, timeout, method, url, headers, body)
+        return await open_attempt(
+            self.client, self.deadlines, timeout, method, url, headers, body, opening
+        )
 
     def _answered(
         self, attempt: Attempt, endpoint: EndpointSnapshot, lease: Lease, parsed: ParsedRequest,

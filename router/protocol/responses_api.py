@@ -213,6 +213,11 @@ _FAILED_TYPES = (b'"type":"error"', b'"type": "error"', b'"type":"response.faile
 OPENING, TOKEN, FAILED = 0, 1, 2
 
 
+def opening(chunk: bytes) -> bool:
+    """The chunk holds nothing past the stream's opening events (see :func:`answer_begun`)."""
+    return answer_begun(chunk) == OPENING
+
+
 def answer_begun(chunk: bytes) -> int:
     """How far a chunk of a Responses stream has got past its opening events: OPENING (not
     yet), TOKEN (a first token, or the end) or FAILED (an error before any token). The time

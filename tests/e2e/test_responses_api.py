@@ -231,6 +231,10 @@ class StallingResponses:
             },
         }
         yield b"event: response.created\ndata: " + orjson.dumps(created) + b"\n\n"
+        # A first token, then silence: the idle timeout's to end (before it, the first-byte
+        # timeout's, which sends the request elsewhere).
+        delta = {"type": "response.output_text.delta", "sequence_number": 1, "delta": "hi"}
+        yield b"event: response.output_text.delta\ndata: " + orjson.dumps(delta) + b"\n\n"
         await asyncio.sleep(30)
 
 
@@ -313,3 +317,51 @@ async def test_a_streams_time_to_first_token_is_learned_at_its_first_token() -> 
             reply = await http.post(gw.url + "/v1/responses", json=body, timeout=30)
         assert reply.status_code == 200 and b"response.completed" in reply.content
     assert len(learned) == 1 and learned[0] >= 0.3, learned
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+async def test_a_stream_that_opens_and_never_starts_goes_to_another_endpoint() -> None:
+    """vLLM sends a Responses stream's opening events when it accepts the request, before
+    queueing and prefill: the first-byte timeout runs to the first token, and until then the
+    request can still go elsewhere, with nothing sent to the client."""
+    hang, served = asyncio.Event(), []
+
+    async def create(request: Request) -> Response:
+        await request.body()
+        first = not served
+        served.append(first)
+        resp = {"id": f"resp_{len(served)}", "object": "response", "status": "in_progress"}
+
+        async def body() -> AsyncIterator[bytes]:
+            yield _sse("response.created", {"type": "response.created", "response": resp})
+            yield _sse("response.in_progress", {"type": "response.in_progress", "response": resp})
+            if first:
+                await hang.wait()  # accepted, then stuck before its first token
+            yield _sse("response.output_text.delta", {"type": "response.output_text.delta",
+                                                      "delta": "hi"})
+            done = {**resp, "status": "completed"}
+            yield _sse("response.completed", {"type": "response.completed", "response": done})
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/responses", create, methods=["POST"]), *replica_routes()])
+    try:
+        async with serve_app(app) as a, serve_app(app) as b:
+            config = gateway_config(
+                [a, b], proxy={"firstByteTimeoutSeconds": 0.3, "idleTimeoutSeconds": 300},
+            )
+            async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+                async with asyncio.timeout(10):
+                    got = await http.post(
+                        "/v1/responses", json={"model": MODEL, "input": "hi", "stream": True}
+                    )
+                retries = gw.gateway.metrics.registry.get_sample_value("prefixgate_retries_total")
+    finally:
+        hang.set()
+    assert got.status_code == 200
+    assert got.text.count("event: response.created") == 1 and "response.completed" in got.text
+    assert "resp_2" in got.text and "resp_1" not in got.text
+    assert retries == 1
