@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 
 from router.core.endpoints import EndpointPool, EndpointSnapshot
-from router.core.errors import ResponseNotFoundError, ResponseUnavailableError
+from router.core.errors import BadRequestError, ResponseNotFoundError, ResponseUnavailableError
 from router.index.redis_link import (
     RedisClient,
     RedisLink,
@@ -42,6 +42,9 @@ from router.index.update_queue import UpdateQueue
 
 Probe = Callable[[EndpointSnapshot, str], Awaitable[bool]]
 # Ids are echoed into Redis keys, URLs and logs: only plain tokens are accepted.
+# How long an id no endpoint holds is answered 404 without asking them again, and how many.
+MISS_TTL_S = 10.0
+MAX_MISSES = 10_000
 RESPONSE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,256}")
 _ID_IN_BODY = re.compile(rb'"id"\s*:\s*"([A-Za-z0-9._:\-]{1,256})"')
 
@@ -99,6 +102,9 @@ class ResponseRoutes:
         self._clock = clock
         self._probe_timeout = probe_timeout_seconds
         self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        # Ids every endpoint said it does not hold, until when: a client retrying an expired
+        # id must not ask the whole pool each time.
+        self._misses: OrderedDict[str, float] = OrderedDict()
         self._link: RedisLink | None = None
         self._queue: UpdateQueue[str, str | None] | None = None
         # Asks the endpoints for an id known nowhere else (router/api/stored_responses.py).
@@ -164,9 +170,13 @@ class ResponseRoutes:
             self._entries.popitem(last=False)
 
     async def locate(self, response_id: str, candidates: Sequence[EndpointSnapshot]) -> str | None:
-        """Ask every candidate whether it holds ``response_id`` (bounded); the first that does."""
+        """Ask every candidate whether it holds ``response_id`` (bounded); the first that does.
+        When every one answered no, the miss is remembered for ``MISS_TTL_S``."""
         probe = self._probe
         if probe is None or not candidates or self._probe_timeout <= 0:
+            return None
+        missed_until = self._misses.get(response_id)
+        if missed_until is not None and missed_until > self._clock():
             return None
         tasks = {asyncio.ensure_future(probe(c, response_id)): c.id for c in candidates}
         pending = set(tasks)
@@ -177,6 +187,7 @@ class ResponseRoutes:
                     for task in done:
                         if not task.cancelled() and task.exception() is None and task.result():
                             return tasks[task]
+            self._missed(response_id)  # every endpoint answered, none holds it
         except TimeoutError:
             return None
         finally:
@@ -187,12 +198,19 @@ class ResponseRoutes:
                     await task
         return None
 
+    def _missed(self, response_id: str) -> None:
+        self._misses[response_id] = self._clock() + MISS_TTL_S
+        self._misses.move_to_end(response_id)
+        while len(self._misses) > MAX_MISSES:
+            self._misses.popitem(last=False)
+
     async def resolve(
         self,
         response_id: str,
         pool: EndpointPool,
         candidates: Sequence[EndpointSnapshot],
         param: str | None = None,
+        model: str | None = None,
     ) -> str:
         """The endpoint a request naming ``response_id`` must go to, or the 4xx saying why none
         can take it. ``candidates`` are the endpoints able to serve the request now."""
@@ -216,9 +234,17 @@ class ResponseRoutes:
                 code="response_endpoint_gone",
             )
         if all(c.id != endpoint for c in candidates):
+            state = pool.get(endpoint)
+            models = state.models if state is not None else set()
+            if model is not None and models and model not in models:  # never will: no retry
+                raise BadRequestError(
+                    f"Response '{response_id}' is stored on endpoint {endpoint}, which does not "
+                    f"serve model {model!r}; it serves {sorted(models)}.",
+                    param=param,
+                )
             raise ResponseUnavailableError(
                 f"Response '{response_id}' is stored on endpoint {endpoint}, which cannot take "
-                "this request now (unhealthy, ejected, or not serving this model); retry later "
+                "this request now (unhealthy or ejected); retry later "
                 "or send the whole conversation instead.",
                 param=param,
                 retry_after=5.0,

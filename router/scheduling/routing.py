@@ -243,6 +243,7 @@ class Router:
             self._pool,
             self._eligible(routing.model, allowed),
             param="previous_response_id",
+            model=routing.model,
         )
         return lambda c: c.id == endpoint
 
