@@ -62,8 +62,14 @@ class ConcurrencyLimits:
         state.samples += 1
         # The baseline is what a request meets with no queue of ours ahead of it, so only
         # such samples may move it up; under sustained load it must not drift to the load.
+        # A first byte much faster than the idle prediction hit a cache the index did not know
+        # of (or the calibrator has yet to learn the endpoint's speed): it says nothing of the
+        # queue, and as the baseline it would cut every normal sample after it. Below
+        # 1/tolerance it counts as 1/tolerance: no cut while first bytes keep to the idle
+        # prediction.
         drift = _BASELINE_DRIFT if queued_at_send == 0 else 1.0
-        state.baseline = min(ratio, state.baseline * drift)
+        floor = 1.0 / cfg.tolerance
+        state.baseline = min(max(ratio, floor), state.baseline * drift)
         state.smoothed = ratio if state.samples == 1 else (
             state.smoothed + _SMOOTHING * (ratio - state.smoothed)
         )

@@ -244,7 +244,7 @@ class Proxy:
         attempts = ranked[: self._config.proxy.max_attempts]
         for n, endpoint in enumerate(attempts):
             try:
-                lease = self._router.lease(routing, endpoint.id)
+                lease = self._router.lease(routing, endpoint)
             except KeyError:
                 continue  # the endpoint left the pool since it was ranked
             ex.attempts += 1

@@ -253,7 +253,7 @@ class Exchange:
         self._ticket = await router.admit(routing, self._headers, len(body))
         ranked = await router.rank(routing, self._allowed())
         picked = ranked[0].id
-        self._lease = router.lease(routing, picked)
+        self._lease = router.lease(routing, ranked[0])
         router.picked(routing, picked)
         self._routing = routing
         self._count_tokens(prepared.parsed, routing, ranked[0])
@@ -285,7 +285,7 @@ class Exchange:
             return
         prefill_routing, prefill = choice
         router = self._gw.router
-        self._prefill_lease = router.lease(prefill_routing, prefill.id)
+        self._prefill_lease = router.lease(prefill_routing, prefill)
         router.picked(prefill_routing, prefill.id)
         self._extra = {PREFILLER_HEADER: prefill.id}
 

@@ -200,7 +200,7 @@ class Disaggregator:
         if chosen is None:
             return DecodeStep(parsed)
         prefill_routing, endpoint = chosen
-        lease = self._router.lease(prefill_routing, endpoint.id)
+        lease = self._router.lease(prefill_routing, endpoint)
         self._router.picked(prefill_routing, endpoint.id)
         if self.settings.mode == "sidecar":
             return DecodeStep(

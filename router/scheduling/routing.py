@@ -253,23 +253,24 @@ class Router:
         candidates = self._candidates(model)
         return candidates if allowed is None else [c for c in candidates if allowed(c)]
 
-    def lease(self, routing: RoutingRequest, endpoint_id: str) -> Lease:
+    def lease(self, routing: RoutingRequest, endpoint: EndpointSnapshot) -> Lease:
         """Count the request against the endpoint until the lease is released.
 
         A streamed answer's first token (the lease's first byte with tokens) teaches the
         calibrator what the endpoint's first token costs: the time it took against this
         request's own prefill, the prefill queued there (tokens and requests) and the
-        requests running there (counted as the cost scorer counts them).
+        requests running there, as the ranking's snapshot counted them (every gateway's, the
+        figures the cost scorer and flow control read).
         """
-        state = self._pool.get(endpoint_id)
-        if state is None:
+        endpoint_id = endpoint.id
+        if self._pool.get(endpoint_id) is None:
             raise KeyError(endpoint_id)  # left the pool since it was ranked (the pool's own)
         if routing.on_lease is not None:
             routing.on_lease()
         uncached = self.uncached_tokens(routing, endpoint_id)
-        queued = float(state.pending_prefill_tokens)
-        running = max(float(state.in_flight), state.metrics.running)
-        requests = float(state.pending_prefill_requests)
+        queued = float(endpoint.pending_prefill_tokens)
+        running = max(float(endpoint.in_flight), endpoint.running)
+        requests = float(endpoint.pending_prefill_requests)
         calibrator, flow = self._calibrator, self._flow
 
         errors, learning = self._errors, self._learning

@@ -139,3 +139,24 @@ async def test_a_first_byte_dispatches_queued_work_at_once() -> None:
     assert flow.queued == 0
     first.release()
     second.release()
+
+
+def test_one_first_byte_far_faster_than_predicted_does_not_cut_the_limit() -> None:
+    """A prompt cached beyond what the index knows answers 50x faster than the idle
+    prediction: as the baseline, it would make every normal first byte after it read 50x
+    slow, and cut the limit to its floor."""
+    limits = ConcurrencyLimits(ConcurrencyLimitConfig())
+    for _ in range(5):
+        limits.observe("a", 1.0, 0)
+    limits.observe("a", 0.02, 0)
+    for _ in range(60):  # as fast as before, with the gateway's queue there
+        limits.observe("a", 1.0, limits.limit("a") - 1)
+    assert limits.limit("a") > ConcurrencyLimitConfig().initial_limit
+
+
+def test_first_bytes_over_the_tolerance_still_cut_after_a_fast_one() -> None:
+    limits = ConcurrencyLimits(ConcurrencyLimitConfig())
+    limits.observe("a", 0.02, 0)
+    for _ in range(10):
+        limits.observe("a", 3.0, limits.limit("a") - 1)  # 3x the idle prediction: queueing
+    assert limits.limit("a") < ConcurrencyLimitConfig().initial_limit

@@ -12,6 +12,7 @@ from router.estimators.calibration import Calibrator
 from router.protocol.parsing import parse_request
 from router.scheduling.routing import Router
 from tests.manual_clock import ManualClock
+from tests.snapshots import snap
 
 URL = "http://127.0.0.1:9"
 
@@ -28,7 +29,7 @@ class Observed(Calibrator):
 
 def answered(router: Router, endpoint: str) -> None:
     """One streamed request leased to ``endpoint``: its first byte, then its end."""
-    lease = router.lease(RoutingRequest("r", "m", stream=True, prompt_tokens=100), endpoint)
+    lease = router.lease(RoutingRequest("r", "m", stream=True, prompt_tokens=100), snap(endpoint))
     lease.first_byte()
     lease.release()
 
@@ -77,7 +78,7 @@ async def test_taking_an_endpoint_tells_flow_control_the_request_is_placed() -> 
     routing = RoutingRequest("r", "m", stream=True, prompt_tokens=100)
     ticket = await router.admit(routing, {}, 10)
     assert not ticket.was_leased
-    router.lease(routing, endpoint).release()
+    router.lease(routing, snap(endpoint)).release()
     assert ticket.was_leased
     ticket.release()
 
@@ -96,3 +97,22 @@ def test_a_follow_up_to_a_stored_response_is_neither_looked_up_nor_indexed() -> 
     assert routings[0].block_hashes, "the same input, sent fresh, is indexed"
     assert routings[1].block_hashes == ()
     assert routings[1].prompt_tokens == routings[0].prompt_tokens  # its own input still counts
+
+
+def test_a_first_byte_tells_flow_control_the_queue_every_gateway_had_there() -> None:
+    """The ranking's snapshot counts other gateways' requests waiting for a first byte (other
+    workers, other replicas sharing Redis), as flow control's room does: the learned limit
+    grows when that queue, not this gateway's share of it, reached the limit."""
+    config = {"pool": {"endpoints": [{"url": URL}]}, "flowControl": {"enabled": True}}
+    gw = build_gateway(parse_config(config))
+    router = Router(gw.config, gw.pool, gw.pool.candidates, gw.scheduler, gw.flow, gw.metrics)
+    state = next(iter(gw.pool))
+    endpoint = state.endpoint.id
+    assert gw.flow.limits is not None
+    limit = gw.flow.limits.limit(endpoint)
+    routing = RoutingRequest("r", "m", stream=True, prompt_tokens=100)
+    shared = snap(endpoint, pending_prefill_requests=limit - 1, in_flight=limit - 1)
+    lease = router.lease(routing, shared)  # this gateway has none of them
+    lease.first_byte()
+    lease.release()
+    assert gw.flow.limits.limit(endpoint) == limit + 1
