@@ -17,7 +17,7 @@ from router.config.model import (
     Strategy,
     builtin_strategy,
 )
-from router.core.endpoints import EndpointPool
+from router.core.endpoints import EndpointPool, EndpointSnapshot
 from router.core.framework import PickObserver, Producer, Scheduler, SchedulingProfile
 from router.core.sampling import RateSampler
 from router.estimators.answer_cache import AnswerCache
@@ -28,6 +28,7 @@ from router.index.stores import Candidates, Stores
 from router.pool.metrics import GatewayMetrics
 from router.precise.routing import PreciseRouter, PreciseRuntime, precise_enabled
 from router.scheduling.disagg import Disaggregator, build_disagg_profiles
+from router.scheduling.filters import DECODE_ROLES
 from router.scheduling.plugins import PluginContext, PluginRegistry, build_profile
 from router.scheduling.producers import AffinityTracker, PrefixTracker
 from router.scheduling.routing import (
@@ -97,9 +98,16 @@ def _build_flow(
     config: GatewayConfig, candidates: Candidates, registry: CollectorRegistry
 ) -> FlowController:
     scrape = config.pool.metrics_scrape
+    admitted_to = candidates
+    if config.disaggregation.enabled:
+        # Requests are admitted to the decode pool: an idle prefill endpoint (which short
+        # and cached prompts never reach) must not count as room.
+        def admitted_to(model: str) -> list[EndpointSnapshot]:
+            return [c for c in candidates(model) if c.role in DECODE_ROLES]
+
     return FlowController(
         config.flow_control,
-        candidates,
+        admitted_to,
         registry=registry,
         scrape_interval=scrape.interval_seconds,
         scrape_timeout=scrape.timeout_seconds,
