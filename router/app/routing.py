@@ -89,8 +89,12 @@ def _build_scheduler(
     if precise is not None:
         producers.append(precise.tracker)
         observers.append(precise.tracker)
-    # Scorers that learn from the pick (no-hit-lru-scorer), after the stores have recorded it.
-    observers += [ws.scorer for ws in profile.scorers if isinstance(ws.scorer, PickObserver)]
+    # Scorers that learn from the pick (no-hit-lru-scorer), after the stores have recorded it:
+    # the prefill profile's too (its own instances), or they would never learn a prefill pick.
+    profiles = [profile] if prefill_profile is None else [profile, prefill_profile]
+    observers += [
+        ws.scorer for p in profiles for ws in p.scorers if isinstance(ws.scorer, PickObserver)
+    ]
     return Scheduler(profile, producers=producers, observers=observers), prefill_profile
 
 

@@ -7,6 +7,8 @@ import asyncio
 from flow_control.request import FlowRequest
 from router.app import build_gateway
 from router.config.model import parse_config
+from router.core.endpoints import EndpointSnapshot
+from router.core.framework import RoutingRequest
 
 
 async def test_with_disaggregation_flow_control_counts_only_the_decode_pool() -> None:
@@ -38,3 +40,39 @@ async def test_with_disaggregation_flow_control_counts_only_the_decode_pool() ->
     ticket.release()
     for lease in leases[1:]:
         lease.release()
+
+
+def snapshot(eid: str) -> EndpointSnapshot:
+    return EndpointSnapshot(eid, f"http://{eid}", "prefill", 0, 0, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_the_prefill_profiles_scorers_learn_its_picks() -> None:
+    """Each profile has its own plugin instances: a no-hit-lru-scorer of the prefill profile
+    must hear of prefill picks, or every cold prefill goes to the same endpoint."""
+    config = parse_config({
+        "pool": {"endpoints": [
+            {"url": "http://p1:8000", "role": "prefill"},
+            {"url": "http://p2:8000", "role": "prefill"},
+            {"url": "http://d1:8000", "role": "decode"},
+        ]},
+        "disaggregation": {"enabled": True},
+        "plugins": [{"type": "no-hit-lru-scorer"}, {"type": "max-score-picker"}],
+        "schedulingProfiles": [
+            {"name": "prefill", "plugins": [{"pluginRef": "no-hit-lru-scorer"},
+                                            {"pluginRef": "max-score-picker"}]},
+            {"name": "decode", "plugins": [{"pluginRef": "no-hit-lru-scorer"},
+                                           {"pluginRef": "max-score-picker"}]},
+        ],
+        "seed": 0,
+    })
+    gateway = build_gateway(config)
+    assert gateway.proxy.disagg is not None
+    prefill = gateway.proxy.disagg._profile
+    pool = [snapshot("p1:8000"), snapshot("p2:8000")]
+    picks = []
+    for i in range(4):
+        request = RoutingRequest(f"r{i}", "m")  # cold: no hits, no session home
+        pick = prefill.run(request, pool).ranked[0].id
+        gateway.router.picked(request, pick)  # what Disaggregator.prepare does after the pick
+        picks.append(pick)
+    assert len(set(picks)) == 2, f"every cold prefill went to {picks}"
