@@ -238,13 +238,16 @@ class FlowController:
                 break
             level = queue.top()
             item = level.band.policy.select(level.flows).head()
-            self._room.unlink(item, rotate=True)
+            now = self._clock()
+            # A head cancelled (its task has not run yet) or expired leaves unserved: its flow
+            # is not charged, nor does its turn pass.
+            cancelled, expired = item.future.done(), item.deadline <= now
+            self._room.unlink(item, rotate=not (cancelled or expired))
             queue = self._room.queues.get(model)
-            if item.future.done():  # its task was cancelled and has not run yet
+            if cancelled:
                 self._metrics.rejections.labels("cancelled").inc()
                 continue
-            now = self._clock()
-            if item.deadline <= now:
+            if expired:
                 self._room.fail(item, "ttl-expired")
                 continue
             waited = max(0.0, now - item.enqueued_at)

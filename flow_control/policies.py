@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from flow_control.config import FairnessPolicyName, ProgramAwareConfig
 from flow_control.queues import FairnessPolicy, FlowQueue
+from flow_control.request import FlowRequest
 from router.core.hashing import estimate_tokens
 
 
@@ -25,7 +26,9 @@ class RoundRobinPolicy:
     def select(self, flows: OrderedDict[str, FlowQueue]) -> FlowQueue:
         return next(iter(flows.values()))
 
-    def dispatched(self, flows: OrderedDict[str, FlowQueue], flow: FlowQueue) -> None:
+    def dispatched(
+        self, flows: OrderedDict[str, FlowQueue], flow: FlowQueue, request: FlowRequest
+    ) -> None:
         flows.move_to_end(flow.fairness_id)
 
 
@@ -37,7 +40,9 @@ class FCFSPolicy:
     def select(self, flows: OrderedDict[str, FlowQueue]) -> FlowQueue:
         return min(flows.values(), key=lambda f: f.head().seq)
 
-    def dispatched(self, flows: OrderedDict[str, FlowQueue], flow: FlowQueue) -> None:
+    def dispatched(
+        self, flows: OrderedDict[str, FlowQueue], flow: FlowQueue, request: FlowRequest
+    ) -> None:
         return None
 
 
@@ -45,8 +50,9 @@ class ProgramAwarePolicy:
     """Least attained service first: the flow (agent program, tenant) that has received the
     fewest prompt tokens lately goes next, with a nudge for the flow whose head waited longest.
 
-    A flow is charged its head request's estimated prompt tokens when it is selected (the
-    controller dispatches the head of the flow it selects); service decays with a half-life,
+    A flow is charged its head request's estimated prompt tokens when that request is
+    dispatched (not when a head that was cancelled or expired leaves); service decays with a
+    half-life,
     so a program that flooded a minute ago is not punished forever. Output tokens are not
     known at dispatch and are not charged. Flows served on the fast path (nothing queued)
     are not charged either: fairness only orders what waits.
@@ -85,12 +91,12 @@ class ProgramAwarePolicy:
             + cfg.head_wait_weight * _normalise(w, waited)
             for s, w in zip(service, waited, strict=True)
         ]
-        best = candidates[scores.index(max(scores))]  # ties: the flow that became active first
-        self._charge(best.fairness_id, estimate_tokens(max(0, best.head().request.size)), now)
-        return best
+        return candidates[scores.index(max(scores))]  # ties: the flow that became active first
 
-    def dispatched(self, flows: OrderedDict[str, FlowQueue], flow: FlowQueue) -> None:
-        return None
+    def dispatched(
+        self, flows: OrderedDict[str, FlowQueue], flow: FlowQueue, request: FlowRequest
+    ) -> None:
+        self._charge(flow.fairness_id, estimate_tokens(max(0, request.size)), self._clock())
 
     def _charge(self, fairness_id: str, tokens: int, now: float) -> None:
         self._service[fairness_id] = (self.service(fairness_id, now) + tokens, now)

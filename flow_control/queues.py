@@ -65,8 +65,12 @@ class FairnessPolicy(Protocol):
         """The flow whose head request goes next; ``flows`` is non-empty."""
         ...
 
-    def dispatched(self, flows: OrderedDict[str, FlowQueue], flow: FlowQueue) -> None:
-        """Called after ``flow`` (still non-empty) gave up its head request."""
+    def dispatched(
+        self, flows: OrderedDict[str, FlowQueue], flow: FlowQueue, request: FlowRequest
+    ) -> None:
+        """Called after ``flow`` gave up its head, ``request``, to be served (not when a
+        cancelled or expired head leaves); ``flow`` may be empty now, and leaves ``flows``
+        after this."""
         ...
 
 

@@ -114,18 +114,18 @@ class WaitingRoom:
         band.gauge_bytes.inc(sign * size)
 
     def unlink(self, item: QueueItem, rotate: bool) -> None:
-        """Take a queued item out, dropping every structure that empties (``rotate``: it was
-        dispatched, so its flow's turn passes in the band's fairness policy)."""
+        """Take a queued item out, dropping every structure that empties (``rotate``: it is
+        dispatched, so the band's fairness policy hears of it)."""
         item.queued = False
         flow, level = item.flow, item.level
         del flow.items[item.seq]
         self._account(item, max(0, item.request.size), -1)
         queue = self.queues[item.request.model]
         queue.count -= 1
+        if rotate:
+            level.band.policy.dispatched(level.flows, flow, item.request)
         if not flow.items:
             del level.flows[flow.fairness_id]
-        elif rotate:
-            level.band.policy.dispatched(level.flows, flow)
         if not level.flows:
             del queue.levels[level.priority]
         if not queue.levels:

@@ -18,6 +18,8 @@ from flow_control.controller import FlowController
 from flow_control.policies import ProgramAwarePolicy, make_policy
 from flow_control.request import FlowRequest, Ticket
 from router.core.endpoints import EndpointSnapshot
+from router.core.errors import TTLExpiredError
+from tests.manual_clock import ManualClock
 
 
 class Clock:
@@ -109,3 +111,31 @@ def test_config_is_strict() -> None:
             {"defaultBand": {"fairnessPolicy": "program-aware",
                              "programAware": {"halfLifeSeconds": -1}}}
         )
+
+
+def one_slot(model: str) -> list[EndpointSnapshot]:
+    return [EndpointSnapshot("e", "http://e", "both", 0, 0, 0.0, 0.0, 0.0, math.inf)]
+
+
+async def test_an_expired_head_is_not_charged_as_service() -> None:
+    """A tenant whose queued requests expire got no service: charged for it, it would be
+    ordered behind everyone else."""
+    clock = ManualClock(0.0)
+    cfg = FlowControlConfig.model_validate({
+        "saturationDetector": {"inFlightThreshold": 1},
+        "defaultBand": {"fairnessPolicy": "program-aware"},
+        "defaultRequestTTL": 10,
+    })
+    ctl = FlowController(cfg, one_slot, clock=clock, registry=CollectorRegistry())
+    held = await ctl.admit(FlowRequest(model="m", fairness_id="holder"))  # fills the one slot
+    task = asyncio.create_task(ctl.admit(FlowRequest(model="m", fairness_id="A", size=400_000)))
+    await asyncio.sleep(0)
+    assert ctl.queued == 1
+    clock.now = 11.0  # A's TTL passes between two ticks
+    held.release()  # the release dispatches: A's head is selected, found expired, failed
+    await asyncio.sleep(0)
+    with pytest.raises(TTLExpiredError):
+        await task
+    policy = ctl._default_band.policy
+    assert isinstance(policy, ProgramAwarePolicy)
+    assert policy.service("A") == 0.0, f"A charged {policy.service('A'):.0f} tokens for nothing"
