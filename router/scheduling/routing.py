@@ -275,10 +275,13 @@ class Router:
 
         errors, learning = self._errors, self._learning
 
+        pool = self._pool
+
         def first_byte(seconds: float, tokens: bool) -> None:
             # A non-streaming first byte is the answer's last; headers alone (ext_proc) come
-            # before the request is even scheduled.
-            if routing.stream and tokens:
+            # before the request is even scheduled. An endpoint that has left the pool since
+            # (its state forgotten) teaches nothing: learning would bring its state back.
+            if routing.stream and tokens and pool.get(endpoint_id) is not None:
                 price = calibrator.price(endpoint_id)
                 if learning is None or learning.take():
                     errors.record(price.predict(uncached, queued, running, requests), seconds)

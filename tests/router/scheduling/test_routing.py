@@ -116,3 +116,24 @@ def test_a_first_byte_tells_flow_control_the_queue_every_gateway_had_there() -> 
     lease.first_byte()
     lease.release()
     assert gw.flow.limits.limit(endpoint) == limit + 1
+
+
+async def test_a_first_byte_from_an_endpoint_that_left_teaches_nothing() -> None:
+    """Discovery forgot the endpoint (a deleted pod) while a stream on it still waited for its
+    first byte: learning from it would bring its limit and calibration back, for good."""
+    config = {"pool": {"endpoints": [{"url": URL}]}, "flowControl": {"enabled": True}}
+    gw = build_gateway(parse_config(config))
+    calibrator = Observed()
+    router = Router(
+        gw.config, gw.pool, gw.pool.candidates, gw.scheduler, gw.flow, gw.metrics,
+        calibrator=calibrator,
+    )
+    endpoint = next(iter(gw.pool)).endpoint.id
+    lease = router.lease(RoutingRequest("r", "m", stream=True, prompt_tokens=100), snap(endpoint))
+    gw.pool.remove(endpoint)
+    await calibrator.forget_endpoint(endpoint)
+    await gw.flow.forget_endpoint(endpoint)
+    lease.first_byte()
+    lease.release()
+    assert calibrator.first_bytes == []
+    assert gw.flow.limits is not None and dict(gw.flow.limits.items()) == {}
