@@ -19,13 +19,14 @@ from google.protobuf import struct_pb2
 
 from router.core.errors import GatewayError
 from router.protocol import anthropic
-from router.protocol.headers import DESTINATION_HEADER
+from router.protocol.headers import DESTINATION_HEADER, ROUTING_HEADERS
 
 LB_NAMESPACE = "envoy.lb"
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
-# Headers only the picker may set: a client's own would choose its destination (SSRF).
-CLIENT_FORBIDDEN_HEADERS = (SUBSET_HINT_KEY, "x-prefiller-host-port")
+# Headers only the picker may set (besides the destination, which it overwrites): a client's
+# own would choose where the request, or the sidecar's prefill and KV pulls, go (SSRF).
+CLIENT_FORBIDDEN_HEADERS = ROUTING_HEADERS
 
 Phase = Literal["request", "response"]
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -51,7 +52,10 @@ def subset_hint(metadata: Any) -> frozenset[str] | None:
     value = fields[SUBSET_HINT_KEY]
     kind = value.WhichOneof("kind")
     if kind == "list_value":
-        items: Iterable[str] = (v.string_value for v in value.list_value.values)
+        # An entry may itself be a comma-separated list (the reference picker splits them too).
+        items: Iterable[str] = (
+            name for v in value.list_value.values for name in v.string_value.split(",")
+        )
     elif kind == "string_value":
         items = value.string_value.split(",")
     else:

@@ -22,20 +22,24 @@ DECISION_HEADER_ENDPOINTS = 8  # the best few: a header must stay well under pro
 # A client's request id is echoed in headers and logs: only a short, plain token is honoured.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
-# Headers a client may never set for the upstream: hop-by-hop ones, and the gateway's own
-# routing headers (a client-chosen destination or prefiller would be an SSRF hole), in every
-# spelling llm-d's routing sidecar reads (prefiller, KV-cache source, encoders, data-parallel
-# rank: each names a host the decoder would reach).
+# The routing headers only the gateway (or the endpoint picker) sets, besides the destination:
+# a client's own would be an SSRF hole. Every spelling llm-d's routing sidecar reads
+# (prefiller, KV-cache source, encoders, data-parallel rank: each names a host the decoder
+# would reach), and the picker protocol's subset hint and served endpoint.
+ROUTING_HEADERS = (
+    "x-gateway-destination-endpoint-subset", "x-gateway-destination-endpoint-served",
+    "x-prefiller-host-port", "x-prefiller-url", "x-decoder-host-port",
+    "x-llm-d-prefiller-host-port", "x-kv-cache-source-host-port",
+    "x-llm-d-kv-cache-source-host-port", "x-encoder-hosts-ports", "x-llm-d-encoder-hosts-ports",
+    "x-data-parallel-host-port",
+)
+# Headers a client may never set for the upstream: hop-by-hop ones, and the routing headers.
 DROP_REQUEST_HEADERS = frozenset(
     h.encode()
     for h in (
         "host", "content-length", "connection", "keep-alive", "proxy-authenticate",
         "proxy-authorization", "proxy-connection", "te", "trailer", "transfer-encoding",
-        "upgrade", "expect", DESTINATION_HEADER, "x-gateway-destination-endpoint-subset",
-        "x-gateway-destination-endpoint-served", "x-prefiller-host-port", "x-prefiller-url",
-        "x-decoder-host-port", "x-llm-d-prefiller-host-port", "x-kv-cache-source-host-port",
-        "x-llm-d-kv-cache-source-host-port", "x-encoder-hosts-ports",
-        "x-llm-d-encoder-hosts-ports", "x-data-parallel-host-port",
+        "upgrade", "expect", DESTINATION_HEADER, *ROUTING_HEADERS,
         "x-gateway-request-dropped-reason", REQUEST_ID_HEADER,
         EXPLAIN_HEADER, DECISION_HEADER,
     )

@@ -10,9 +10,12 @@ import grpc
 import httpx
 import orjson
 import pytest
+from envoy.config.core.v3 import base_pb2
+from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.sim.cli import Replica
+from router.extproc.messages import subset_hint
 from router.extproc.server import EXT_PROC_SERVICE, RunningEpp, running_epp
 from tests.gateways import MODEL, Parses
 from tests.router.extproc.envoy import (
@@ -264,3 +267,30 @@ async def test_a_clients_kv_transfer_params_are_dropped_from_the_body(
         assert orjson.loads(routed.replaced_body) == orjson.loads(plain)
         assert routed.set_header("content-length") == str(len(routed.replaced_body))
     await envoy.finish(call, duplex=mode == "duplex")
+
+
+@pytest.mark.parametrize("mode", ["duplex", "buffered"])
+async def test_a_clients_sidecar_routing_headers_are_stripped(envoy: Envoy, mode: str) -> None:
+    """llm-d's routing sidecar on the decode pod reads these: each names a host it would reach."""
+    hostile = {
+        "x-encoder-hosts-ports": "169.254.169.254:80",
+        "x-data-parallel-host-port": "10.0.0.9:8001",
+        "x-kv-cache-source-host-port": "169.254.169.254:80",
+        "x-llm-d-prefiller-host-port": "169.254.169.254:80",
+        "x-prefiller-host-port": "169.254.169.254:80",
+        "x-gateway-destination-endpoint-served": "10.0.0.9:8000",
+    }
+    call, routed = await envoy.send_request(chat_body("hi"), mode=mode, headers=hostile)
+    removed = set(routed.removed_headers)
+    if mode == "buffered":  # the answer to the headers strips them too
+        removed |= set(routed.answers[0].request_headers.response.header_mutation.remove_headers)
+    assert set(hostile) <= removed
+    await envoy.finish(call, duplex=mode == "duplex")
+
+
+def test_a_subset_hints_entries_may_be_comma_separated_lists() -> None:
+    hint = struct_pb2.Struct()
+    hint.update({"x-gateway-destination-endpoint-subset": ["10.0.0.1:8000,10.0.0.2:8000"]})
+    metadata = base_pb2.Metadata()
+    metadata.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+    assert subset_hint(metadata) == {"10.0.0.1:8000", "10.0.0.2:8000"}
