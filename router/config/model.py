@@ -239,7 +239,11 @@ class ExtProcConfig(Strict):
     default_body_mode: Literal["FULL_DUPLEX_STREAMED", "BUFFERED"] = "FULL_DUPLEX_STREAMED"
     # Body chunks streamed back to Envoy stay well under gRPC's 4 MiB default message limit.
     body_chunk_bytes: int = Field(62_000, ge=1024, le=4 * 1024 * 1024 - 1024)
-    shutdown_grace_seconds: float = Field(10.0, ge=0)
+    # At SIGTERM: health turns NOT_SERVING, new streams are still taken for the drain (Envoy
+    # and the kubelet see the health change), then open streams (answers still being relayed)
+    # get the grace. Their sum, with the pod's preStop, must fit its termination grace period.
+    shutdown_drain_seconds: float = Field(5.0, ge=0)
+    shutdown_grace_seconds: float = Field(45.0, ge=0)
 
 
 class DiscoveryConfig(Strict):

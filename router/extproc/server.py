@@ -3,8 +3,9 @@ ports (9002, 9003, 9090), around one gateway object graph and its background wor
 
 Health answers for ``liveness`` (the process is up), ``readiness``, the empty service name and
 ``envoy.service.ext_proc.v3.ExternalProcessor`` (ready: the picker serves and, with Kubernetes
-discovery, has listed the pool's pods). Shutdown turns every service NOT_SERVING first, so
-Envoy and the kubelet stop sending, then gives open streams a grace period.
+discovery, has listed the pool's pods). Shutdown turns every service NOT_SERVING first, keeps
+taking streams for ``shutdownDrainSeconds`` while Envoy and the kubelet notice, then refuses
+new ones and gives open streams (answers still relayed) ``shutdownGraceSeconds``.
 """
 
 from __future__ import annotations
@@ -127,7 +128,9 @@ async def running_epp(
         port = server.add_insecure_port(_address(cfg.host, cfg.port))
         await server.start()
         stack.push_async_callback(server.stop, cfg.shutdown_grace_seconds)
-        # Runs first at exit: stop being ready before the servers go.
+        # Run first at exit: stop being ready, then keep taking streams while Envoy and the
+        # kubelet notice, before the server refuses new ones.
+        stack.push_async_callback(asyncio.sleep, cfg.shutdown_drain_seconds)
         stack.push_async_callback(health.enter_graceful_shutdown)
         ready = asyncio.create_task(_ready_when_synced(gateway, health))
         stack.push_async_callback(cancel_and_wait, ready)

@@ -173,6 +173,13 @@ def test_endpoint_picker_fits_together() -> None:
     }
     assert {"get", "list", "watch"} <= granted[("", "pods")]
     assert {"get", "list", "watch"} <= granted[("inference.networking.k8s.io", "inferencepools")]
+    # A rollout must not cut answers still streaming through the picker: preStop, drain and
+    # grace fit the pod's termination grace period.
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    shutdown = float(pre_stop[1]) + ext.shutdown_drain_seconds + ext.shutdown_grace_seconds
+    assert shutdown < deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert ext.shutdown_grace_seconds >= 30, "long answers need more than seconds to end"
 
 
 def test_standalone_gateway_fits_together() -> None:

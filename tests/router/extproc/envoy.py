@@ -26,7 +26,10 @@ MODE = processing_mode_pb2.ProcessingMode
 
 
 def epp_config(replicas: Sequence[Replica], **overrides: Any) -> Any:
-    ext_proc = {"port": 0, "healthPort": 0, "metricsPort": 0, **overrides.pop("extProc", {})}
+    ext_proc = {
+        "port": 0, "healthPort": 0, "metricsPort": 0, "shutdownDrainSeconds": 0,
+        **overrides.pop("extProc", {}),
+    }
     return gateway_config([r.url for r in replicas], extProc=ext_proc, **overrides)
 
 
