@@ -255,6 +255,13 @@ def test_envoy_bootstrap_is_valid_and_asks_the_picker() -> None:
     metadata = [s.metadata for s in override.override_host_sources if s.HasField("metadata")]
     assert metadata[0].key == "envoy.lb"
     assert metadata[0].path[0].key == "x-gateway-destination-endpoint"
+    # Envoy drops a processor's dynamic metadata of any namespace not listed as received.
+    assert "envoy.lb" in ext.metadata_options.receiving_namespaces.untyped
+    # The port Envoy health-checks the picker on is one its Service exposes.
+    service = find("Service", lb_endpoint.address.socket_address.address)
+    exposed = {p["port"] for p in service["spec"]["ports"]}
+    assert {lb_endpoint.address.socket_address.port_value,
+            lb_endpoint.health_check_config.port_value} <= exposed
 
 
 def exported_metric_names() -> set[str]:
