@@ -1,8 +1,9 @@
 """The error hierarchy of the gateway, translated to OpenAI-shaped JSON at the HTTP boundary.
 
 Every error a client can see is a :class:`GatewayError`. Each subclass fixes the HTTP status,
-the OpenAI ``type`` and, where llm-d defines one, the ``x-gateway-request-dropped-reason``
-header value, so that code raising an error never decides how it is rendered.
+the OpenAI ``type`` and, where llm-d defines one, the dropped reason (llm-d's values) sent in
+``x-gateway-request-dropped-reason`` and in llm-d's own ``x-llm-d-request-dropped-reason``, so
+that code raising an error never decides how it is rendered.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Mapping
 import orjson
 
 DROPPED_REASON_HEADER = "x-gateway-request-dropped-reason"
+LLMD_DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 
 
 class GatewayError(Exception):
@@ -54,6 +56,7 @@ class GatewayError(Exception):
         headers: dict[str, str] = {}
         if self.dropped_reason is not None:
             headers[DROPPED_REASON_HEADER] = self.dropped_reason
+            headers[LLMD_DROPPED_REASON_HEADER] = self.dropped_reason
         if self.retry_after is not None:
             headers["retry-after"] = str(max(1, round(self.retry_after)))
         return headers

@@ -40,7 +40,7 @@ DROP_REQUEST_HEADERS = frozenset(
         "host", "content-length", "connection", "keep-alive", "proxy-authenticate",
         "proxy-authorization", "proxy-connection", "te", "trailer", "transfer-encoding",
         "upgrade", "expect", DESTINATION_HEADER, *ROUTING_HEADERS,
-        "x-gateway-request-dropped-reason", REQUEST_ID_HEADER,
+        "x-gateway-request-dropped-reason", "x-llm-d-request-dropped-reason", REQUEST_ID_HEADER,
         EXPLAIN_HEADER, DECISION_HEADER,
     )
 )

@@ -152,6 +152,7 @@ async def test_no_endpoints_is_503() -> None:
         await ctl.admit(req("a"))
     assert info.value.status_code == 503
     assert info.value.headers()["x-gateway-request-dropped-reason"] == "rejected-no-endpoints"
+    assert info.value.headers()["x-llm-d-request-dropped-reason"] == "rejected-no-endpoints"
     assert sample(registry, "prefixgate_flow_rejections_total", reason="no-endpoints") == 1
 
 

@@ -153,6 +153,7 @@ async def test_shed_requests_get_an_immediate_response(two_replicas: list[Replic
         assert reply is not None and reply.status.code == 429
         headers = {h.header.key: h.header.raw_value.decode() for h in reply.headers.set_headers}
         assert headers["x-gateway-request-dropped-reason"] == "rejected-saturated"
+        assert headers["x-llm-d-request-dropped-reason"] == "rejected-saturated"  # llm-d's name
         assert headers["content-type"] == "application/json"
         assert orjson.loads(reply.body)["error"]["type"] == "rate_limit_exceeded"
         # ... a regular one waits for the first to finish, then is routed.
