@@ -24,6 +24,7 @@ from router.protocol.headers import DESTINATION_HEADER, ROUTING_HEADERS
 LB_NAMESPACE = "envoy.lb"
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
 # Headers only the picker may set (besides the destination, which it overwrites): a client's
 # own would choose where the request, or the sidecar's prefill and KV pulls, go (SSRF).
 CLIENT_FORBIDDEN_HEADERS = ROUTING_HEADERS
@@ -61,6 +62,17 @@ def subset_hint(metadata: Any) -> frozenset[str] | None:
     else:
         return frozenset()
     return frozenset(s.strip() for s in items if s.strip())
+
+
+def served_endpoint(metadata: Any) -> str | None:
+    """The endpoint the data plane says served the request (``envoy.lb`` namespace,
+    ``x-gateway-destination-endpoint-served``: it may be a fallback, not the pick), or None."""
+    if LB_NAMESPACE not in metadata.filter_metadata:
+        return None
+    value = metadata.filter_metadata[LB_NAMESPACE].fields.get(SERVED_KEY)
+    if value is None or value.WhichOneof("kind") != "string_value":
+        return None
+    return value.string_value.strip() or None
 
 
 def in_subset(endpoint_id: str, subset: frozenset[str]) -> bool:

@@ -39,6 +39,7 @@ from router.extproc.messages import (
     in_subset,
     routed_body,
     routed_headers,
+    served_endpoint,
     streamed_body,
     streamed_chunks,
     subset_hint,
@@ -119,6 +120,8 @@ class Exchange:
         self._size = 0
         self._subset: frozenset[str] | None = None
         self._destination: str | None = None
+        # Where the data plane says the request went (a fallback of the list, say).
+        self._served: str | None = None
         self._api = "none"
         self._status = "none"
         self._ticket: Ticket | None = None
@@ -145,6 +148,9 @@ class Exchange:
             hint = subset_hint(message.metadata_context)
             if hint is not None:
                 self._subset = hint
+            served = served_endpoint(message.metadata_context)
+            if served is not None:
+                self._served = served
         kind = message.WhichOneof("request")
         if kind is None:
             return []
@@ -336,6 +342,7 @@ class Exchange:
 
     def _response_headers(self, part: Any) -> list[Any]:
         self._status = header_map(part).get(":status", "none")
+        self._follow_served()
         destinations = (self._destination or "").split(",")
         self._answer = AnswerWatch(self._api, self._lease)
         self._answer.headers(
@@ -346,6 +353,20 @@ class Exchange:
             self.close()
         picked = destinations[0]
         return [continue_response_headers({DESTINATION_HEADER: picked} if picked else {})]
+
+    def _follow_served(self) -> None:
+        """The data plane served the request on a fallback: count it there, and read its
+        answer as that endpoint's (usage, where a Responses answer is stored)."""
+        served, destination = self._served, self._destination
+        if served is None or destination is None or destination.split(",")[0] == served:
+            return
+        if served not in destination.split(",") or self._gw.pool.get(served) is None:
+            log.warning("ext_proc: served by %s, not among %s", served, destination)
+            return
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = self._gw.pool.lease(served)
+        self._destination = served
 
     def _response_body(self, part: Any) -> list[Any]:
         self._answer.body(part.body)

@@ -11,6 +11,7 @@ import httpx
 import orjson
 import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -27,6 +28,7 @@ from tests.router.extproc.envoy import (
     epp_config,
     eventually,
     in_flight,
+    response_headers,
 )
 
 
@@ -133,6 +135,29 @@ async def test_fallback_list(two_replicas: list[Replica]) -> None:
         leased = [s.endpoint.id for s in epp.gateway.pool if s.in_flight]
         assert leased == [first]  # only the pick is counted
         await envoy.finish(call)
+
+
+async def test_a_request_served_by_a_fallback_is_counted_there(two_replicas: list[Replica]) -> None:
+    """The data plane reports the endpoint that served the request (envoy.lb,
+    x-gateway-destination-endpoint-served): the pick may have been unreachable."""
+    config = epp_config(two_replicas, extProc={"fallbackEndpoints": 1})
+    async with running_epp(config) as epp, grpc.aio.insecure_channel(epp.target) as channel:
+        envoy = Envoy(channel)
+        call, routed = await envoy.send_request(chat_body("hi"))
+        _, fallback = routed.header.split(",")
+        served = struct_pb2.Struct()
+        served.update({"x-gateway-destination-endpoint-served": fallback})
+        message = pb.ProcessingRequest(response_headers=response_headers("200"))
+        message.metadata_context.filter_metadata["envoy.lb"].CopyFrom(served)
+        await call.write(message)
+        answer = await call.read()
+        set_headers = answer.response_headers.response.header_mutation.set_headers
+        assert {h.header.key: h.header.raw_value.decode() for h in set_headers}[DEST] == fallback
+        assert [s.endpoint.id for s in epp.gateway.pool if s.in_flight] == [fallback]
+        await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(end_of_stream=True)))
+        await call.read()
+        await call.done_writing()
+    assert in_flight(epp) == 0
 
 
 async def test_shed_requests_get_an_immediate_response(two_replicas: list[Replica]) -> None:
