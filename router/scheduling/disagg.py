@@ -177,7 +177,9 @@ class Disaggregator:
         if routing.api not in SPLIT_APIS or not self.decider.needs_prefill(routing, decode):
             decisions.labels("decode_only").inc()
             return None
-        prefill_routing = replace(routing, prefix_hits={})
+        # The request stays unplaced for flow control (whose room is the decode pool's)
+        # until its decode lease: the prefill lease does not tell its ticket.
+        prefill_routing = replace(routing, prefix_hits={}, on_lease=None)
         try:
             ranked = await self._router.rank(
                 prefill_routing, lambda c: c.id != decode.id, profile=self._profile

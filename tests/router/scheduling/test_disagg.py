@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from benchmarks.sim.cli import Replica, start_replicas
 from benchmarks.sim.config import SimConfig
+from router.app import build_gateway
 from router.config.model import parse_config
 from router.core.endpoints import EndpointSnapshot, Role
 from router.core.errors import ConfigError
@@ -420,3 +421,29 @@ async def test_a_client_leaving_during_prefill_releases_its_leases(
         assert proxy.active == 0 and all(s.in_flight == 0 for s in pool)
         assert metric(gw, "prefixgate_client_disconnects_total") == 1
         assert sum(served(replicas)) == 0
+
+
+async def test_a_request_in_its_prefill_step_is_unplaced_until_its_decode_lease() -> None:
+    """Flow control's room is the decode pool's: a request whose prefill runs elsewhere must
+    still count against it, or a burst of long prompts passes at once."""
+    endpoints = [
+        {"url": "http://127.0.0.1:1", "role": "prefill", "models": ["m"]},
+        {"url": "http://127.0.0.1:2", "role": "decode", "models": ["m"]},
+    ]
+    gw = build_gateway(parse_config(
+        {"pool": {"endpoints": endpoints}, "disaggregation": {"enabled": True}}
+    ))
+    for state in gw.pool:
+        state.healthy = True
+    assert gw.proxy.disagg is not None
+    told: list[str] = []
+    routing = RoutingRequest("r", "m", api="chat", prompt_tokens=5_000)
+    routing.on_lease = lambda: told.append("leased")
+    decode = next(c for c in gw.pool.candidates("m") if c.role == "decode")
+    chosen = await gw.proxy.disagg.choose_prefiller(routing, decode)
+    assert chosen is not None
+    prefill_routing, prefill = chosen
+    gw.router.lease(prefill_routing, prefill).release()
+    assert told == []
+    gw.router.lease(routing, decode).release()
+    assert told == ["leased"]
