@@ -106,10 +106,11 @@ class FleetMetrics:
             *(_read_sibling(metrics_socket(self._run_dir, s)) for s in others)
         )
         texts: dict[int, str | None] = dict(zip(others, answers, strict=True))
-        texts[self._slot] = (await asyncio.to_thread(self._render)).decode()
-        # Rendering and parsing take milliseconds a worker (a tenth of a second for 16 workers
-        # and 50 endpoints): in a thread, which yields the interpreter to the event loop
-        # every switch interval, rather than a stall of every stream this worker relays.
+        # Rendered on the loop: collectors read (and some expire) state only the loop touches.
+        texts[self._slot] = self._render().decode()
+        # Parsing and relabelling every worker's text takes milliseconds a worker (a tenth of a
+        # second for 16 workers and 50 endpoints): in a thread, which yields the interpreter to
+        # the event loop every switch interval, rather than a stall of every stream it relays.
         return await asyncio.to_thread(merge, texts)
 
     @contextlib.asynccontextmanager
@@ -120,7 +121,7 @@ class FleetMetrics:
 
         async def answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
-                writer.write(await asyncio.to_thread(self._render))
+                writer.write(self._render())
                 await writer.drain()
             except OSError:
                 pass  # the scraping sibling gave up
