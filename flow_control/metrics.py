@@ -47,7 +47,7 @@ class FlowControlMetrics:
         )
         self.queue_wait = Histogram(
             "prefixgate_flow_queue_wait_seconds",
-            "Time from joining the queue to dispatch (0 for requests let through at once), by band.",
+            "Time from joining the queue to dispatch (0 for those let through at once), by band.",
             ["band"],
             buckets=_WAIT_BUCKETS,
             registry=r,
