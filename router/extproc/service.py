@@ -355,18 +355,26 @@ class Exchange:
         return [continue_response_headers({DESTINATION_HEADER: picked} if picked else {})]
 
     def _follow_served(self) -> None:
-        """The data plane served the request on a fallback: count it there, and read its
-        answer as that endpoint's (usage, where a Responses answer is stored)."""
+        """The data plane says which endpoint of the list served the request: read its
+        answer as that endpoint's (usage, where a Responses answer is stored) and, when it is a
+        fallback, count the request there, learning from its first byte as from the pick's."""
         served, destination = self._served, self._destination
-        if served is None or destination is None or destination.split(",")[0] == served:
+        if served is None or destination is None or "," not in destination:
             return
-        if served not in destination.split(",") or self._gw.pool.get(served) is None:
+        listed = destination.split(",")
+        if served not in listed or self._gw.pool.get(served) is None:
             log.warning("ext_proc: served by %s, not among %s", served, destination)
             return
-        if self._lease is not None:
-            self._lease.release()
-            self._lease = self._gw.pool.lease(served)
         self._destination = served
+        if served == listed[0] or self._lease is None or self._routing is None:
+            return
+        self._lease.release()
+        routing = self._routing
+        snapshot = next((c for c in self._candidates(routing.model) if c.id == served), None)
+        if snapshot is not None:
+            self._lease = self._gw.router.lease(routing, snapshot)
+        else:  # no longer a candidate (ejected meanwhile): counted, not learned from
+            self._lease = self._gw.pool.lease(served)
 
     def _response_body(self, part: Any) -> list[Any]:
         self._answer.body(part.body)

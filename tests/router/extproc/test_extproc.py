@@ -320,3 +320,34 @@ def test_a_subset_hints_entries_may_be_comma_separated_lists() -> None:
     metadata = base_pb2.Metadata()
     metadata.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
     assert subset_hint(metadata) == {"10.0.0.1:8000", "10.0.0.2:8000"}
+
+
+async def test_an_answer_the_pick_served_with_fallbacks_listed_is_remembered_there(
+    two_replicas: list[Replica],
+) -> None:
+    """With a fallback list the picker cannot know who answers, until the data plane says:
+    then a Responses answer is remembered where it is stored."""
+    config = epp_config(two_replicas, extProc={"fallbackEndpoints": 1})
+    urls = {f"{r.host}:{r.port}": r.url for r in two_replicas}
+    body = orjson.dumps({"model": MODEL, "input": "remember me", "max_output_tokens": 4})
+    async with (
+        running_epp(config) as epp,
+        grpc.aio.insecure_channel(epp.target) as channel,
+        httpx.AsyncClient() as http,
+    ):
+        call, routed = await Envoy(channel).send_request(body, path="/v1/responses")
+        pick = routed.header.split(",")[0]
+        answer = await http.post(urls[pick] + "/v1/responses", content=body,
+                                 headers={"content-type": "application/json"})
+        served = struct_pb2.Struct()
+        served.update({"x-gateway-destination-endpoint-served": pick})
+        message = pb.ProcessingRequest(response_headers=response_headers("200"))
+        message.metadata_context.filter_metadata["envoy.lb"].CopyFrom(served)
+        await call.write(message)
+        await call.read()
+        last = pb.HttpBody(body=answer.content, end_of_stream=True)
+        await call.write(pb.ProcessingRequest(response_body=last))
+        await call.read()
+        await call.done_writing()
+        await eventually(lambda: in_flight(epp) == 0)
+    assert epp.gateway.stores.responses.local(answer.json()["id"]) == pick
