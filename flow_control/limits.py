@@ -50,7 +50,8 @@ class ConcurrencyLimits:
 
     def observe(self, endpoint_id: str, ratio: float, queued_at_send: int) -> bool:
         """One first byte: ``ratio`` = its time over the idle prediction; ``queued_at_send``
-        = this gateway's requests waiting for a first byte there when it was sent.
+        = the requests waiting for a first byte there when it was sent (every gateway's, as
+        the room counts them).
 
         Returns True when the limit grew (queued work may now be dispatched)."""
         if not math.isfinite(ratio) or ratio <= 0:

@@ -234,7 +234,9 @@ class Proxy:
         ticket: Ticket,
         ex: Exchange,
         extra_headers: Sequence[tuple[str, str]] = (),
+        ranked_earlier: bool = False,
     ) -> Response:
+        """``ranked_earlier``: ``ranked`` is from before an await (a prefill step)."""
         headers = self._headers.base(request.headers.raw, routing.request_id, ex.tenant)
         headers.extend(extra_headers)
         path = UPSTREAM_PATHS[parsed.api]
@@ -243,6 +245,8 @@ class Proxy:
         last_error: BaseException | None = None
         attempts = ranked[: self._config.proxy.max_attempts]
         for n, endpoint in enumerate(attempts):
+            if n or ranked_earlier:  # the lease reads the endpoint's queue as it is now
+                endpoint = self._router.current(routing, endpoint)
             try:
                 lease = self._router.lease(routing, endpoint)
             except KeyError:
@@ -308,7 +312,8 @@ class Proxy:
             return step.response
         try:
             return await self._forward(
-                step.parsed, routing, ranked, request, watch, ticket, ex, step.headers
+                step.parsed, routing, ranked, request, watch, ticket, ex, step.headers,
+                ranked_earlier=True,
             )
         finally:
             step.release()

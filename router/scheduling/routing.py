@@ -301,6 +301,12 @@ class Router:
             asyncio.get_running_loop().call_later(delay, _presume_prefilled, lease, flow)
         return lease
 
+    def current(self, routing: RoutingRequest, endpoint: EndpointSnapshot) -> EndpointSnapshot:
+        """``endpoint`` as it stands now (a retry's, or a decode after its prefill step: the
+        ranking's snapshot is older), or as ranked when it is no longer a candidate."""
+        found = (c for c in self._candidates(routing.model) if c.id == endpoint.id)
+        return next(found, endpoint)
+
     def uncached_tokens(self, routing: RoutingRequest, endpoint_id: str) -> int:
         """The request's prompt tokens the endpoint will compute, as the queue it joins and the
         calibrator count them (hook: precise routing knows the replicas' caches better)."""

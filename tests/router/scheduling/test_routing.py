@@ -137,3 +137,20 @@ async def test_a_first_byte_from_an_endpoint_that_left_teaches_nothing() -> None
     lease.release()
     assert calibrator.first_bytes == []
     assert gw.flow.limits is not None and dict(gw.flow.limits.items()) == {}
+
+
+def test_the_current_snapshot_of_an_endpoint_counts_what_happened_since_the_ranking() -> None:
+    """A retry's lease, or a decode's after its prefill step, reads the queue as it is now."""
+    gw = build_gateway(parse_config({"pool": {"endpoints": [{"url": URL, "models": ["m"]}]}}))
+    router = Router(gw.config, gw.pool, gw.pool.candidates, gw.scheduler, gw.flow, gw.metrics)
+    state = next(iter(gw.pool))
+    state.healthy = True
+    routing = RoutingRequest("r", "m", stream=True, prompt_tokens=100)
+    ranked = gw.pool.candidates("m")[0]
+    later = gw.pool.lease(state.endpoint.id, 500)  # another request placed there since
+    now = router.current(routing, ranked)
+    assert (now.in_flight, now.pending_prefill_requests) == (1, 1)
+    assert (ranked.in_flight, ranked.pending_prefill_requests) == (0, 0)
+    later.release()
+    gone = snap("10.0.0.9:1")
+    assert router.current(routing, gone) is gone, "no longer a candidate: as ranked"
