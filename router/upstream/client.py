@@ -12,7 +12,9 @@ Connections are pooled per endpoint, most recently used first, and a pooled conn
 ``keepalive_seconds`` is not used again: servers close idle ones on their own clock (uvicorn,
 and so vLLM, after 5 s), and a request written into a connection the server is closing is lost.
 For the same race, a request whose reused connection fails before any byte of an answer goes
-once more on a new connection: the endpoint never read it.
+once more on a new connection: an idempotent one always; another (a POST) only when the failure
+came within ``STALE_CLOSE_S`` of writing it, as a close already on its way does, since an
+endpoint that read it and then failed would run it twice (RFC 9110 9.2.2).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import ipaddress
 import socket
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from urllib.parse import urlsplit
@@ -139,6 +141,9 @@ class UpstreamReply:
 
 # Methods a request of which may be sent twice (RFC 9110 9.2.2).
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+# A reused connection that fails this soon after a request was written into it was closing
+# already (a round trip on a loaded machine); later, the endpoint may have read the request.
+STALE_CLOSE_S = 0.5
 
 
 class UpstreamClient:
@@ -148,6 +153,7 @@ class UpstreamClient:
         connect_timeout: float,
         keepalive_seconds: float = 4.0,
         ssl_context: ssl.SSLContext | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         # Requests in flight to each endpoint, at most max_connections: one that hangs takes
         # no other endpoint's slots. Per endpoint, the requests holding or awaiting a slot.
@@ -156,6 +162,7 @@ class UpstreamClient:
         self._holders: dict[tuple[str, int, bool], int] = {}
         self._connect_timeout = connect_timeout
         self._keepalive = keepalive_seconds
+        self._clock = clock
         self._ssl = ssl_context
         self._idle: dict[tuple[str, int, bool], list[Connection]] = {}
         self._dns: dict[tuple[str, int], tuple[float, list[str]]] = {}
@@ -233,15 +240,16 @@ class UpstreamClient:
     async def _exchange(self, target: _Target, data: list[bytes], idempotent: bool) -> Connection:
         conn = self._pooled(target.key)
         if conn is not None:
+            sent_at = self._clock()
             try:
                 await _send(conn, data)
                 return conn
             except OSError:
-                if conn.answered or not idempotent:
+                if conn.answered:
                     raise
-                # Probably closed by the endpoint while idle, before it read the request; but
-                # it may have read it and then failed, so only a request that may run twice
-                # goes again (RFC 9110 9.2.2). A POST's failure is the caller's to retry.
+                if not idempotent and self._clock() - sent_at > STALE_CLOSE_S:
+                    raise  # the endpoint may have read it: the caller's to retry, or not
+                # Closed by the endpoint while idle, as the request was written (see above).
         conn = await self._connect(target)
         await _send(conn, data)
         return conn

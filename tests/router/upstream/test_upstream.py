@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from router.upstream.client import (
+    STALE_CLOSE_S,
     UPSTREAM_ERRORS,
     ResponseTooLargeError,
     UpstreamClient,
@@ -19,6 +20,7 @@ from router.upstream.client import (
     UpstreamProtocolError,
 )
 from router.upstream.connection import HIGH_WATER_BYTES, WRITE_SLICE_BYTES
+from tests.manual_clock import ManualClock
 
 
 class Server:
@@ -220,34 +222,45 @@ async def test_a_body_without_length_ends_with_the_connection() -> None:
     await client.aclose()
 
 
-async def hang_up_second(state: Server, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> None:
-    state.requests.append(await read_request(reader))
-    writer.write(ok(b"done"))
-    await writer.drain()
-    if state.connections == 1:
-        # The next request meets a connection its server closes without an answer: as when
-        # an idle timeout ends it just as the request is written, or as when the endpoint read
-        # it and then failed; the client cannot tell which.
+def hang_up_second(clock: ManualClock, after: float) -> Answer:
+    """Answers one request, then reads the next and closes without an answer ``after`` (on
+    ``clock``) seconds: as when an idle timeout ends the connection just as the request is
+    written (at once), or as when the endpoint read it and then failed (later)."""
+
+    async def answer(state: Server, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
         state.requests.append(await read_request(reader))
+        writer.write(ok(b"done"))
+        await writer.drain()
+        if state.connections == 1:
+            state.requests.append(await read_request(reader))
+            clock.now += after
+
+    return answer
 
 
-async def test_an_idempotent_request_into_a_reused_connection_that_closes_goes_again() -> None:
-    client = UpstreamClient(8, 2)
-    async with serve(hang_up_second) as server:
+@pytest.mark.parametrize("method", ["GET", "POST"])
+async def test_a_request_into_a_reused_connection_that_closes_at_once_goes_again(
+    method: str,
+) -> None:
+    clock = ManualClock()
+    client = UpstreamClient(8, 2, clock=clock)
+    async with serve(hang_up_second(clock, after=0.0)) as server:
         for _ in range(2):
-            reply = await client.request("GET", server.url, [])
+            reply = await client.request(method, server.url, [], b"x")
             assert await asyncio.wait_for(reply.read_all(), 2) == b"done"
             reply.close()
         assert server.connections == 2 and len(server.requests) == 3
     await client.aclose()
 
 
-async def test_a_post_into_a_reused_connection_that_closes_is_not_sent_twice() -> None:
-    """The endpoint may have read it (RFC 9110 9.2.2): the caller's policy decides (the proxy
-    retries on another endpoint before the first byte, counted as a failed attempt)."""
-    client = UpstreamClient(8, 2)
-    async with serve(hang_up_second) as server:
+async def test_a_post_the_endpoint_may_have_read_is_not_sent_twice() -> None:
+    """Closed without an answer well after it was written: the endpoint may have read it and
+    failed (RFC 9110 9.2.2). The caller's policy decides (the proxy retries on another endpoint
+    before the first byte, counted as a failed attempt); a GET goes again."""
+    clock = ManualClock()
+    client = UpstreamClient(8, 2, clock=clock)
+    async with serve(hang_up_second(clock, after=STALE_CLOSE_S + 1)) as server:
         reply = await client.post(server.url, [], b"x")
         assert await asyncio.wait_for(reply.read_all(), 2) == b"done"
         reply.close()
