@@ -27,17 +27,18 @@ Candidates = Callable[[str], list[EndpointSnapshot]]
 def make_probe(
     client: UpstreamClient, headers: Callable[[str], Mapping[str, str]], timeout: float
 ) -> Probe:
-    """``GET /v1/responses/{id}`` on one endpoint: True when it holds the response."""
+    """``GET /v1/responses/{id}`` on one endpoint: True when it holds the response, False when
+    it says it does not (404), None when it does not say (an error, a timeout)."""
 
-    async def probe(endpoint: EndpointSnapshot, response_id: str) -> bool:
+    async def probe(endpoint: EndpointSnapshot, response_id: str) -> bool | None:
         url = f"{endpoint.url}/v1/responses/{response_id}"
         reply = None
         try:
             async with asyncio.timeout(timeout):
                 reply = await client.request("GET", url, list(headers(endpoint.id).items()))
-                return reply.status == 200
+                return True if reply.status == 200 else False if reply.status == 404 else None
         except UPSTREAM_ERRORS:
-            return False
+            return None
         finally:
             if reply is not None:
                 reply.close()

@@ -40,7 +40,8 @@ from router.index.redis_link import (
 )
 from router.index.update_queue import UpdateQueue
 
-Probe = Callable[[EndpointSnapshot, str], Awaitable[bool]]
+# Whether an endpoint holds a response: True, False (it says not: 404), None (no answer).
+Probe = Callable[[EndpointSnapshot, str], Awaitable[bool | None]]
 # Ids are echoed into Redis keys, URLs and logs: only plain tokens are accepted.
 # How long an id no endpoint holds is answered 404 without asking them again, and how many.
 MISS_TTL_S = 10.0
@@ -169,9 +170,15 @@ class ResponseRoutes:
         while len(self._entries) > self._max:
             self._entries.popitem(last=False)
 
-    async def locate(self, response_id: str, candidates: Sequence[EndpointSnapshot]) -> str | None:
+    async def locate(
+        self,
+        response_id: str,
+        candidates: Sequence[EndpointSnapshot],
+        pool: EndpointPool | None = None,
+    ) -> str | None:
         """Ask every candidate whether it holds ``response_id`` (bounded); the first that does.
-        When every one answered no, the miss is remembered for ``MISS_TTL_S``."""
+        When every endpoint of ``pool`` was asked and said it does not (a 404, not a failure),
+        the miss is remembered for ``MISS_TTL_S``."""
         probe = self._probe
         if probe is None or not candidates or self._probe_timeout <= 0:
             return None
@@ -180,14 +187,20 @@ class ResponseRoutes:
             return None
         tasks = {asyncio.ensure_future(probe(c, response_id)): c.id for c in candidates}
         pending = set(tasks)
+        denied: set[str] = set()
         try:
             async with asyncio.timeout(self._probe_timeout):
                 while pending:
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     for task in done:
-                        if not task.cancelled() and task.exception() is None and task.result():
+                        if task.cancelled() or task.exception() is not None:
+                            continue
+                        if task.result():
                             return tasks[task]
-            self._missed(response_id)  # every endpoint answered, none holds it
+                        if task.result() is False:
+                            denied.add(tasks[task])
+            if pool is not None and all(s.endpoint.id in denied for s in pool):
+                self._missed(response_id)  # every endpoint of the pool said it does not hold it
         except TimeoutError:
             return None
         finally:
@@ -220,7 +233,7 @@ class ResponseRoutes:
             )
         endpoint = await self.endpoint_of(response_id)
         if endpoint is None:
-            endpoint = await self.locate(response_id, candidates)
+            endpoint = await self.locate(response_id, candidates, pool)
             if endpoint is None:
                 raise ResponseNotFoundError(
                     f"Response with id '{response_id}' not found.", param=param

@@ -35,16 +35,22 @@ async def test_ids_read_from_redis_are_kept_within_the_bound(
 
 
 class Probes:
-    """Endpoints asked whether they hold an id: ``holds`` do, ``silent`` never answer."""
+    """Endpoints asked whether they hold an id: ``holds`` do, ``silent`` never answer,
+    ``failing`` answer with an error (None), the others say they do not (a 404)."""
 
-    def __init__(self, holds: set[str] = frozenset(), silent: set[str] = frozenset()) -> None:
-        self.holds, self.silent = holds, silent
+    def __init__(
+        self, holds: set[str] = frozenset(), silent: set[str] = frozenset(),
+        failing: set[str] = frozenset(),
+    ) -> None:
+        self.holds, self.silent, self.failing = holds, silent, failing
         self.asked: list[str] = []
 
-    async def __call__(self, endpoint: EndpointSnapshot, response_id: str) -> bool:
+    async def __call__(self, endpoint: EndpointSnapshot, response_id: str) -> bool | None:
         self.asked.append(endpoint.id)
         if endpoint.id in self.silent:
             await asyncio.Event().wait()
+        if endpoint.id in self.failing:
+            return None
         return endpoint.id in self.holds
 
 
@@ -78,6 +84,24 @@ async def test_an_id_an_endpoint_did_not_answer_for_is_asked_for_again() -> None
         with pytest.raises(ResponseNotFoundError):
             await routes.resolve("resp_maybe", pool, [snap("a:1"), snap("b:1")])
     assert len(probes.asked) == 4, "b might hold it: not a miss to remember"
+
+
+@pytest.mark.parametrize(
+    ("probes", "asked"),
+    [(Probes(failing={"b:1"}), ["a:1", "b:1"]), (Probes(), ["a:1"])],
+    ids=["an endpoint failed to answer", "an endpoint was not asked"],
+)
+async def test_a_miss_is_remembered_only_when_every_endpoint_said_so(
+    probes: Probes, asked: list[str]
+) -> None:
+    """An endpoint that erred (a refused connection, a 503), or one left out of the
+    candidates (another model, a subset hint), may hold it."""
+    routes = ResponseRoutes(probe=probes)
+    pool = pool_of("a:1", "b:1")
+    for _ in range(2):
+        with pytest.raises(ResponseNotFoundError):
+            await routes.resolve("resp_maybe", pool, [snap(eid) for eid in asked])
+    assert probes.asked == asked * 2
 
 
 async def test_a_follow_up_for_another_model_than_its_holders_is_a_400_not_a_409() -> None:
