@@ -366,14 +366,16 @@ class Exchange:
             log.warning("ext_proc: served by %s, not among %s", served, destination)
             return
         self._destination = served
-        if served == listed[0] or self._lease is None or self._routing is None:
+        if served == listed[0] or self._lease is None:
             return
         self._lease.release()
         routing = self._routing
-        snapshot = next((c for c in self._candidates(routing.model) if c.id == served), None)
-        if snapshot is not None:
+        snapshot = None
+        if routing is not None:  # None: routed without reading a body, nothing to learn
+            snapshot = next((c for c in self._candidates(routing.model) if c.id == served), None)
+        if routing is not None and snapshot is not None:
             self._lease = self._gw.router.lease(routing, snapshot)
-        else:  # no longer a candidate (ejected meanwhile): counted, not learned from
+        else:  # counted, not learned from
             self._lease = self._gw.pool.lease(served)
 
     def _response_body(self, part: Any) -> list[Any]:

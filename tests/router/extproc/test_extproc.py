@@ -137,13 +137,16 @@ async def test_fallback_list(two_replicas: list[Replica]) -> None:
         await envoy.finish(call)
 
 
-async def test_a_request_served_by_a_fallback_is_counted_there(two_replicas: list[Replica]) -> None:
+@pytest.mark.parametrize("body", [chat_body("hi"), None], ids=["routed", "without a body"])
+async def test_a_request_served_by_a_fallback_is_counted_there(
+    two_replicas: list[Replica], body: bytes | None
+) -> None:
     """The data plane reports the endpoint that served the request (envoy.lb,
     x-gateway-destination-endpoint-served): the pick may have been unreachable."""
     config = epp_config(two_replicas, extProc={"fallbackEndpoints": 1})
     async with running_epp(config) as epp, grpc.aio.insecure_channel(epp.target) as channel:
         envoy = Envoy(channel)
-        call, routed = await envoy.send_request(chat_body("hi"))
+        call, routed = await envoy.send_request(body, path="/v1/chat/completions")
         _, fallback = routed.header.split(",")
         served = struct_pb2.Struct()
         served.update({"x-gateway-destination-endpoint-served": fallback})
