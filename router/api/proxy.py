@@ -313,7 +313,7 @@ class Proxy:
         try:
             return await self._forward(
                 step.parsed, routing, ranked, request, watch, ticket, ex, step.headers,
-                ranked_earlier=True,
+                ranked_earlier=step.ranked_earlier,
             )
         finally:
             step.release()

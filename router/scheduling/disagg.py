@@ -114,6 +114,9 @@ class DecodeStep:
     prefill_endpoint: str | None = None
     # Sidecar mode: the prefill endpoint stays counted until the decode answer starts.
     lease: Lease | None = None
+    # A prefill endpoint was ranked (and, in two-step mode, asked) since the decode pool was:
+    # its ranking's snapshots are older than the decode lease.
+    ranked_earlier: bool = False
 
     def release(self) -> None:
         if self.lease is not None:
@@ -205,13 +208,16 @@ class Disaggregator:
         lease = self._router.lease(prefill_routing, endpoint)
         self._router.picked(prefill_routing, endpoint.id)
         if self.settings.mode == "sidecar":
-            return DecodeStep(
+            step = DecodeStep(
                 parsed, [(PREFILLER_HEADER, endpoint.id)], prefill_endpoint=endpoint.id, lease=lease
             )
-        try:
-            return await self._two_step(parsed, routing.request_id, endpoint, lease, post)
-        finally:
-            lease.release()
+        else:
+            try:
+                step = await self._two_step(parsed, routing.request_id, endpoint, lease, post)
+            finally:
+                lease.release()
+        step.ranked_earlier = True
+        return step
 
     async def _two_step(
         self,
