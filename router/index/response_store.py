@@ -103,9 +103,9 @@ class ResponseRoutes:
         self._clock = clock
         self._probe_timeout = probe_timeout_seconds
         self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        # Ids every endpoint said it does not hold, until when: a client retrying an expired
-        # id must not ask the whole pool each time.
-        self._misses: OrderedDict[str, float] = OrderedDict()
+        # Ids the endpoints asked said they do not hold: until when, and which said so. A
+        # client retrying an expired id must not ask the whole pool each time.
+        self._misses: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()
         self._link: RedisLink | None = None
         self._queue: UpdateQueue[str, str | None] | None = None
         # Asks the endpoints for an id known nowhere else (router/api/stored_responses.py).
@@ -170,20 +170,17 @@ class ResponseRoutes:
         while len(self._entries) > self._max:
             self._entries.popitem(last=False)
 
-    async def locate(
-        self,
-        response_id: str,
-        candidates: Sequence[EndpointSnapshot],
-        pool: EndpointPool | None = None,
-    ) -> str | None:
+    async def locate(self, response_id: str, candidates: Sequence[EndpointSnapshot]) -> str | None:
         """Ask every candidate whether it holds ``response_id`` (bounded); the first that does.
-        When every endpoint of ``pool`` was asked and said it does not (a 404, not a failure),
-        the miss is remembered for ``MISS_TTL_S``."""
+        When every one says it does not (a 404, not a failure), that is remembered for
+        ``MISS_TTL_S``: candidates all among them are not asked again meanwhile."""
         probe = self._probe
         if probe is None or not candidates or self._probe_timeout <= 0:
             return None
-        missed_until = self._misses.get(response_id)
-        if missed_until is not None and missed_until > self._clock():
+        missed = self._misses.get(response_id)
+        if missed is not None and missed[0] > self._clock() and all(
+            c.id in missed[1] for c in candidates
+        ):
             return None
         tasks = {asyncio.ensure_future(probe(c, response_id)): c.id for c in candidates}
         pending = set(tasks)
@@ -199,8 +196,8 @@ class ResponseRoutes:
                             return tasks[task]
                         if task.result() is False:
                             denied.add(tasks[task])
-            if pool is not None and all(s.endpoint.id in denied for s in pool):
-                self._missed(response_id)  # every endpoint of the pool said it does not hold it
+            if len(denied) == len(tasks):  # every candidate said it does not hold it
+                self._missed(response_id, frozenset(denied))
         except TimeoutError:
             return None
         finally:
@@ -211,8 +208,8 @@ class ResponseRoutes:
                     await task
         return None
 
-    def _missed(self, response_id: str) -> None:
-        self._misses[response_id] = self._clock() + MISS_TTL_S
+    def _missed(self, response_id: str, denied: frozenset[str]) -> None:
+        self._misses[response_id] = (self._clock() + MISS_TTL_S, denied)
         self._misses.move_to_end(response_id)
         while len(self._misses) > MAX_MISSES:
             self._misses.popitem(last=False)
@@ -233,7 +230,7 @@ class ResponseRoutes:
             )
         endpoint = await self.endpoint_of(response_id)
         if endpoint is None:
-            endpoint = await self.locate(response_id, candidates, pool)
+            endpoint = await self.locate(response_id, candidates)
             if endpoint is None:
                 raise ResponseNotFoundError(
                     f"Response with id '{response_id}' not found.", param=param

@@ -86,22 +86,29 @@ async def test_an_id_an_endpoint_did_not_answer_for_is_asked_for_again() -> None
     assert len(probes.asked) == 4, "b might hold it: not a miss to remember"
 
 
-@pytest.mark.parametrize(
-    ("probes", "asked"),
-    [(Probes(failing={"b:1"}), ["a:1", "b:1"]), (Probes(), ["a:1"])],
-    ids=["an endpoint failed to answer", "an endpoint was not asked"],
-)
-async def test_a_miss_is_remembered_only_when_every_endpoint_said_so(
-    probes: Probes, asked: list[str]
-) -> None:
-    """An endpoint that erred (a refused connection, a 503), or one left out of the
-    candidates (another model, a subset hint), may hold it."""
+async def test_a_miss_is_not_remembered_when_an_endpoint_failed_to_answer() -> None:
+    """An endpoint that erred (a refused connection, a 503) may hold it."""
+    probes = Probes(failing={"b:1"})
     routes = ResponseRoutes(probe=probes)
     pool = pool_of("a:1", "b:1")
     for _ in range(2):
         with pytest.raises(ResponseNotFoundError):
-            await routes.resolve("resp_maybe", pool, [snap(eid) for eid in asked])
-    assert probes.asked == asked * 2
+            await routes.resolve("resp_maybe", pool, [snap("a:1"), snap("b:1")])
+    assert probes.asked == ["a:1", "b:1"] * 2
+
+
+async def test_a_miss_covers_only_the_endpoints_that_said_so() -> None:
+    """Asked of one endpoint (the others serve another model, or were ejected), a miss says
+    nothing of the others: a request that may go to them asks them."""
+    probes = Probes()
+    routes = ResponseRoutes(probe=probes)
+    pool = pool_of("a:1", "b:1")
+    for _ in range(2):
+        with pytest.raises(ResponseNotFoundError):
+            await routes.resolve("resp_maybe", pool, [snap("a:1")])
+    with pytest.raises(ResponseNotFoundError):
+        await routes.resolve("resp_maybe", pool, [snap("a:1"), snap("b:1")])
+    assert probes.asked == ["a:1", "a:1", "b:1"]
 
 
 async def test_a_follow_up_for_another_model_than_its_holders_is_a_400_not_a_409() -> None:
