@@ -14,9 +14,8 @@ from starlette.responses import Response
 from router.api.passthrough import pass_through
 from router.api.proxy import Proxy
 from router.core.endpoints import EndpointPool, EndpointSnapshot
-from router.core.errors import BadRequestError, ModelNotFoundError, NoEndpointsError
+from router.core.errors import ModelNotFoundError, NoEndpointsError
 from router.protocol.headers import request_id_of
-from router.protocol.parsing import decode_json
 
 PATH = "/v1/messages/count_tokens"
 
@@ -38,11 +37,7 @@ class TokenCounting:
         proxy = self._proxy
         tenant = proxy.auth.authenticate(request.headers) if proxy.auth is not None else None
         body = await proxy.read_body(request)
-        model = decode_json(body).get("model")
-        if not isinstance(model, str) or not model:
-            raise BadRequestError(
-                "'model' is required and must be a non-empty string", param="model"
-            )
+        model = await proxy.preparer.model(body)  # a large body's off the loop
         if not self._pool.knows_model(model):
             raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model")
         candidates = self._candidates(model)

@@ -6,19 +6,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from typing import TypeVar
 
 from starlette.types import Receive
 
 from router.api.deadlines import Deadlines
 from router.config.model import GatewayConfig, PrefixIndexConfig
 from router.core.errors import ClientCancelledError, PayloadTooLargeError, RequestTimeoutError
-from router.protocol.parsing import Api, Digest, digest_body, digest_file
+from router.protocol.parsing import (
+    Api,
+    Digest,
+    digest_body,
+    digest_file,
+    model_of,
+    model_of_file,
+)
 from router.scheduling.routing import Prepared, Router
 
 log = logging.getLogger("prefixgate.proxy")
@@ -72,6 +82,9 @@ async def join_body(chunks: list[bytes], size: int) -> bytes:
     return b"".join(chunks)
 
 
+_T = TypeVar("_T")
+
+
 class BodyParser:
     """Parses, renders and hashes large bodies in a small pool of processes.
 
@@ -88,55 +101,64 @@ class BodyParser:
         self._processes = processes
         self._pool: asyncio.Future[ProcessPoolExecutor] | None = None
         self._closed = False  # after aclose, large bodies go to a thread: no new pool
-        self.digested = 0  # bodies parsed by the pool's processes
+        self.digested = 0  # bodies parsed by the pool's processes (digests and models)
 
     async def digest(self, api: Api, body: bytes, block_bytes: int, max_blocks: int) -> Digest:
-        """:func:`router.parsing.digest_body` in a pool process (a BadRequestError as there).
+        """:func:`router.parsing.digest_body` in a pool process (a BadRequestError as there)."""
+        return await self._parse(
+            body,
+            functools.partial(digest_file, api, block_bytes=block_bytes, max_blocks=max_blocks),
+            functools.partial(digest_body, api, block_bytes=block_bytes, max_blocks=max_blocks),
+        )
+
+    async def model(self, body: bytes) -> str:
+        """:func:`router.parsing.model_of` in a pool process."""
+        return await self._parse(body, model_of_file, model_of)
+
+    async def _parse(
+        self, body: bytes, of_file: Callable[[str], _T], of_body: Callable[[bytes], _T]
+    ) -> _T:
+        """``of_file`` of the body in a pool process.
 
         The body goes over in a temporary file, written from a worker thread: a file write
         copies without the GIL, where pickling it for the pool's pipe would hold the GIL
         (25 ms and more for 30 MB). Should the pool fail (a process killed for memory, no
-        room for the file), this body is parsed in a thread and the next starts a new pool.
+        room for the file), ``of_body`` parses this body in a thread and the next body starts
+        a new pool.
         """
         if self._closed:
-            return await self._in_thread(api, body, block_bytes, max_blocks)
+            return await asyncio.to_thread(of_body, body)
         try:
             # Made on the loop (one system call), so the file is removed below even when the
             # task is cancelled while the thread still writes it.
             fd, path = tempfile.mkstemp(prefix="prefixgate-body-")
         except OSError as exc:
             log.warning("no temporary file for a large body (%r); parsing it in a thread", exc)
-            return await self._in_thread(api, body, block_bytes, max_blocks)
+            return await asyncio.to_thread(of_body, body)
         try:
             try:
                 await asyncio.to_thread(_spill, fd, body)
             except OSError as exc:  # no room for the file: the pool itself is fine
                 log.warning("could not spill a large body (%r); parsing it in a thread", exc)
-                return await self._in_thread(api, body, block_bytes, max_blocks)
+                return await asyncio.to_thread(of_body, body)
             started = self._started()
             try:
                 pool = await asyncio.shield(started)
             except Exception as exc:  # the processes could not be started
                 log.warning("the body parser did not start (%r); parsing in a thread", exc)
                 self._discard(started)
-                return await self._in_thread(api, body, block_bytes, max_blocks)
+                return await asyncio.to_thread(of_body, body)
             try:
-                digest = await asyncio.get_running_loop().run_in_executor(
-                    pool, digest_file, api, path, block_bytes, max_blocks
-                )
+                parsed = await asyncio.get_running_loop().run_in_executor(pool, of_file, path)
             except (BrokenProcessPool, OSError) as exc:
                 log.warning("the body parser failed (%r); parsing this body in a thread", exc)
                 self._discard(started)
-                return await self._in_thread(api, body, block_bytes, max_blocks)
+                return await asyncio.to_thread(of_body, body)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # read and removed by the process, unless it failed first
         self.digested += 1
-        return digest
-
-    @staticmethod
-    async def _in_thread(api: Api, body: bytes, block_bytes: int, max_blocks: int) -> Digest:
-        return await asyncio.to_thread(digest_body, api, body, block_bytes, max_blocks)
+        return parsed
 
     async def prepare(self, api: Api, body: bytes, index: PrefixIndexConfig) -> Prepared:
         """What :meth:`Router.prepare` gives, from the pool (the payload decoded on demand)."""
@@ -196,6 +218,15 @@ class BodyPreparer:
         if self.parser is not None and not decodes_payload and not self._router.reads_payload:
             return await self.parser.prepare(api, body, self._index)
         return await asyncio.to_thread(self._router.prepare, api, body)
+
+    async def model(self, body: bytes) -> str:
+        """Only the body's ``model``: a small body's decoded here, a large one's in the
+        parser's process (or a thread)."""
+        if len(body) < self._offload_bytes:
+            return model_of(body)
+        if self.parser is not None:
+            return await self.parser.model(body)
+        return await asyncio.to_thread(model_of, body)
 
 
 def _spill(fd: int, body: bytes) -> None:

@@ -140,6 +140,21 @@ def _encode(payload: dict[str, Any]) -> bytes:
         raise BadRequestError("request body is nested too deeply") from None
 
 
+def model_of(body: bytes) -> str:
+    """The body's ``model`` (a 400 when there is none), all that some routes read of it."""
+    return _require_model(decode_json(body))
+
+
+def model_of_file(path: str) -> str:
+    """:func:`model_of` a body spilled to a file, which it removes once read."""
+    try:
+        with open(path, "rb") as f:
+            body = f.read()
+    finally:
+        os.unlink(path)
+    return model_of(body)
+
+
 def decode_json(body: bytes) -> dict[str, Any]:
     if not body:
         raise BadRequestError("request body is empty; expected a JSON object")

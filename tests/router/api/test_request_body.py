@@ -15,8 +15,9 @@ import pytest
 from router.api import request_body
 from router.api.request_body import BodyParser, BodyPreparer
 from router.app import build_gateway
-from router.config.model import PrefixIndexConfig
+from router.config.model import PrefixIndexConfig, parse_config
 from router.core.errors import BadRequestError
+from router.protocol import parsing
 from router.protocol.parsing import Api, digest_body, parse_request, prompt_hashes
 from router.scheduling.routing import Prepared, Router
 from tests.gateways import MODEL, Parses, gateway_config
@@ -244,3 +245,31 @@ async def test_a_large_body_is_joined_in_a_thread_and_a_small_one_on_the_loop(
     assert await request_body.join_body([b"a", b"b"], 2) == b"ab"
     assert await request_body.join_body([b"whole"], 5) == b"whole"
     assert joined_in == ["thread"]
+
+
+async def test_only_a_large_bodys_model_is_read_in_the_parsers_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Routes that read nothing but the model (token counting) keep a large body off the loop
+    too: orjson holds the GIL for the whole decode."""
+    read_here: list[int] = []
+
+    def model_here(body: bytes) -> str:
+        read_here.append(len(body))
+        return parsing.model_of(body)
+
+    monkeypatch.setattr(request_body, "model_of", model_here)
+    config = parse_config({"pool": {"endpoints": [{"url": "http://127.0.0.1:9"}]},
+                           "server": {"offloadBodyBytes": 4096}})
+    parser = BodyParser(1)
+    preparer = BodyPreparer(config, build_gateway(config).router, parser)
+    small = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    large = orjson.dumps({"messages": [{"role": "user", "content": "x" * 8192}], "model": "m"})
+    try:
+        assert await preparer.model(small) == "m"
+        assert await preparer.model(large) == "m"
+        with pytest.raises(BadRequestError):
+            await preparer.model(orjson.dumps({"messages": [], "pad": "x" * 8192}))
+    finally:
+        await parser.aclose()
+    assert read_here == [len(small)], "the large ones were read in the parser's process"
