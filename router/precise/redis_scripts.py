@@ -34,7 +34,9 @@ local function gc_step(holders, slots, garbage, budget)
   local d = T .. 'd:' .. g
   local s = tonumber(g)
   local byte, mask = floor(s / 8) + 1, 2 ^ (s % 8)
-  local kv = redis.call('HSCAN', d, 0, 'COUNT', budget)[2]
+  -- Random fields, not a scan from cursor 0: once the scan's first buckets are empty (Redis
+  -- does not shrink a hash until it is 90% empty) such a scan returns nothing, step after step.
+  local kv = redis.call('HRANDFIELD', d, budget, 'WITHVALUES')
   if #kv > 0 then
     local fields, keys = {}, {}
     for x = 1, #kv, 2 do fields[#fields + 1] = kv[x]; keys[#keys + 1] = kv[x + 1] end

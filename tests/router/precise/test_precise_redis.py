@@ -274,6 +274,33 @@ async def test_purge_and_clears_leave_no_garbage(redis_url: str, redis_namespace
             await client.aclose()
 
 
+async def test_a_large_endpoints_garbage_is_reclaimed_in_bounded_steps(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """A replica holds tens of thousands of blocks. Reclaimed by a scan restarted at cursor 0,
+    its map stopped yielding once the scan's first buckets were empty (Redis keeps the table
+    until it is 90% empty): every gateway looped on Redis, and when the map expired its slot
+    was freed with its bits still in the holders, for the next endpoint to inherit."""
+    blocks, step = 30_000, 1_000
+    chain = toks(blocks * BS)
+    p = key_tag(redis_namespace) + ":p"
+    client = redis.asyncio.Redis.from_url(redis_url)
+    async with replicas(redis_url, redis_namespace, 1) as (r,):
+        try:
+            for i in range(blocks // step):
+                hashes = list(range(i * step + 1, (i + 1) * step + 1))
+                part = chain[i * step * BS : (i + 1) * step * BS]
+                r.deliver(A, i, float(i), Stored(hashes, i * step or None, part, BS))
+            r.deliver(B, 0, 1.0, Stored([1], None, toks(BS, 10**6), BS))
+            await r.shared.flush()
+            await r.shared.forget_endpoint(A)
+            await asyncio.wait_for(r.shared.flush(), 30)
+            assert await client.scard(p + "g") == 0
+            assert await client.hlen(p + "h") == 1  # B's block only
+        finally:
+            await client.aclose()
+
+
 async def test_bytes_per_entry(redis_url: str, redis_namespace: str) -> None:
     """The memory figures in docs/benchmarks/redis-index.md (run with -s to see them)."""
     n, step = 20_000, 500
