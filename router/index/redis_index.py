@@ -105,7 +105,7 @@ class RedisPrefixIndex:
         self._queue: UpdateQueue[_Op, int] = UpdateQueue(
             self._ship, op="index_update", link=self._link, max_items=max_pending,
             max_cost=max_pending_bytes, max_batch=16, max_batch_cost=32 << 10,
-            cost=lambda op, _: len(op[2]) + 64,
+            cost=lambda op, _: len(op[2]) + 64, keep=lambda op: op[0] == "forget",
         )
 
     @property
@@ -225,8 +225,8 @@ class RedisPrefixIndex:
         for _ in range(_FORGET_ROUNDS):
             try:
                 left = await self._link.call("index_update", run, self._write_budget)
-            except Unavailable as exc:
-                self.metrics.dropped.labels("index_update", exc.reason).inc()
+            except Unavailable:
+                self._queue.requeue([(op, 0)])  # finished when Redis is back
                 return
             if not isinstance(left, int) or left <= 0:
                 return
@@ -256,6 +256,6 @@ class RedisPrefixIndex:
 
             try:
                 await self._link.call("index_update", run, self._write_budget)
-            except Unavailable as exc:
-                self.metrics.dropped.labels("index_update", exc.reason).inc()
+            except Unavailable:
+                self._queue.requeue([(op, 0)])  # finished when Redis is back
                 return

@@ -1,7 +1,9 @@
 """The bounded background queue that ships a Redis-backed store's updates off the hot path.
 
 Updates are coalesced by key and shipped in batches by one task the queue owns; when Redis is
-slow or away the oldest are dropped (and counted), since the newest say most about now.
+slow or away the oldest are dropped (and counted), since the newest say most about now. Updates
+that must not be lost (``keep``: an endpoint's purge, whose leftovers nothing else would ever
+remove) are neither pushed out by newer ones nor dropped when Redis is away: they wait for it.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ class UpdateQueue(Generic[K, V]):
         max_batch: int = 32,
         max_batch_cost: int | None = None,
         cost: Callable[[K, V], int] = lambda k, v: 1,
+        keep: Callable[[K], bool] = lambda k: False,
     ) -> None:
         self._ship = ship
+        self._keep = keep
         self._op = op
         self._link = link
         self._max_items = max(1, max_items)
@@ -72,8 +76,10 @@ class UpdateQueue(Generic[K, V]):
         while len(self._items) > 1 and (
             len(self._items) > self._max_items or self._total_cost > self._max_cost
         ):
-            k, v = self._items.popitem(last=False)
-            self._total_cost -= self._cost(k, v)
+            oldest = next((k for k in self._items if not self._keep(k)), None)
+            if oldest is None:
+                break  # only updates to keep: a handful (purges), over the bound for a while
+            self._total_cost -= self._cost(oldest, self._items.pop(oldest))
             self._link.metrics.dropped.labels(self._op, "overflow").inc()
         self._kick()
 
@@ -125,12 +131,29 @@ class UpdateQueue(Generic[K, V]):
             try:
                 await self._ship(batch)
             except Unavailable as exc:
-                self._link.metrics.dropped.labels(self._op, exc.reason).inc(len(batch))
+                kept = self.requeue([(k, v) for k, v in batch if self._keep(k)])
+                self._link.metrics.dropped.labels(self._op, exc.reason).inc(len(batch) - kept)
             except Exception:
                 log.exception("redis %s: shipping failed", self._op)
                 self._link.metrics.dropped.labels(self._op, "bug").inc(len(batch))
             finally:
                 self._busy = False
+
+    def requeue(self, items: list[tuple[K, V]]) -> int:
+        """Put updates that could not be shipped back at the head (unless a newer one for the
+        same key came meanwhile); how many went back."""
+        back = 0
+        for k, v in reversed(items):
+            if k in self._items:
+                continue
+            self._items[k] = v
+            self._items.move_to_end(k, last=False)
+            self._total_cost += self._cost(k, v)
+            back += 1
+        if back:
+            self._idle.clear()
+            self._kick()
+        return back
 
     async def flush(self) -> None:
         """Wait until everything queued so far has been shipped (or given up on)."""

@@ -138,7 +138,7 @@ class SharedPreciseIndex:
         # Event batches must never be coalesced: each put gets its own key.
         self._queue: UpdateQueue[_Key, _Item] = UpdateQueue(
             self._ship, op="precise_update", link=self._link, max_items=max_pending,
-            max_batch=16, max_batch_cost=64 << 10, cost=_cost,
+            max_batch=16, max_batch_cost=64 << 10, cost=_cost, keep=lambda k: k[0] == "purge",
         )
 
     @property

@@ -189,6 +189,39 @@ async def test_a_purge_in_chunks_ends_before_what_was_recorded_after_it(
     assert await reader.match([1001, 1002, 1003], ["10.0.0.5:8000"]) == {"10.0.0.5:8000": 3}
 
 
+@pytest.mark.parametrize("chunk", [1000, 2], ids=["one script", "in chunks"])
+async def test_a_purge_that_meets_a_redis_failure_is_finished_later(
+    make_index: Factory, chunk: int
+) -> None:
+    """Nothing else removes a purged endpoint's entries (and a refresh keeps renewing them):
+    a purge waits for Redis, it is never dropped like a record."""
+    writer = make_index(forget_chunk=chunk)
+    writer.record("a", list(range(1, 8)))
+    writer.record("b", [1, 2])
+    await writer.flush()
+    real_call = writer.link.call
+    failures = {"first": 1 if chunk > 2 else 0, "rest": 1 if chunk == 2 else 0}
+    calls = 0
+
+    async def flaky(op: str, fn: Any, budget: float | None = None) -> Any:
+        nonlocal calls
+        calls += 1
+        which = "first" if calls == 1 else "rest"
+        if failures[which]:
+            failures[which] -= 1
+            raise redis_index.Unavailable("timeout")  # a failover's blip
+        return await real_call(op, fn, budget)
+
+    writer.link.call = flaky  # type: ignore[method-assign]
+    await writer.forget_endpoint("a")
+    await writer.flush()
+    client = writer.link.client
+    assert await client.hgetall(writer._slots) == {b"b": b"1"}
+    assert await client.hlen(writer._holders) == 2
+    reader = await remote_view(make_index, writer)
+    assert await reader.match(list(range(1, 8)), ["a", "b"]) == {"a": 0, "b": 2}
+
+
 async def test_two_gateways_share_what_they_learn(make_index: Factory) -> None:
     one, two = make_index(), make_index()
     one.record("a", [1, 2, 3])
