@@ -192,7 +192,11 @@ class RedisPrefixIndex:
         start = 0
         for i, (op, _) in enumerate(batch):
             if op[0] == "forget" or i == len(batch) - 1:
-                await self._ship_run(batch[start : i + 1], refresh and start == 0)
+                run = batch[start : i + 1]
+                # Only a record refreshes the keys' TTL: the first run that has one does.
+                refreshes = refresh and any(o[0] == "record" for o, _ in run)
+                await self._ship_run(run, refreshes)
+                refresh = refresh and not refreshes
                 start = i + 1
 
     async def _ship_run(self, batch: list[tuple[_Op, int]], refresh: bool) -> None:

@@ -108,6 +108,15 @@ RECORD = LuaScript(PRELUDE + """
 local holders, slots, lru, clocks = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local ep, cap, ttl, blob = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[6]
 local most, bound = tonumber(ARGV[7]), ARGV[8]
+if ARGV[4] == '1' then
+  -- First, before any early return (a long record's pieces follow with the flag off): every
+  -- endpoint's keys kept alive while any gateway writes. LRU keys are derived from the slots
+  -- hash; they share the hash tag, so the same Cluster slot.
+  for _, e in ipairs(redis.call('HKEYS', slots)) do redis.call('PEXPIRE', ARGV[5] .. e, ttl) end
+  redis.call('PEXPIRE', holders, ttl)
+  redis.call('PEXPIRE', slots, ttl)
+  redis.call('PEXPIRE', clocks, ttl)
+end
 local n = #blob / 8
 local slot = slot_of(slots, ep, n > 0)
 local function at(k) return sub(blob, k * 8 - 7, k * 8) end
@@ -179,10 +188,6 @@ redis.call('PEXPIRE', holders, ttl)
 redis.call('PEXPIRE', slots, ttl)
 redis.call('PEXPIRE', lru, ttl)
 redis.call('PEXPIRE', clocks, ttl)
-if ARGV[4] == '1' then
-  -- LRU keys are derived from the slots hash; they share the hash tag, so the same Cluster slot.
-  for _, e in ipairs(redis.call('HKEYS', slots)) do redis.call('PEXPIRE', ARGV[5] .. e, ttl) end
-end
 return 0
 """)
 

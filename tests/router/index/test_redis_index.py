@@ -222,6 +222,29 @@ async def test_a_purge_that_meets_a_redis_failure_is_finished_later(
     assert await reader.match(list(range(1, 8)), ["a", "b"]) == {"a": 0, "b": 2}
 
 
+@pytest.mark.parametrize("first", ["a long record", "a purge"])
+async def test_a_refresh_marked_done_has_run(make_index: Factory, first: str) -> None:
+    """Every endpoint's keys are kept alive while any gateway writes: a refresh marked done
+    that did not run (a long record's first piece returns early; a purge refreshes nothing)
+    let an idle endpoint's LRU key expire while its holder bits stayed."""
+    writer = make_index()
+    writer.record("idle", list(range(1, 101)))
+    writer.record("gone", [7])
+    await writer.flush()
+    client = writer.link.client
+    lru = writer._lru_prefix + "idle"
+    await client.pexpire(lru, 5_000)  # no traffic of its own for almost the key's TTL
+    writer._refreshed_at = -float("inf")  # the refresh is due
+    if first == "a purge":
+        await writer.forget_endpoint("gone")
+        writer.record("busy", [555])
+    else:
+        writer.record("busy", list(range(100_000, 100_600)))  # cold: shipped in pieces
+    await writer.flush()
+    assert writer._refreshed_at != -float("inf")
+    assert await client.pttl(lru) > 5_000
+
+
 async def test_two_gateways_share_what_they_learn(make_index: Factory) -> None:
     one, two = make_index(), make_index()
     one.record("a", [1, 2, 3])
