@@ -215,6 +215,9 @@ class RedisPrefixIndex:
         for (op, capacity), result in zip(batch, results, strict=True):
             if op[0] == "forget" and isinstance(result, int) and result > 0:
                 await self._forget_rest(op)
+            elif op[0] == "trim" and isinstance(result, int) and result > 0:
+                if op not in self._queue:  # the next chunk (a newer trim would do it anyway)
+                    self._queue.put(op, capacity)
             elif op[0] == "record" and isinstance(result, list) and len(result) == 2:
                 await self._record_in_pieces(op, capacity, int(result[0]) - 1, int(result[1]))
 

@@ -100,7 +100,8 @@ return res
 # blocks to touch in this call (0: no limit), and the fresh bound of the record this call is a
 # piece of ('' for a record of its own). Returns 0, or {1 + the fresh head's length, the fresh
 # bound} when the touch would exceed that limit (nothing is written: the caller ships the chain
-# in pieces, each with that bound, as InMemoryPrefixIndex's pieces share theirs).
+# in pieces, each with that bound, as InMemoryPrefixIndex's pieces share theirs), or, for a trim,
+# the entries over capacity left for the next call.
 # The touch rules of InMemoryPrefixIndex.record (router/index/prefix_index.py), step for step and in
 # the same double arithmetic, so both indexes score and evict alike: a binary search for the
 # fresh head of the chain, then only the rest is touched.
@@ -183,12 +184,16 @@ if n > 0 then
     redis.call('HSET', clocks, ep, clock + #scores)
   end
 end
-pop_oldest(holders, lru, slot, redis.call('ZCARD', lru) - cap)
+-- A trim (no blocks: the capacity shrank) pops at most `most` entries a script, as a purge
+-- does by chunks: a shrink from 30K entries to 1K at once held the server for tens of ms.
+local excess, left = redis.call('ZCARD', lru) - cap, 0
+if n == 0 and most > 0 and excess > most then excess, left = most, excess - most end
+pop_oldest(holders, lru, slot, excess)
 redis.call('PEXPIRE', holders, ttl)
 redis.call('PEXPIRE', slots, ttl)
 redis.call('PEXPIRE', lru, ttl)
 redis.call('PEXPIRE', clocks, ttl)
-return 0
+return left
 """)
 
 # KEYS: holders, slots, the endpoint's LRU, clocks. ARGV: endpoint, chunk. Purges one chunk of

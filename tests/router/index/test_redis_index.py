@@ -111,6 +111,33 @@ async def test_set_capacity_trims_in_redis(make_index: Factory) -> None:
     assert await client.zcard(key_tag(reader_ns(writer)) + ":l:a") == 3
 
 
+async def test_a_large_shrink_trims_in_bounded_scripts(make_index: Factory) -> None:
+    """A script runs alone on the server: a shrink from thousands of entries at once held
+    every gateway's lookups past their budgets."""
+    writer = make_index(max_blocks_per_write=8)
+    for start in range(0, 100, 8):
+        writer.record("a", list(range(1, start + 9)))
+    await writer.flush()
+    client = writer.link.client
+    lru = key_tag(reader_ns(writer)) + ":l:a"
+    assert await client.zcard(lru) == 104
+    sizes: list[int] = []
+    real_call = writer.link.call
+
+    async def watched(op: str, fn: Any, budget: float | None = None) -> Any:
+        result = await real_call(op, fn, budget)
+        sizes.append(await client.zcard(lru))
+        return result
+
+    writer.link.call = watched  # type: ignore[method-assign]
+    writer.set_capacity("a", 3)
+    await writer.flush()
+    assert sizes[-1] == 3
+    assert all(a - b <= 8 for a, b in zip([104, *sizes], sizes, strict=False))
+    reader = await remote_view(make_index, writer)
+    assert await reader.match(list(range(1, 4)), ["a"]) == {"a": 3}
+
+
 async def test_a_shrink_holds_for_a_long_record_shipped_in_pieces_beside_it(
     make_index: Factory,
 ) -> None:
