@@ -85,6 +85,16 @@ local meta, map, refs = KEYS[4], KEYS[5], KEYS[6]
 local ep, seq, ts = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local cap, ttl, resync = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local now = now_ms()
+if ARGV[8] == '1' then
+  -- First, before a duplicate's or a stale batch's early return: every endpoint's keys kept
+  -- alive while any gateway writes.
+  for _, e in ipairs(redis.call('HKEYS', slots)) do
+    if sub(e, 1, 1) ~= '#' then
+      for _, kind in ipairs({'i:', 'm:', 'k:'}) do redis.call('PEXPIRE', T .. kind .. e, ttl) end
+    end
+  end
+  for _, key in ipairs({holders, slots, garbage}) do redis.call('PEXPIRE', key, ttl) end
+end
 local m = redis.call('HMGET', meta, 'seq', 'ts', 'until')
 local status, untl = 'applied', tonumber(m[3] or '0')
 local function reset(why, trusted)
@@ -152,13 +162,6 @@ redis.call('HSET', meta, 'seq', ARGV[3], 'ts', ARGV[4], 'until', int(untl))
 gc_step(holders, slots, garbage, @GC@)
 for _, key in ipairs({holders, slots, garbage, meta, map, refs}) do
   redis.call('PEXPIRE', key, ttl)
-end
-if ARGV[8] == '1' then
-  for _, e in ipairs(redis.call('HKEYS', slots)) do
-    if sub(e, 1, 1) ~= '#' then
-      for _, kind in ipairs({'i:', 'm:', 'k:'}) do redis.call('PEXPIRE', T .. kind .. e, ttl) end
-    end
-  end
 end
 return {status, seq}
 """.replace("@SLACK@", repr(STALE_SLACK_SECONDS)).replace("@GC@", str(_GC_BUDGET)))

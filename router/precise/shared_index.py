@@ -222,8 +222,8 @@ class SharedPreciseIndex:
         if failed:
             self.metrics.errors.labels("precise_update", "error").inc(failed)
             self.metrics.dropped.labels("precise_update", "error").inc(failed)
-        elif refresh:
-            self._refreshed_at = time.monotonic()
+        elif refresh and any(key[0] == "events" for key, _ in batch):
+            self._refreshed_at = time.monotonic()  # only an event batch's script refreshes
 
     async def _resolve_parents(self, batch: list[tuple[_Key, _Item]]) -> None:
         """Map the blocks the local index could not (unknown parent) with keys from Redis."""

@@ -301,6 +301,28 @@ async def test_a_large_endpoints_garbage_is_reclaimed_in_bounded_steps(
             await client.aclose()
 
 
+async def test_a_duplicate_batch_still_refreshes_every_endpoints_keys(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """Every gateway delivers each batch and all but one lose the race: a loser's refresh
+    must run too, or an endpoint idle for the keys' TTL loses them while it holds blocks."""
+    p = key_tag(redis_namespace) + ":p"
+    client = redis.asyncio.Redis.from_url(redis_url)
+    async with replicas(redis_url, redis_namespace, 2) as (winner, loser):
+        try:
+            winner.deliver(B, 0, 1.0, Stored([1], None, toks(BS, 10**6), BS))
+            winner.deliver(A, 0, 1.0, Stored([2], None, toks(BS), BS))
+            await winner.shared.flush()
+            await client.pexpire(p + "m:" + B, 5_000)  # B idle for almost the keys' TTL
+            loser.shared._refreshed_at = -float("inf")  # the loser's refresh is due
+            loser.deliver(A, 0, 1.0, Stored([2], None, toks(BS), BS))  # a duplicate
+            await loser.shared.flush()
+            assert loser.shared.statuses == {"dup": 1}
+            assert await client.pttl(p + "m:" + B) > 5_000
+        finally:
+            await client.aclose()
+
+
 async def test_bytes_per_entry(redis_url: str, redis_namespace: str) -> None:
     """The memory figures in docs/benchmarks/redis-index.md (run with -s to see them)."""
     n, step = 20_000, 500
