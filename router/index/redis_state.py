@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -71,9 +72,15 @@ class RedisAffinityStore:
         self._queue: UpdateQueue[str, str] = UpdateQueue(
             self._ship, op="affinity_set", link=self._link, max_items=max_pending, max_batch=256
         )
+        # Sessions whose last set here could not be shipped: Redis holds an older answer.
+        self._unshipped: OrderedDict[str, None] = OrderedDict()
+        self._max_unshipped = max_pending
 
     async def get(self, session_id: str) -> str | None:
         local = self.local.get_now(session_id)
+        if session_id in self._unshipped and local is not None:
+            del self._unshipped[session_id]
+            self._queue.put(session_id, local)  # try again
         if session_id in self._queue:
             return local  # our own newer answer has not reached Redis yet
         endpoint = await self._link.get_text("affinity_get", self._prefix + session_id)
@@ -99,7 +106,17 @@ class RedisAffinityStore:
                 pipe.set(self._prefix + session_id, endpoint_id, px=self._ttl_ms)
             await pipe.execute()
 
-        await self._link.call("affinity_set", run, self._write_budget)
+        try:
+            await self._link.call("affinity_set", run, self._write_budget)
+        except Unavailable:
+            for session_id, _ in batch:
+                self._unshipped[session_id] = None
+                self._unshipped.move_to_end(session_id)
+            while len(self._unshipped) > self._max_unshipped:
+                self._unshipped.popitem(last=False)
+            raise
+        for session_id, _ in batch:
+            self._unshipped.pop(session_id, None)
 
     async def flush(self) -> None:
         await self._queue.flush()

@@ -19,7 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from router.core.endpoints import QUEUE_AVERAGE_S, Endpoint, EndpointPool
 from router.index.affinity import InMemoryAffinityStore
 from router.index.prefix_index import InMemoryPrefixIndex
-from router.index.redis_link import CircuitBreaker, RedisLink, RedisMetrics
+from router.index.redis_link import CircuitBreaker, RedisLink, RedisMetrics, Unavailable
 from router.index.redis_state import RedisAffinityStore, SharedInFlight, gateway_load
 from router.index.stores import Stores
 from tests.manual_clock import ManualClock
@@ -96,6 +96,33 @@ async def test_affinity_is_shared_between_gateways(
     assert await one.get("unknown") is None
 
 
+async def test_a_set_redis_did_not_take_is_not_undone_by_its_older_answer(
+    redis_url: str, redis_namespace: str, closing: list[Any]
+) -> None:
+    """A session's newest turn went to B through this gateway and Redis missed that write:
+    Redis's older answer (A) must not take the session back to the older prefix."""
+    one = affinity(redis_url, redis_namespace, closing)
+    two = affinity(redis_url, redis_namespace, closing)
+    two.set("s1", "A")
+    await two.flush()
+    real_call = one._link.call
+    failures = 1
+
+    async def flaky(op: str, fn: Any, budget: float | None = None) -> Any:
+        nonlocal failures
+        if op == "affinity_set" and failures:
+            failures -= 1
+            raise Unavailable("timeout")
+        return await real_call(op, fn, budget)
+
+    one._link.call = flaky  # type: ignore[method-assign]
+    one.set("s1", "B")
+    await one.flush()
+    assert await one.get("s1") == "B"
+    await one.flush()  # and it goes again: the other gateway learns it too
+    assert await two.get("s1") == "B"
+
+
 async def test_affinity_expires_in_redis(
     redis_url: str, redis_namespace: str, closing: list[Any]
 ) -> None:
@@ -121,7 +148,8 @@ async def test_affinity_fails_open_to_local(redis_namespace: str, closing: list[
         or 0
         for reason in ("error", "circuit_open")
     )
-    assert fallbacks == 2
+    # s2 was asked of Redis; s1 was not: its own set, which Redis did not take, goes again.
+    assert fallbacks == 1
     await store.forget_endpoint("a:1")
     assert await store.get("s1") is None
 
