@@ -246,7 +246,7 @@ class Proxy:
         attempts = ranked[: self._config.proxy.max_attempts]
         for n, endpoint in enumerate(attempts):
             if n or ranked_earlier:  # the lease reads the endpoint's queue as it is now
-                endpoint = self._router.current(routing, endpoint)
+                endpoint = self._router.current(routing.model, endpoint.id) or endpoint
             try:
                 lease = self._router.lease(routing, endpoint)
             except KeyError:

@@ -369,12 +369,11 @@ class Exchange:
         if served == listed[0] or self._lease is None:
             return
         self._lease.release()
-        routing = self._routing
-        snapshot = None
-        if routing is not None:  # None: routed without reading a body, nothing to learn
-            snapshot = next((c for c in self._candidates(routing.model) if c.id == served), None)
+        routing, router = self._routing, self._gw.router
+        # No routing: routed without reading a body, nothing to learn from.
+        snapshot = router.current(routing.model, served) if routing is not None else None
         if routing is not None and snapshot is not None:
-            self._lease = self._gw.router.lease(routing, snapshot)
+            self._lease = router.lease(routing, snapshot)
         else:  # counted, not learned from
             self._lease = self._gw.pool.lease(served)
 

@@ -301,11 +301,10 @@ class Router:
             asyncio.get_running_loop().call_later(delay, _presume_prefilled, lease, flow)
         return lease
 
-    def current(self, routing: RoutingRequest, endpoint: EndpointSnapshot) -> EndpointSnapshot:
-        """``endpoint`` as it stands now (a retry's, or a decode after its prefill step: the
-        ranking's snapshot is older), or as ranked when it is no longer a candidate."""
-        found = (c for c in self._candidates(routing.model) if c.id == endpoint.id)
-        return next(found, endpoint)
+    def current(self, model: str, endpoint_id: str) -> EndpointSnapshot | None:
+        """The endpoint as it stands now (a retry's, or a decode after its prefill step: the
+        ranking's snapshot is older), or None when it is no longer a candidate for ``model``."""
+        return next((c for c in self._candidates(model) if c.id == endpoint_id), None)
 
     def uncached_tokens(self, routing: RoutingRequest, endpoint_id: str) -> int:
         """The request's prompt tokens the endpoint will compute, as the queue it joins and the

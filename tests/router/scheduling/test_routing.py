@@ -145,12 +145,10 @@ def test_the_current_snapshot_of_an_endpoint_counts_what_happened_since_the_rank
     router = Router(gw.config, gw.pool, gw.pool.candidates, gw.scheduler, gw.flow, gw.metrics)
     state = next(iter(gw.pool))
     state.healthy = True
-    routing = RoutingRequest("r", "m", stream=True, prompt_tokens=100)
     ranked = gw.pool.candidates("m")[0]
     later = gw.pool.lease(state.endpoint.id, 500)  # another request placed there since
-    now = router.current(routing, ranked)
-    assert (now.in_flight, now.pending_prefill_requests) == (1, 1)
+    now = router.current("m", ranked.id)
+    assert now is not None and (now.in_flight, now.pending_prefill_requests) == (1, 1)
     assert (ranked.in_flight, ranked.pending_prefill_requests) == (0, 0)
     later.release()
-    gone = snap("10.0.0.9:1")
-    assert router.current(routing, gone) is gone, "no longer a candidate: as ranked"
+    assert router.current("m", "10.0.0.9:1") is None, "no longer a candidate"
