@@ -17,7 +17,6 @@ from router.api.proxy import Proxy
 from router.config.model import GatewayConfig
 from router.core.endpoints import EndpointPool, EndpointSnapshot
 from router.index.response_store import Probe, ResponseRoutes
-from router.protocol.auth import TenantHeaders
 from router.protocol.headers import request_id_of
 from router.upstream.client import UPSTREAM_ERRORS, UpstreamClient
 
@@ -72,11 +71,7 @@ class StoredResponses:
 
     async def handle(self, request: Request, response_id: str, suffix: str = "") -> Response:
         proxy = self._proxy
-        headers: Mapping[str, str] = request.headers
-        tenant = None
-        if proxy.auth is not None:
-            tenant = proxy.auth.authenticate(headers)
-            headers = TenantHeaders(headers, tenant)
+        tenant = proxy.auth.authenticate(request.headers) if proxy.auth is not None else None
         body = await proxy.read_body(request) if request.method == "POST" else b""
         healthy = _healthy(self._pool, self._candidates)
         endpoint_id = await self._routes.resolve(response_id, self._pool, healthy)
