@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--sweep-repeat", type=int, default=1, metavar="K",
         help="run every target K times in each world and rank TTFT over the pooled requests "
              "(each run's p90 shown beside it)")
+    add("--sweep-unranked", metavar="A,B",
+        help="targets reported with their ratio to the best of the others but never counted "
+             "as a world's best (an ablation, or a second copy of a scheduler)")
     add("--sweep-only", metavar="I,J",
         help="run only these worlds of the sweep (indices from 0), e.g. to look at one again")
     add("--trace", type=Path,
@@ -199,8 +202,12 @@ def _sweep(args: argparse.Namespace, settings: Any) -> int:
         only = None if args.sweep_only is None else [int(i) for i in args.sweep_only.split(",")]
         spec = SweepSpec(args.sweep, args.sweep_seed, args.sweep_scale, args.trace,
                          _names(args.strategies, SWEEP_STRATEGIES),
-                         _names(args.peers, SWEEP_PEERS), only, args.sweep_repeat)
-        make_targets(spec.strategies, spec.peers, settings)  # unknown names fail here
+                         _names(args.peers, SWEEP_PEERS), only, args.sweep_repeat,
+                         _names(args.sweep_unranked or "", []))
+        # Unknown names fail here, before anything starts.
+        labels = {t.name for t in make_targets(spec.strategies, spec.peers, settings)}
+        if unknown := [n for n in spec.unranked if n not in labels]:
+            raise ValueError(f"--sweep-unranked: not a target of this sweep: {', '.join(unknown)}")
     except ValueError as exc:
         print(f"prefixgate bench: {exc}", file=sys.stderr)
         return 2

@@ -55,6 +55,8 @@ class SweepSpec:
     peers: list[str] = field(default_factory=lambda: list(SWEEP_PEERS))
     only: list[int] | None = None  # run just these worlds (indices), e.g. to look again
     repeat: int = 1  # runs of every target per world, pooled (benchmarks/bench/repeats.py)
+    # Reported, but never the world's best (benchmarks/bench/sweep_report.py).
+    unranked: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -141,13 +143,13 @@ def _slim(r: TargetResult) -> dict[str, Any]:
 def to_json(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun]) -> dict[str, Any]:
     ranked = [(run.world.index, run.results) for run in runs]
     names = _target_names(runs)
-    stats = target_stats(ranked, names)
+    stats = target_stats(ranked, names, spec.unranked)
     return {
         "command": template.command, "commit": _commit(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
         "sweep": {"worlds": spec.worlds, "seed": spec.seed, "scale": spec.scale,
-                  "repeat": spec.repeat,
+                  "repeat": spec.repeat, "unranked": spec.unranked,
                   "trace": str(spec.trace) if spec.trace else None},
         "worlds": [{
             "world": run.world.to_json(), "built": run.built.summary() if run.built else None,
@@ -155,7 +157,8 @@ def to_json(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun]) 
             "results": [_slim(r) for r in run.results],
         } for run in runs],
         "summary": {m: [s.to_json() for s in stats[m]] for m in METRICS},
-        "reuse_gaps": {t: [[w, g] for w, g in gs] for t, gs in reuse_gaps(ranked, names).items()},
+        "reuse_gaps": {t: [[w, g] for w, g in gs]
+                       for t, gs in reuse_gaps(ranked, names, spec.unranked).items()},
     }  # fmt: skip
 
 
@@ -173,9 +176,12 @@ def markdown(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun])
         "",
         "Per target, its TTFT over the best target's in each world (1.00: the best). "
         "TTFT in simulated seconds; reuse captured: the replicas' prefix-cache hits over the "
-        "tokens an infinite cache would have served.",
+        "tokens an infinite cache would have served."
+        + (f" Unranked (ratios to the best of the others, never the best themselves): "
+           f"{', '.join(spec.unranked)}." if spec.unranked else ""),
         "",
-        *summary_table(target_stats(ranked, names), reuse_gaps(ranked, names)),
+        *summary_table(target_stats(ranked, names, spec.unranked),
+                       reuse_gaps(ranked, names, spec.unranked)),
     ]
     for run in runs:
         lines += ["", f"## world {run.world.index}: {run.world.describe()}", ""]
@@ -188,7 +194,7 @@ def markdown(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun])
         if run.error:
             lines += [f"failed: {run.error}"]
             continue
-        lines += world_table(run.results)
+        lines += world_table(run.results, spec.unranked)
     return "\n".join(lines) + "\n"
 
 

@@ -3,7 +3,10 @@ stays from the best target of each world (results.json, results.md, sweep_ratios
 
 A target's *ratio* in a world is its figure over the lowest figure any target reached there
 (1.0: it was the best). Only targets that ran (status ok, at least one answered request) are
-ranked; a failed or skipped target is listed in the world's table. Requests a run did not
+ranked; a failed or skipped target is listed in the world's table. *Unranked* targets (an
+ablation, or a second copy of a scheduler that measures the runs' own spread) get their ratio to
+the best of the others but never set the best themselves: a variant of the default that wins by
+the luck of its run would otherwise count as the default's loss. Requests a run did not
 answer before its deadline count as waiting the whole run.
 
 *Reuse captured* is the replicas' prefix-cache hits over the tokens one infinitely large cache
@@ -14,7 +17,7 @@ do): at most 1 (``benchmarks.bench.conversation``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +27,11 @@ METRICS = ("p90", "mean", "p99")
 BANDS = (1.10, 1.3)
 
 
-def ratios(values: Mapping[str, float]) -> dict[str, float]:
-    """Each target's value over the lowest (finite, positive) value; none if there is none."""
+def ratios(values: Mapping[str, float], unranked: Collection[str] = ()) -> dict[str, float]:
+    """Each target's value over the lowest (finite, positive) value of the targets not in
+    ``unranked``; none if there is none."""
     finite = {k: v for k, v in values.items() if math.isfinite(v)}
-    best = min((v for v in finite.values() if v > 0), default=None)
+    best = min((v for k, v in finite.items() if v > 0 and k not in unranked), default=None)
     if best is None:
         return {k: 1.0 for k, v in finite.items() if v == 0}
     return {k: max(v, 0.0) / best for k, v in finite.items()}
@@ -91,14 +95,15 @@ def reuse_captured(r: TargetResult) -> float:
 
 
 def target_stats(worlds: Sequence[tuple[int, Sequence[TargetResult]]],
-                 targets: Sequence[str]) -> dict[str, list[TargetStats]]:
+                 targets: Sequence[str],
+                 unranked: Collection[str] = ()) -> dict[str, list[TargetStats]]:
     """Per metric, each target's ratios to the best over ``worlds`` (index, results)."""
     out: dict[str, list[TargetStats]] = {}
     for metric in METRICS:
         stats = {t: TargetStats(t, metric) for t in targets}
         for index, results in worlds:
             values = {r.name: float(getattr(ttft(r), metric)) for r in ranked(results)}
-            for name, ratio in ratios(values).items():
+            for name, ratio in ratios(values, unranked).items():
                 if name in stats:
                     stats[name].ratios.append((index, ratio))
         out[metric] = list(stats.values())
@@ -106,12 +111,13 @@ def target_stats(worlds: Sequence[tuple[int, Sequence[TargetResult]]],
 
 
 def reuse_gaps(worlds: Sequence[tuple[int, Sequence[TargetResult]]],
-               targets: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
+               targets: Sequence[str],
+               unranked: Collection[str] = ()) -> dict[str, list[tuple[int, float]]]:
     """Per target, (world, points of reuse captured below the world's best)."""
     gaps: dict[str, list[tuple[int, float]]] = {t: [] for t in targets}
     for index, results in worlds:
         values = {r.name: reuse_captured(r) for r in ranked(results)}
-        finite = [v for v in values.values() if math.isfinite(v)]
+        finite = [v for k, v in values.items() if math.isfinite(v) and k not in unranked]
         if not finite:
             continue
         best = max(finite)
@@ -148,9 +154,9 @@ def summary_table(stats: dict[str, list[TargetStats]],
     return lines
 
 
-def world_table(results: Sequence[TargetResult]) -> list[str]:
+def world_table(results: Sequence[TargetResult], unranked: Collection[str] = ()) -> list[str]:
     values = {m: {r.name: float(getattr(ttft(r), m)) for r in ranked(results)} for m in METRICS}
-    rs = {m: ratios(v) for m, v in values.items()}
+    rs = {m: ratios(v, unranked) for m, v in values.items()}
     lines = [
         "| target | TTFT mean s | p50 s | p90 s | p99 s | p90 / best | reuse captured "
         "| missed: placed / moved / at home | errors |",

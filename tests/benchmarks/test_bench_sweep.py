@@ -117,4 +117,6 @@ def test_sweep_flags_are_checked_before_anything_starts(tmp_path: Path) -> None:
     assert main([*base, "--sweep", "2", "--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert main([*base, "--sweep", "2", "--sweep-only", "one"]) == 2
     assert main([*base, "--sweep", "2", "--strategies", "bogus"]) == 2
+    assert main([*base, "--sweep", "2", "--strategies", "default", "--sweep-unranked",
+                 "weighted"]) == 2  # not a target of the sweep
     assert not out.exists()

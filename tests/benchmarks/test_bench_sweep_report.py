@@ -85,3 +85,17 @@ def test_unanswered_requests_count_as_waiting_the_whole_run() -> None:
     assert ttft(whole) is whole.ttft
     stats = {s.target: s for s in target_stats([(0, [cut, whole])], ["cut", "whole"])["p90"]}
     assert stats["whole"].ratios == [(0, 1.0)] and stats["cut"].ratios[0][1] > 50
+
+
+def test_unranked_targets_are_rated_against_the_others_but_never_the_best() -> None:
+    assert ratios({"a": 1.0, "b": 0.8}, unranked={"b"}) == pytest.approx({"a": 1.0, "b": 0.8})
+    worlds = [(0, [result("x", 1.0, cached=0.6), result("copy", 0.5, cached=0.8),
+                   result("y", 2.0, cached=0.7)])]
+    stats = {s.target: s for s in target_stats(worlds, ["x", "copy", "y"], {"copy"})["p90"]}
+    assert stats["x"].ratios == [(0, 1.0)] and stats["x"].not_best == []
+    assert stats["copy"].ratios == [(0, 0.5)] and stats["y"].ratios == [(0, 2.0)]
+    gaps = reuse_gaps(worlds, ["x", "copy", "y"], {"copy"})
+    assert gaps["x"][0][1] == pytest.approx(12.5) and gaps["y"] == [(0, 0.0)]
+    assert gaps["copy"][0][1] == pytest.approx(-12.5)  # above the best of the others
+    rows = world_table(worlds[0][1], {"copy"})
+    assert any(r.startswith("| x |") and "| 1.00 |" in r for r in rows)
