@@ -3,9 +3,14 @@
 Wire format, as vLLM's ZMQ publisher sends it: frames ``[topic, seq, payload]``, ``seq`` 8
 bytes big-endian, ``payload`` msgpack ``[ts, [events], data_parallel_rank]``; events either
 tagged arrays (``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-lora_id, medium, lora_name]``, trailing defaults may be omitted) or maps with a ``"type"`` key.
-Both are accepted, and block hashes may be integers or bytes. Events for other media than the
-GPU (CPU offloading) are ignored: a prefix-cache hit reuses GPU blocks.
+lora_id, medium, lora_name, extra_keys, ...]``, trailing defaults may be omitted) or maps with a
+``"type"`` key. Both are accepted, and block hashes may be integers or bytes. Events for other
+media than the GPU (CPU offloading) are ignored: a prefix-cache hit reuses GPU blocks.
+
+A stored block's key folds in the extra keys vLLM hashed it with (router/precise/keys.py):
+``extra_keys`` (one entry per block, newer vLLM) when the event has them, else its adapter's
+``lora_name`` on every block. An adapter named by ``lora_id`` only (older vLLM) keys its blocks
+apart from every request's, since the gateway cannot tell which adapter that number is.
 """
 
 from __future__ import annotations
@@ -17,8 +22,11 @@ from typing import Any
 import msgpack
 
 from router.precise.index import EngineHash, PreciseIndex
+from router.precise.keys import encode_extra
 
 _GPU_MEDIA = (None, "GPU", "gpu")
+# No request's extra keys hold a nil: blocks keyed with this are matched by none.
+_UNMATCHABLE = encode_extra([None])
 
 
 class DecodeError(ValueError):
@@ -34,6 +42,31 @@ class Stored:
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    # Per block, vLLM's extra keys (an array, or nil for none); None when the event has none.
+    extra_keys: list[Any] | None = None
+
+
+def block_extras(event: Stored) -> list[bytes | None] | None:
+    """Per block, its extra keys as its key folds them in; None for blocks that have none."""
+    n = len(event.block_hashes)
+    raw = event.extra_keys
+    if raw is not None:
+        if not isinstance(raw, list) or len(raw) != n:
+            return [_UNMATCHABLE] * n  # which block has which cannot be told
+        if raw.count(None) == n:  # what vLLM sends for a request without any
+            return None
+        return [_extra(e) for e in raw]
+    if event.lora_name is not None:
+        return [encode_extra([event.lora_name])] * n
+    if event.lora_id is not None:
+        return [encode_extra([None, event.lora_id])] * n
+    return None
+
+
+def _extra(entry: Any) -> bytes | None:
+    if entry is None or isinstance(entry, list):
+        return None if not entry else encode_extra(entry)
+    return encode_extra([None, entry])  # not vLLM's shape (an array): matched by no request
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +106,7 @@ class EventBatch:
 _FIELDS = {
     "BlockStored": (
         "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-        "lora_name",
+        "lora_name", "extra_keys",
     ),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
@@ -112,6 +145,7 @@ def decode_event(raw: Any) -> Event | None:
         return Stored(
             _hashes(fields.get("block_hashes")), parent, tokens, size,
             fields.get("lora_id"), fields.get("medium"), fields.get("lora_name"),
+            fields.get("extra_keys"),
         )
     if tag == "BlockRemoved":
         return Removed(_hashes(fields.get("block_hashes")), fields.get("medium"))
@@ -155,8 +189,11 @@ def apply_batch(
             # Offloaded copies (CPU, disk) are not what a prefix-cache hit on the GPU reuses.
             if event.medium not in _GPU_MEDIA:
                 continue
+            if isinstance(event.lora_name, str):
+                index.saw_adapter(event.lora_name)
             keys = index.stored_keys(
-                endpoint_id, event.block_hashes, event.parent, event.token_ids, event.block_size
+                endpoint_id, event.block_hashes, event.parent, event.token_ids, event.block_size,
+                block_extras(event),
             )
             if keys is None:
                 failed += 1

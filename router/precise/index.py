@@ -2,13 +2,14 @@
 
 Engine block hashes cannot be reproduced by the gateway (vLLM hashes with sha256 of a pickle, a
 per-process seed, extra keys), so every stored block is mapped to the gateway's own *key*,
-computed from the block's token ids and its parent's key (:func:`block_keys`). The request side
-computes the same chain from the request's tokens, so a lookup walks keys, never engine hashes.
+computed from the block's token ids, its extra keys (adapter, salt, media: router/precise/keys.py)
+and its parent's key (:func:`block_keys`). The request side computes the same chain from the
+request's tokens, adapter and salt, so a lookup walks keys, never engine hashes.
 
 Per endpoint the index keeps ``engine hash -> key`` (to apply ``BlockRemoved``) and a count of
-engine hashes per key (two engine hashes can share a key, e.g. the same tokens under two cache
-salts). Holder bitmasks per key make the chain walk a few integer operations per block, as in
-the approximate index.
+engine hashes per key (two engine hashes can share a key: a vLLM that does not publish extra
+keys stores a salted block under the key of the unsalted one). Holder bitmasks per key make the
+chain walk a few integer operations per block, as in the approximate index.
 
 Speculative entries: right after a pick, the request's keys are marked as held by the chosen
 endpoint for a short TTL, so the rest of a same-prefix burst follows it before the engine has
@@ -27,7 +28,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from router.precise.keys import KEY_SEED, block_keys
+from router.precise.keys import KEY_SEED, BlockExtras, block_keys
 
 __all__ = ["KEY_SEED", "EngineHash", "IndexStats", "PreciseIndex", "block_keys"]
 
@@ -36,6 +37,8 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_BLOCKS = 1 << 20
 DEFAULT_RECENT_REMOVED = 1 << 14
 DEFAULT_MAX_SPECULATIVE = 1 << 20
+# Adapter names learnt from events: a fleet loads a few dozen; the bound only guards memory.
+MAX_ADAPTERS = 4096
 
 
 @dataclass(slots=True)
@@ -92,6 +95,7 @@ class PreciseIndex:
         self._settled: dict[int, int] = {}
         self._spec_queue: deque[tuple[float, str, list[int]]] = deque()
         self._spec_count = 0
+        self._adapters: set[str] = set()
         self.stats = IndexStats()
 
     # -- endpoints and trust ------------------------------------------------------------
@@ -138,6 +142,15 @@ class PreciseIndex:
 
     # -- events -------------------------------------------------------------------------
 
+    def saw_adapter(self, name: str) -> None:
+        """A replica stored blocks for the LoRA adapter ``name`` (its events' ``lora_name``)."""
+        if len(self._adapters) < MAX_ADAPTERS:
+            self._adapters.add(name)
+
+    def is_adapter(self, model: str) -> bool:
+        """Whether events have shown ``model`` to be a LoRA adapter's name."""
+        return model in self._adapters
+
     def stored(
         self,
         endpoint_id: str,
@@ -145,9 +158,10 @@ class PreciseIndex:
         parent: EngineHash | None,
         token_ids: Sequence[int],
         block_size: int,
+        extras: BlockExtras | None = None,
     ) -> bool:
         """Apply a ``BlockStored``; False when it cannot be mapped (unknown parent, bad size)."""
-        keys = self.stored_keys(endpoint_id, block_hashes, parent, token_ids, block_size)
+        keys = self.stored_keys(endpoint_id, block_hashes, parent, token_ids, block_size, extras)
         return keys is not None
 
     def stored_keys(
@@ -157,6 +171,7 @@ class PreciseIndex:
         parent: EngineHash | None,
         token_ids: Sequence[int],
         block_size: int,
+        extras: BlockExtras | None = None,
     ) -> list[int] | None:
         """:meth:`stored`, returning the keys the blocks were mapped to (None: not mapped)."""
         ep = self._ep(endpoint_id)
@@ -176,7 +191,7 @@ class PreciseIndex:
                 self.stats.orphans += 1
                 return None
             parent_key = found
-        keys = block_keys(token_ids, block_size, parent_key, len(block_hashes))
+        keys = block_keys(token_ids, block_size, parent_key, len(block_hashes), extras)
         for engine_hash, key in zip(block_hashes, keys, strict=True):
             self._add(ep, engine_hash, key)
         self.stats.stored += len(keys)

@@ -32,8 +32,10 @@ from router.core.framework import RoutingRequest
 from router.index.redis_link import RedisMetrics
 from router.precise.events import EventSource, SubscriberSettings, derive_sources
 from router.precise.events_manager import KVEventsManager
+from router.precise.extras import NO_EXTRAS, KeyExtras, key_extras
 from router.precise.hf_tokenizer import huggingface_tokenizer
-from router.precise.index import PreciseIndex, block_keys
+from router.precise.index import PreciseIndex
+from router.precise.keys import request_keys
 from router.precise.shared_index import RemoteMatch, SharedPreciseIndex
 from router.precise.tokenizers import (
     CachingTokenizer,
@@ -58,6 +60,7 @@ class PreciseState:
     """One request's precise-routing facts (see the module doc)."""
 
     source: TokenizeInput | None
+    extras: KeyExtras = NO_EXTRAS  # adapter and salt, folded into the keys
     num_tokens: int = 0
     keys: list[int] = field(default_factory=list)
     # Leading blocks per endpoint: at scoring (what routing used); at the pick, by events and
@@ -97,6 +100,7 @@ class PreciseTracker:
         self.tokenizer = tokenizer
         self.settings = settings
         self._clock = clock
+        self._base_models = frozenset(settings.config.base_models)
         self._states: OrderedDict[int, PreciseState] = OrderedDict()
 
     def attach(self, serial: int, parsed: ParsedRequest) -> None:
@@ -110,7 +114,10 @@ class PreciseTracker:
             source = TokenizeInput("chat", parsed.model, chat, size)
         else:
             source = TokenizeInput(parsed.api, parsed.model, parsed.payload, size)
-        self._states[serial] = PreciseState(source)
+        extras = key_extras(source, parsed.payload, self._base_models, self.index.is_adapter)
+        if extras is None:  # keys that could not be the engine's: left to the approximate index
+            return
+        self._states[serial] = PreciseState(source, extras)
         self._states.move_to_end(serial)
         while len(self._states) > self.settings.max_requests:
             self._states.popitem(last=False)
@@ -122,13 +129,12 @@ class PreciseTracker:
         """The request's state, removed from the table (read once, when its usage is known)."""
         return self._states.pop(serial, None)
 
-    async def _keys(self, tokens: Sequence[int]) -> list[int]:
+    async def _keys(self, tokens: Sequence[int], extras: KeyExtras) -> list[int]:
         s = self.settings.config
+        args = (tokens, s.block_size, s.max_blocks_per_request, extras.lora_name, extras.cache_salt)
         if len(tokens) < _THREAD_ABOVE_TOKENS:
-            return block_keys(tokens, s.block_size, max_blocks=s.max_blocks_per_request)
-        return await asyncio.to_thread(
-            block_keys, tokens, s.block_size, max_blocks=s.max_blocks_per_request
-        )
+            return request_keys(*args)
+        return await asyncio.to_thread(request_keys, *args)
 
     async def produce(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> None:
         state = self._states.get(request.serial)
@@ -139,7 +145,7 @@ class PreciseTracker:
         if tokens is None:
             return
         state.num_tokens = len(tokens)
-        state.keys = await self._keys(tokens)
+        state.keys = await self._keys(tokens, state.extras)
         state.trusted = frozenset(e.id for e in endpoints if self.index.trusted(e.id))
         if self.shared is not None and state.keys:
             remote = await self.shared.lookup(state.keys, [e.id for e in endpoints])

@@ -31,7 +31,14 @@ from router.index.redis_link import (
     pipeline_scripts,
 )
 from router.index.update_queue import UpdateQueue
-from router.precise.event_codec import AppliedOp, Cleared, Mapped, Removed, Stored
+from router.precise.event_codec import (
+    AppliedOp,
+    Cleared,
+    Mapped,
+    Removed,
+    Stored,
+    block_extras,
+)
 from router.precise.index import EngineHash, PreciseIndex, block_keys
 from router.precise.redis_scripts import APPLY, FORGET, GC, MATCH, SPECULATE
 
@@ -263,7 +270,7 @@ class SharedPreciseIndex:
         bs = self.local.block_size
         if parent is None or len(op.token_ids) < len(op.block_hashes) * bs:
             return op
-        keys = block_keys(op.token_ids, bs, parent, len(op.block_hashes))
+        keys = block_keys(op.token_ids, bs, parent, len(op.block_hashes), block_extras(op))
         for engine_hash, key in zip(op.block_hashes, keys, strict=True):
             known[hash_id(engine_hash)] = key  # a later orphan in the same batch may need it
             self.local.learn_parent(eid, engine_hash, key)
