@@ -12,7 +12,7 @@ without FastAPI validating anything per request: the routes read the raw body.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import orjson
@@ -55,6 +55,9 @@ class ParsedRequest:
     # Responses: the replica keeps the answer (``store``, true unless the client says false),
     # so where it went is worth remembering.
     stored: bool = False
+    # vLLM's ``cache_salt``: its blocks are cached apart from every other salt's and the
+    # unsalted ones', so its prompt hashes are too (:func:`prompt_hashes`).
+    cache_salt: str | None = None
 
     @property
     def payload(self) -> dict[str, Any]:
@@ -105,9 +108,11 @@ class Digest:
 def prompt_hashes(
     parsed: ParsedRequest, block_bytes: int, max_blocks: int
 ) -> tuple[int, list[int]]:
-    """The rendered prompt's size in UTF-8 bytes and its block hashes (router/hashing.py)."""
+    """The rendered prompt's size in UTF-8 bytes and its block hashes (router/core/hashing.py):
+    chained from the model's seed, or from the model's and the salt's for a salted request."""
     data = parsed.rendered.encode("utf-8", "surrogatepass")
-    return len(data), hash_blocks(data, block_bytes, parsed.model, max_blocks)
+    space = parsed.model if parsed.cache_salt is None else f"{parsed.model}\0{parsed.cache_salt}"
+    return len(data), hash_blocks(data, block_bytes, space, max_blocks)
 
 
 def digest_body(api: Api, body: bytes, block_bytes: int, max_blocks: int) -> Digest:
@@ -262,6 +267,14 @@ GATEWAY_FIELDS = ("kv_transfer_params",)
 
 
 def parse_request(api: Api, body: bytes) -> ParsedRequest:
+    parsed = _parse_request(api, body)
+    salt = parsed.payload.get("cache_salt")
+    if isinstance(salt, str) and salt:
+        return replace(parsed, cache_salt=salt)
+    return parsed
+
+
+def _parse_request(api: Api, body: bytes) -> ParsedRequest:
     payload = decode_json(body)
     if any(key in payload for key in GATEWAY_FIELDS):
         for key in GATEWAY_FIELDS:

@@ -4,7 +4,7 @@ import orjson
 import pytest
 
 from router.core.errors import BadRequestError
-from router.protocol.parsing import digest_body, parse_request
+from router.protocol.parsing import digest_body, parse_request, prompt_hashes
 
 
 def body(**kw: object) -> bytes:
@@ -71,3 +71,29 @@ def test_fields_only_the_gateway_sets_are_dropped_from_the_forwarded_body() -> N
     plain = body(model="m", prompt="hi")
     assert parse_request("completions", plain).body is plain  # nothing to drop: not re-encoded
     assert digest_body("completions", plain, 64, 100).rewritten is None
+
+
+def test_a_salted_prompt_hashes_apart_from_other_salts_and_the_unsalted() -> None:
+    # vLLM caches a cache_salt request's blocks apart: the index must not credit it with
+    # another salt's (or the unsalted) blocks of the same text.
+    text = [{"role": "user", "content": "x" * 2000}]
+
+    def hashes(api: str, **kw: object) -> list[int]:
+        payload = {"model": "m", **kw}
+        if api == "chat":
+            payload["messages"] = text
+        else:
+            payload["prompt"] = "x" * 2000
+        size, hs = prompt_hashes(parse_request(api, orjson.dumps(payload)), 256, 100)
+        assert size >= 2000
+        return hs
+
+    for api in ("chat", "completions"):
+        plain, a, b = hashes(api), hashes(api, cache_salt="a"), hashes(api, cache_salt="b")
+        assert len(plain) == len(a) == len(b) > 1
+        assert not set(plain) & set(a) and not set(a) & set(b)
+        assert hashes(api, cache_salt="a") == a
+        assert hashes(api, cache_salt="") == plain  # vLLM refuses it; not a salt
+    parsed = parse_request("chat", body(model="m", messages=text, cache_salt="a"))
+    assert parsed.cache_salt == "a"
+    assert digest_body("chat", parsed.body, 256, 100).block_hashes == hashes("chat", cache_salt="a")
