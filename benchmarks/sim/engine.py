@@ -347,7 +347,8 @@ class Engine:
                 req.block_hashes, req.all_tokens, self.kv.block_size, req.cache_salt
             )
             self.kv.cache_blocks(
-                req.blocks, req.block_hashes, req.num_registered, full, req.all_tokens
+                req.blocks, req.block_hashes, req.num_registered, full, req.all_tokens,
+                req.cache_salt,
             )
             req.num_registered = full
 

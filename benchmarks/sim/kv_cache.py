@@ -27,6 +27,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import xxhash
 
@@ -89,15 +90,22 @@ class KVCache:
         events, self._events = self._events, []
         return events
 
-    def _stored(self, hashes: Sequence[int], tokens: Sequence[int], start: int, end: int) -> None:
+    def _stored(
+        self, hashes: Sequence[int], tokens: Sequence[int], start: int, end: int,
+        cache_salt: str | None,
+    ) -> None:
         assert self._events is not None
         size = self.block_size
+        extra: list[list[Any] | None] = [None] * (end - start)
+        if cache_salt and start == 0:
+            extra[0] = [cache_salt]  # vLLM folds the salt into the first block's hash only
         self._events.append(
             BlockStored(
                 block_hashes=list(hashes[start:end]),
                 parent_block_hash=hashes[start - 1] if start > 0 else None,
                 token_ids=list(tokens[start * size : end * size]),
                 block_size=size,
+                extra_keys=extra,
             )
         )
 
@@ -181,6 +189,7 @@ class KVCache:
         start: int,
         end: int,
         tokens: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> None:
         """Mark ``blocks[start:end]`` as holding the full blocks with ``hashes[start:end]``.
 
@@ -204,10 +213,10 @@ class KVCache:
             if fresh and run < 0:
                 run = i
             elif not fresh and run >= 0:
-                self._stored(hashes, tokens, run, i)
+                self._stored(hashes, tokens, run, i, cache_salt)
                 run = -1
         if run >= 0:
-            self._stored(hashes, tokens, run, end)
+            self._stored(hashes, tokens, run, end, cache_salt)
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block, queueing the unreferenced ones tail first."""

@@ -47,6 +47,9 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = MEDIUM
     lora_name: str | None = None
+    # Per block, the extra keys vLLM hashed it with (newer vLLM sends them: the request's
+    # cache_salt on its first block, else nil).
+    extra_keys: list[list[Any] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -74,6 +77,7 @@ def encode_event(event: KVEvent, encoding: Encoding) -> list[Any] | dict[str, An
             "lora_id": event.lora_id,
             "medium": event.medium,
             "lora_name": event.lora_name,
+            "extra_keys": event.extra_keys,
         }
     elif isinstance(event, BlockRemoved):
         fields = {"block_hashes": event.block_hashes, "medium": event.medium}

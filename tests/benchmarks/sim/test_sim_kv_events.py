@@ -49,11 +49,13 @@ def test_stored_events_carry_parent_and_tokens_of_new_blocks_only() -> None:
     first = list(range(9))
     hashes = fill(kv, first)
     events = kv.take_events()
-    assert events == [BlockStored(hashes[:2], None, first[:8], BS)]
+    assert events == [BlockStored(hashes[:2], None, first[:8], BS, extra_keys=[None, None])]
     # The second request shares the first two blocks: only its third one is new.
     second = [*range(12), 50]
     hashes2 = fill(kv, second)
-    assert kv.take_events() == [BlockStored(hashes2[2:3], hashes2[1], second[8:12], BS)]
+    assert kv.take_events() == [
+        BlockStored(hashes2[2:3], hashes2[1], second[8:12], BS, extra_keys=[None])
+    ]
     assert kv.take_events() == []
 
 
@@ -73,6 +75,32 @@ def test_evictions_and_reset_are_events_and_replaying_them_gives_the_cache() -> 
     assert kv.take_events() == [AllBlocksCleared()]
 
 
+def test_a_salted_request_s_first_block_carries_its_salt_as_vllm_s_extra_keys() -> None:
+    from router.precise.event_codec import EventBatch, apply_batch, decode_event
+    from router.precise.index import PreciseIndex
+    from router.precise.keys import request_keys
+
+    kv = KVCache(16, BS)
+    kv.enable_events()
+    tokens = list(range(9))
+    hashes: list[int] = []
+    extend_block_hashes(hashes, tokens, BS, "tenant-a")
+    admitted = kv.admit(hashes, len(tokens))
+    assert admitted is not None
+    kv.cache_blocks(admitted[0], hashes, 0, 2, tokens, "tenant-a")
+    events = kv.take_events()
+    assert [e.extra_keys for e in events if isinstance(e, BlockStored)] == [[["tenant-a"], None]]
+    # The gateway's precise index credits the same salt's requests only.
+    index = PreciseIndex(block_size=BS)
+    decoded = [decode_event(msgpack.unpackb(msgpack.packb(encode_event(e, "array"))))
+               for e in events]
+    apply_batch(index, "r0", EventBatch(0.0, [e for e in decoded if e is not None]))
+    salted = request_keys(tokens, BS, cache_salt="tenant-a")
+    assert index.match(salted, ["r0"]) == {"r0": 2}
+    assert index.match(request_keys(tokens, BS), ["r0"]).get("r0", 0) == 0
+    assert index.match(request_keys(tokens, BS, cache_salt="b"), ["r0"]).get("r0", 0) == 0
+
+
 def test_events_are_off_by_default() -> None:
     kv = KVCache(4, BS)
     fill(kv, list(range(8)))
@@ -87,10 +115,10 @@ def test_encodings(encoding: str) -> None:
         assert raw == {
             "type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
             "token_ids": [5, 6, 7, 8], "block_size": 2, "lora_id": None, "medium": "GPU",
-            "lora_name": None,
+            "lora_name": None, "extra_keys": None,
         }
     else:
-        assert raw == ["BlockStored", [1, 2], None, [5, 6, 7, 8], 2, None, "GPU", None]
+        assert raw == ["BlockStored", [1, 2], None, [5, 6, 7, 8], 2, None, "GPU", None, None]
     payload = msgpack.unpackb(encode_batch([stored, AllBlocksCleared()], "array", ts=1.5))
     first = raw if encoding == "array" else payload[1][0]
     assert payload == [1.5, [first, ["AllBlocksCleared"]], 0]
