@@ -1,9 +1,7 @@
 """The request path: authenticate, parse, route, forward, relay, log.
 
-Attempts go to the ranked endpoints in order: a connect error, a timeout or a 5xx before the
-first byte moves on to the next (bounded); a 4xx is the client's and is passed through as is.
-Once a byte has been relayed the answer is committed to that endpoint. Connect errors, timeouts
-and 5xx (never 4xx) count towards the endpoint's outlier ejection.
+Attempts go to the ranked endpoints in order (router/api/failover.py). Once a byte has been
+relayed the answer is committed to that endpoint.
 
 The gateway only ever connects to endpoints of its pool: the URL of an attempt comes from the
 pool's snapshot, and every header a client could use to steer a request is dropped.
@@ -13,17 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Gauge
 from starlette.requests import Request
 from starlette.responses import Response
 
 from flow_control.request import Ticket
 from router.api.attempt import Attempt, open_attempt
 from router.api.deadlines import Deadlines
+from router.api.failover import Answered, Failover
 from router.api.logs import AccessLog
 from router.api.prediction import PredictionTracker
 from router.api.request_body import BodyPreparer, read_body
@@ -38,13 +36,7 @@ from router.api.streaming import (
 from router.api.usage_tap import answer_taps
 from router.config.model import GatewayConfig
 from router.core.endpoints import EndpointSnapshot
-from router.core.errors import (
-    ClientCancelledError,
-    GatewayError,
-    ShuttingDownError,
-    UpstreamError,
-    UpstreamTimeoutError,
-)
+from router.core.errors import ClientCancelledError, GatewayError, ShuttingDownError
 from router.core.framework import RoutingRequest
 from router.core.lease import Lease
 from router.index.sizing import IndexSizer
@@ -63,9 +55,7 @@ from router.protocol.headers import (
 from router.protocol.parsing import UPSTREAM_PATHS, Api, ParsedRequest
 from router.scheduling.disagg import SPLIT_APIS, Disaggregator
 from router.scheduling.routing import Router
-from router.upstream.client import UPSTREAM_ERRORS, UpstreamClient, UpstreamReply
-
-log = logging.getLogger("prefixgate.proxy")
+from router.upstream.client import UpstreamClient, UpstreamReply
 
 # Mid-stream errors in each API's own event shape (chat and completions: OpenAI's data event).
 _ERROR_EVENTS: dict[str, ErrorEvent] = {
@@ -125,12 +115,7 @@ class Proxy:
             registry=metrics.registry,
         )
         self._in_flight.set_function(lambda: self.active)
-        self._ejections = Counter(
-            "prefixgate_endpoint_ejections",
-            "Times an endpoint was ejected after consecutive failures (passive health).",
-            ["endpoint"],
-            registry=metrics.registry,
-        )
+        self.failover = Failover(config.proxy, router, metrics)
 
     async def read_body(self, request: Request, headers: Mapping[str, str] | None = None) -> bytes:
         server = self._config.server
@@ -242,50 +227,15 @@ class Proxy:
         path = UPSTREAM_PATHS[parsed.api]
         # A Responses stream is answered before its first token: wait for that token.
         opening = responses_api.opening if parsed.api == "responses" and parsed.stream else None
-        last_error: BaseException | None = None
-        attempts = ranked[: self._config.proxy.max_attempts]
-        for n, endpoint in enumerate(attempts):
-            if n or ranked_earlier:  # the lease reads the endpoint's queue as it is now
-                endpoint = self._router.current(routing.model, endpoint.id) or endpoint
-            try:
-                lease = self._router.lease(routing, endpoint)
-            except KeyError:
-                continue  # the endpoint left the pool since it was ranked
-            ex.attempts += 1
-            if ex.attempts > 1:
-                self._metrics.retries.inc()
-            else:
-                self._router.picked(routing, endpoint.id)
-            try:
-                attempt = await self.open_upstream(
-                    "POST", endpoint.url + path, self._headers.keyed(headers, endpoint.id),
-                    parsed.body, opening,
-                )
-            except UPSTREAM_ERRORS as exc:
-                lease.release()
-                kind = "timeout" if isinstance(exc, TimeoutError) else "transport"
-                self._upstream_failed(lease, endpoint.id, kind)
-                log.warning("request %s: %s on %s: %r", routing.request_id, kind, endpoint.id, exc)
-                last_error = exc
-                continue
-            except BaseException:
-                lease.release()
-                raise
-            if attempt.reply.status < 500:
-                lease.upstream_ok()
-            else:
-                self._upstream_failed(lease, endpoint.id, "5xx")
-                if n + 1 < len(attempts):
-                    lease.release()
-                    attempt.reply.close()
-                    continue
-            if ex.attempts > 1:
-                self._router.picked(routing, endpoint.id)
-            return self._answered(attempt, endpoint, lease, parsed, routing, watch, ticket, ex)
-        if isinstance(last_error, TimeoutError):
-            raise UpstreamTimeoutError("no endpoint answered within the first-byte timeout")
-        reason = type(last_error).__name__ if last_error is not None else "none left"
-        raise UpstreamError(f"no endpoint could be reached ({reason})")
+
+        async def send(endpoint: EndpointSnapshot) -> Attempt:
+            keyed = self._headers.keyed(headers, endpoint.id)
+            return await self.open_upstream(
+                "POST", endpoint.url + path, keyed, parsed.body, opening
+            )
+
+        answered = await self.failover.first_answer(routing, ranked, send, ex, ranked_earlier)
+        return self._answered(answered, parsed, routing, watch, ticket, ex)
 
     async def _disaggregated(
         self,
@@ -318,11 +268,6 @@ class Proxy:
         finally:
             step.release()
 
-    def _upstream_failed(self, lease: Lease, endpoint_id: str, kind: str) -> None:
-        self._metrics.upstream_failures.labels(endpoint_id, kind).inc()
-        if lease.upstream_failed():
-            self._ejections.labels(endpoint_id).inc()
-
     def _note_pick(self, ex: Exchange, routing: RoutingRequest, endpoint_id: str) -> None:
         ex.endpoint = endpoint_id
         ex.ttfb = time.perf_counter() - ex.started
@@ -342,12 +287,13 @@ class Proxy:
         )
 
     def _answered(
-        self, attempt: Attempt, endpoint: EndpointSnapshot, lease: Lease, parsed: ParsedRequest,
-        routing: RoutingRequest, watch: DisconnectWatch, ticket: Ticket, ex: Exchange,
+        self, answered: Answered, parsed: ParsedRequest, routing: RoutingRequest,
+        watch: DisconnectWatch, ticket: Ticket, ex: Exchange,
     ) -> Response:
         """The endpoint answered: its first byte (a Responses stream's opening events come
         before any token: then at the first chunk past them, streaming.FirstToken), a token
         count where the answer will have none (of a body decoded here), then the relay."""
+        attempt, endpoint, lease = answered.attempt, answered.endpoint, answered.lease
         status, first, begun = attempt.reply.status, attempt.first_chunk, responses_api.TOKEN
         if parsed.api == "responses" and parsed.stream and status == 200 and first:
             begun = responses_api.answer_begun(first)
@@ -394,7 +340,7 @@ class Proxy:
                 self._metrics.client_disconnects.inc()
             elif outcome == "stream_error":
                 self._metrics.stream_errors.labels(endpoint.id).inc()
-                self._upstream_failed(lease, endpoint.id, "stream")
+                self.failover.failed(lease, endpoint.id, "stream")
             self._finish(ex)
 
         return UpstreamResponse(

@@ -21,68 +21,14 @@ from pydantic import (
 from flow_control.config import FlowControlConfig
 from router.config.llmd import is_llmd
 from router.config.llmd import translate as translate_llmd
+from router.config.pool import PoolConfig
 from router.config.precise import PrecisePrefixConfig
 from router.config.strategies import STRATEGIES
-from router.core.endpoints import endpoint_id_from_url
 from router.core.errors import ConfigError
 from router.core.hashing import DEFAULT_BLOCK_BYTES
 from router.core.strict import Strict, check_redis_url
 
 _HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")
-
-
-class EndpointConfig(Strict):
-    url: str
-    role: Literal["both", "prefill", "decode"] = "both"
-    models: list[str] = Field(default_factory=list)
-    # The upstream's own key (vLLM --api-key), sent instead of the client's; overrides pool's.
-    api_key: SecretStr | None = None
-    api_key_env: str | None = None
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, value: str) -> str:
-        endpoint_id_from_url(value)
-        return value.rstrip("/")
-
-
-class HealthCheckConfig(Strict):
-    interval_seconds: float = Field(2.0, gt=0)
-    timeout_seconds: float = Field(1.0, gt=0)
-    unhealthy_threshold: int = Field(3, ge=1)
-
-
-class MetricsScrapeConfig(Strict):
-    interval_seconds: float = Field(0.1, gt=0, le=60)
-    timeout_seconds: float = Field(0.5, gt=0)
-
-
-class OutlierDetectionConfig(Strict):
-    """Passive health: eject an endpoint after consecutive connect errors, timeouts or 5xx."""
-
-    enabled: bool = True
-    consecutive_failures: int = Field(5, ge=1)
-    base_ejection_seconds: float = Field(30.0, gt=0)
-    max_ejection_seconds: float = Field(300.0, gt=0)
-    max_ejection_percent: float = Field(50.0, ge=0, le=100)
-
-
-class PoolConfig(Strict):
-    endpoints: list[EndpointConfig] = Field(default_factory=list)
-    health_check: HealthCheckConfig = HealthCheckConfig()
-    metrics_scrape: MetricsScrapeConfig = MetricsScrapeConfig()
-    outlier_detection: OutlierDetectionConfig = OutlierDetectionConfig()
-    api_key: SecretStr | None = None
-    api_key_env: str | None = None
-
-    @field_validator("endpoints")
-    @classmethod
-    def _unique(cls, value: list[EndpointConfig]) -> list[EndpointConfig]:
-        ids = [endpoint_id_from_url(e.url) for e in value]
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
-        if dupes:
-            raise ValueError(f"duplicate endpoints: {', '.join(dupes)}")
-        return value
 
 
 class PrefixIndexConfig(Strict):

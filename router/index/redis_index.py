@@ -18,12 +18,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from router.index.circuit_breaker import CircuitBreaker
 from router.index.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex, capped
 from router.index.redis_index_scripts import FORGET as _FORGET
 from router.index.redis_index_scripts import MATCH as _MATCH
 from router.index.redis_index_scripts import RECORD as _RECORD
 from router.index.redis_link import (
-    CircuitBreaker,
     RedisLink,
     RedisMetrics,
     ScriptCall,

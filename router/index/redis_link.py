@@ -1,6 +1,7 @@
-"""The Redis link shared by every Redis-backed store: time budgets, a circuit breaker, metrics
-and Lua scripts (router/index/update_queue.py ships their updates in the background), to one server
-or to a Redis Cluster (``cluster: true``; every call's keys share one hash slot).
+"""The Redis link shared by every Redis-backed store: time budgets, a circuit breaker
+(router/index/circuit_breaker.py), metrics and Lua scripts (router/index/update_queue.py ships
+their updates in the background), to one server or to a Redis Cluster (``cluster: true``;
+every call's keys share one hash slot).
 
 Every call has a small time budget; after a few failures in a row the breaker skips Redis for a
 growing interval, so a slow or absent Redis costs requests nothing (callers fall back to local
@@ -25,8 +26,10 @@ from redis.backoff import NoBackoff
 from redis.exceptions import MovedError, NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+# Exported too: router/precise/shared_index.py imports it from here, with the link.
+from router.index.circuit_breaker import CircuitBreaker
+
 T = TypeVar("T")
-Clock = Callable[[], float]
 # One server or a Redis Cluster: the stores use only single-slot commands and scripts (the keys
 # of one call share a hash tag), so either serves them alike.
 RedisClient = Redis | RedisCluster
@@ -98,62 +101,6 @@ class Unavailable(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-class CircuitBreaker:
-    """Skip Redis for a growing interval after ``threshold`` consecutive failures.
-
-    Once the interval has passed a single probe call goes through (the others keep skipping
-    until it reports), so a dead Redis costs one budget per interval, not one per request.
-    """
-
-    def __init__(
-        self,
-        threshold: int = 3,
-        initial_seconds: float = 0.2,
-        max_seconds: float = 5.0,
-        clock: Clock = time.monotonic,
-    ) -> None:
-        self._threshold = max(1, threshold)
-        self._initial = initial_seconds
-        self._max = max_seconds
-        self._clock = clock
-        self._failures = 0
-        self._interval = initial_seconds
-        self._open_until: float | None = None
-
-    @property
-    def is_open(self) -> bool:
-        return self._open_until is not None
-
-    def retry_in(self) -> float:
-        if self._open_until is None:
-            return 0.0
-        return max(0.0, self._open_until - self._clock())
-
-    def allow(self) -> bool:
-        if self._open_until is None:
-            return True
-        now = self._clock()
-        if now < self._open_until:
-            return False
-        self._open_until = now + self._interval
-        return True
-
-    def success(self) -> None:
-        self._failures = 0
-        self._interval = self._initial
-        self._open_until = None
-
-    def failure(self) -> None:
-        now = self._clock()
-        if self._open_until is not None:
-            self._interval = min(self._interval * 2, self._max)
-            self._open_until = now + self._interval
-            return
-        self._failures += 1
-        if self._failures >= self._threshold:
-            self._open_until = now + self._interval
 
 
 # Lua shared by the index scripts: endpoint slots, and holder bitmaps (a string, one bit per

@@ -22,9 +22,8 @@ from typing import Any
 from router.core.endpoints import NO_REMOTE_LOAD, EndpointPool, RemoteLoad
 from router.core.tasks import cancel_and_wait
 from router.index.affinity import InMemoryAffinityStore
+from router.index.circuit_breaker import CircuitBreaker, Clock
 from router.index.redis_link import (
-    CircuitBreaker,
-    Clock,
     LuaScript,
     RedisClient,
     RedisLink,

@@ -20,8 +20,8 @@ from typing import Any
 import xxhash
 from prometheus_client import CollectorRegistry, Counter
 
+from router.index.circuit_breaker import CircuitBreaker
 from router.index.redis_link import (
-    CircuitBreaker,
     RedisLink,
     RedisMetrics,
     ScriptCall,

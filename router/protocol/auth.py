@@ -17,7 +17,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol
 
 from flow_control.resolve import FAIRNESS_HEADERS
-from router.config.model import AuthConfig, PoolConfig
+from router.config.model import AuthConfig
+from router.config.pool import PoolConfig
 from router.core.endpoints import endpoint_id_from_url
 from router.core.errors import AuthenticationError, ConfigError
 

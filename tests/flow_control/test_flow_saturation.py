@@ -14,7 +14,7 @@ from flow_control.saturation import (
     ThresholdSaturationDetector,
     default_staleness,
 )
-from router.config.model import MetricsScrapeConfig
+from router.config.pool import MetricsScrapeConfig
 from router.core.endpoints import EndpointSnapshot
 
 INF = math.inf

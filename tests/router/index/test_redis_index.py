@@ -16,9 +16,10 @@ import redis.asyncio
 from prometheus_client import CollectorRegistry
 
 import router.index.redis_index as redis_index
+from router.index.circuit_breaker import CircuitBreaker
 from router.index.prefix_index import InMemoryPrefixIndex, PrefixIndex
 from router.index.redis_index import RedisPrefixIndex, pack_hashes
-from router.index.redis_link import CircuitBreaker, LuaScript, eval_script, key_tag
+from router.index.redis_link import LuaScript, eval_script, key_tag
 from tests.redis_server import FlakyProxy
 
 pytestmark = pytest.mark.redis

@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry
 
 from router.config.model import parse_config
 from router.core.errors import ConfigError
+from router.index.circuit_breaker import CircuitBreaker
 from router.index.redis_index import RedisPrefixIndex
 from router.index.redis_link import (
-    CircuitBreaker,
     RedisClient,
     RedisLink,
     RedisMetrics,

@@ -1,5 +1,5 @@
 """Shared state through a real Redis: session affinity and in-flight counts across replicas,
-plus the circuit breaker and update queue they rely on."""
+plus the update queue they rely on."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from router.core.endpoints import QUEUE_AVERAGE_S, Endpoint, EndpointPool
 from router.index.affinity import InMemoryAffinityStore
 from router.index.prefix_index import InMemoryPrefixIndex
-from router.index.redis_link import CircuitBreaker, RedisLink, RedisMetrics, Unavailable
+from router.index.redis_link import RedisLink, RedisMetrics, Unavailable
 from router.index.redis_state import RedisAffinityStore, SharedInFlight, gateway_load
 from router.index.stores import Stores
 from tests.manual_clock import ManualClock
@@ -40,31 +40,6 @@ async def closing() -> AsyncIterator[list[Any]]:
     yield objs
     for obj in objs:
         await obj.aclose()
-
-
-# --- circuit breaker --------------------------------------------------------------------------
-
-
-def test_breaker_opens_after_threshold_and_probes_once() -> None:
-    clock = ManualClock(100.0)
-    breaker = CircuitBreaker(threshold=2, initial_seconds=1.0, max_seconds=3.0, clock=clock)
-    breaker.failure()
-    assert breaker.allow() and not breaker.is_open
-    breaker.failure()
-    assert breaker.is_open and not breaker.allow()
-    clock.now += 1.0
-    assert breaker.allow()  # the probe
-    assert not breaker.allow()  # everyone else waits for its outcome
-    breaker.failure()
-    assert breaker.retry_in() == pytest.approx(2.0)  # the interval grows
-    clock.now += 2.0
-    assert breaker.allow()
-    breaker.failure()
-    assert breaker.retry_in() == pytest.approx(3.0)  # up to the cap
-    clock.now += 3.0
-    assert breaker.allow()
-    breaker.success()
-    assert not breaker.is_open and breaker.allow() and breaker.retry_in() == 0
 
 
 # --- session affinity -------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from router.config.precise import PrecisePrefixConfig
 from router.core.endpoints import EndpointSnapshot
 from router.core.errors import ConfigError
 from router.core.framework import RoutingRequest
-from router.index.redis_link import CircuitBreaker, RedisMetrics, key_tag
+from router.index.circuit_breaker import CircuitBreaker
+from router.index.redis_link import RedisMetrics, key_tag
 from router.precise.event_codec import Cleared, Event, EventBatch, Removed, Stored, apply_batch
 from router.precise.index import PreciseIndex, block_keys
 from router.precise.routing import PreciseSettings, PreciseState, PreciseTracker

@@ -11,7 +11,8 @@ import pytest
 
 from flow_control.config import FlowControlConfig
 from flow_control.controller import FlowController
-from router.config.model import AuthConfig, PoolConfig
+from router.config.model import AuthConfig
+from router.config.pool import PoolConfig
 from router.core.errors import AuthenticationError, ConfigError
 from router.protocol.auth import (
     ApiKeyAuthenticator,
