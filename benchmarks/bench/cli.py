@@ -203,7 +203,7 @@ def _sweep(args: argparse.Namespace, settings: Any) -> int:
         spec = SweepSpec(args.sweep, args.sweep_seed, args.sweep_scale, args.trace,
                          _names(args.strategies, SWEEP_STRATEGIES),
                          _names(args.peers, SWEEP_PEERS), only, args.sweep_repeat,
-                         _names(args.sweep_unranked or "", []))
+                         [n.strip() for n in (args.sweep_unranked or "").split(",") if n.strip()])
         # Unknown names fail here, before anything starts.
         labels = {t.name for t in make_targets(spec.strategies, spec.peers, settings)}
         if unknown := [n for n in spec.unranked if n not in labels]:

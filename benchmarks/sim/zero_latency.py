@@ -41,8 +41,8 @@ def complete_instantly(engine: Engine, req: SimRequest) -> None:
         full = min(total // engine.kv.block_size, len(req.blocks))
         extend_block_hashes(req.block_hashes, req.all_tokens, engine.kv.block_size, req.cache_salt)
         engine.kv.cache_blocks(
-        req.blocks, req.block_hashes, 0, full, req.all_tokens, req.cache_salt
-    )
+            req.blocks, req.block_hashes, 0, full, req.all_tokens, req.cache_salt
+        )
         req.transfer_block_ids = list(req.blocks)
         engine.kv.free(req.blocks)
         req.blocks = []

@@ -6,8 +6,8 @@ attempt's 5xx is the answer too. Connect errors, timeouts and 5xx (never 4xx) co
 the endpoint's outlier ejection.
 
 The first attempt's pick is recorded before it is sent, so that the next requests of a burst
-already see it (a failed one's record stays: docs/reliability.md); a retry's is recorded once
-its endpoint has answered, and not when that answer is a 5xx.
+already see it (a failed attempt's record stays); a retry's is recorded once its endpoint has
+answered, and not when that answer is a 5xx (docs/reliability.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Example::
     strategy: precise
     precisePrefix:
       blockSize: 16                      # the engines' --block-size
-      baseModels: [qwen]                 # the base model's served names; others are adapters
+      baseModels: [qwen]                 # every base model's served names; others are adapters
       tokenizer: {type: huggingface, path: /models/qwen/tokenizer.json}
       kvEvents:
         port: 5557                       # every replica publishes on host:5557 ...
@@ -94,9 +94,10 @@ class PrecisePrefixConfig(Strict):
     speculative_ttl_seconds: float = Field(2.0, ge=0)
     max_blocks_per_endpoint: int = Field(1 << 20, ge=1)
     max_blocks_per_request: int = Field(32_768, ge=1)
-    # The names the engines serve their base model under (vLLM --served-model-name): a request
-    # for any other model names a LoRA adapter, whose blocks are keyed apart. Empty: adapters
-    # are the names the KV events have shown (lora_name), the rest is the base model.
+    # The names every engine serves its base model under (vLLM --served-model-name), of every
+    # base model the gateway routes: a request for any other model names a LoRA adapter, whose
+    # blocks are keyed apart (a base model left out would never match its own blocks). Empty:
+    # adapters are the names the KV events have shown (lora_name), the rest are base models.
     base_models: list[str] = Field(default_factory=list)
     tokenizer: TokenizerConfig = TokenizerConfig()
     kv_events: KVEventsConfig = KVEventsConfig()

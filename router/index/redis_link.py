@@ -26,7 +26,6 @@ from redis.backoff import NoBackoff
 from redis.exceptions import MovedError, NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-# Exported too: router/precise/shared_index.py imports it from here, with the link.
 from router.index.circuit_breaker import CircuitBreaker
 
 T = TypeVar("T")

@@ -43,12 +43,14 @@ def key_extras(
     body: Mapping[str, Any],
     base_models: Collection[str],
     is_adapter: Callable[[str], bool],
+    api: str,
 ) -> KeyExtras | None:
     """The extras of a request's keys, or None when its keys cannot be the engine's.
 
     ``source`` is what is tokenized (Messages and Responses as chat), ``body`` the request as
-    sent."""
-    salt = body.get("cache_salt")
+    sent to the route ``api``."""
+    # vLLM's Messages route has no cache_salt: it drops the field and caches unsalted.
+    salt = body.get("cache_salt") if api != "messages" else None
     if salt is not None and (not isinstance(salt, str) or not salt):
         return None  # vLLM refuses the request
     if source.api == "completions":

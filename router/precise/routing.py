@@ -114,7 +114,9 @@ class PreciseTracker:
             source = TokenizeInput("chat", parsed.model, chat, size)
         else:
             source = TokenizeInput(parsed.api, parsed.model, parsed.payload, size)
-        extras = key_extras(source, parsed.payload, self._base_models, self.index.is_adapter)
+        extras = key_extras(
+            source, parsed.payload, self._base_models, self.index.is_adapter, parsed.api
+        )
         if extras is None:  # keys that could not be the engine's: left to the approximate index
             return
         self._states[serial] = PreciseState(source, extras)

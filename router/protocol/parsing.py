@@ -268,7 +268,8 @@ GATEWAY_FIELDS = ("kv_transfer_params",)
 
 def parse_request(api: Api, body: bytes) -> ParsedRequest:
     parsed = _parse_request(api, body)
-    salt = parsed.payload.get("cache_salt")
+    # vLLM's Messages route has no cache_salt: it drops the field and caches unsalted.
+    salt = parsed.payload.get("cache_salt") if api != "messages" else None
     if isinstance(salt, str) and salt:
         return replace(parsed, cache_salt=salt)
     return parsed

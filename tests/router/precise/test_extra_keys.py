@@ -15,6 +15,7 @@ from router.config.precise import PrecisePrefixConfig
 from router.core.endpoints import EndpointSnapshot
 from router.core.framework import RoutingRequest
 from router.precise.event_codec import Stored, apply_batch, decode_batch
+from router.precise.extras import NO_EXTRAS
 from router.precise.index import PreciseIndex, block_keys
 from router.precise.keys import request_keys
 from router.precise.routing import PreciseSettings, PreciseTracker
@@ -233,3 +234,16 @@ async def test_a_late_replica_maps_an_adapters_blocks_with_their_extra_keys(
         found = await late.lookup(keys, A)
         assert (found[A].trusted, found[A].confirmed) == (True, 3)
         assert (await late.lookup(block_keys(TOKENS, BS), A))[A].confirmed == 0
+
+
+def test_a_messages_requests_salt_is_not_in_its_keys() -> None:
+    """vLLM's Messages route drops cache_salt and caches unsalted: so do the keys."""
+    tracker = PreciseTracker(
+        PreciseIndex(4), None,  # type: ignore[arg-type]
+        PreciseSettings(PrecisePrefixConfig(blockSize=4)),
+    )
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x" * 64}],
+            "cache_salt": "t"}
+    tracker.attach(1, parse_request("messages", orjson.dumps(body)))
+    state = tracker.state(1)
+    assert state is not None and state.extras == NO_EXTRAS

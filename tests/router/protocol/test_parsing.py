@@ -97,3 +97,13 @@ def test_a_salted_prompt_hashes_apart_from_other_salts_and_the_unsalted() -> Non
     parsed = parse_request("chat", body(model="m", messages=text, cache_salt="a"))
     assert parsed.cache_salt == "a"
     assert digest_body("chat", parsed.body, 256, 100).block_hashes == hashes("chat", cache_salt="a")
+
+
+def test_a_messages_requests_salt_is_ignored_as_vllm_ignores_it() -> None:
+    # vLLM's Messages route has no cache_salt: it caches such a request's blocks unsalted.
+    text = [{"role": "user", "content": "x" * 2000}]
+    messages = {"model": "m", "max_tokens": 8, "messages": text}
+    plain = parse_request("messages", orjson.dumps(messages))
+    salted = parse_request("messages", orjson.dumps({**messages, "cache_salt": "t"}))
+    assert salted.cache_salt is None
+    assert prompt_hashes(salted, 256, 100) == prompt_hashes(plain, 256, 100)
