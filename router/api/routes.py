@@ -22,7 +22,7 @@ from router.core.endpoints import EndpointPool
 from router.core.errors import BadRequestError, GatewayError
 from router.pool.metrics import GatewayMetrics
 from router.protocol import anthropic
-from router.protocol.parsing import openapi_extra
+from router.protocol.openapi import openapi_extra
 
 
 def add_routes(
