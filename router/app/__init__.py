@@ -156,6 +156,7 @@ def _build_monitor(
         auth_headers=keys.headers,
         remote_load=shared.remote_load if shared else None,
         on_scrape=flow.poke,
+        on_restart=stores.index.clear_endpoint,
     )
 
 

@@ -41,6 +41,11 @@ class PrefixIndex(Protocol):
         """Drop everything known about an endpoint that left the pool."""
         ...
 
+    async def clear_endpoint(self, endpoint_id: str) -> None:
+        """The endpoint's cache was emptied (its engine restarted) but it stays in the pool:
+        drop what it was thought to hold, and take its records again from now on."""
+        ...
+
     def set_capacity(self, endpoint_id: str, blocks: int) -> None:
         """Bound the entries kept for ``endpoint_id`` (from its reported KV capacity)."""
         ...
@@ -315,6 +320,9 @@ class InMemoryPrefixIndex:
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
         self.forget_now(endpoint_id)
+
+    async def clear_endpoint(self, endpoint_id: str) -> None:
+        self.forget_now(endpoint_id)  # its capacity stays: the engine is the same size
 
     def forget_now(self, endpoint_id: str) -> None:
         bit = self._bits.pop(endpoint_id, None)

@@ -155,6 +155,10 @@ class RedisPrefixIndex:
         self._queue.discard_if(lambda op: op[1] == endpoint_id)
         self._queue.put(("forget", endpoint_id, b""), 0)
 
+    async def clear_endpoint(self, endpoint_id: str) -> None:
+        # What it held is gone for every gateway alike, and records after the forget add anew.
+        await self.forget_endpoint(endpoint_id)
+
     def room(self, endpoint_id: str) -> int:
         # The local view, no round trip: it fills with this gateway's share of the traffic, so
         # with several gateways it reports room a while longer than the shared index would.

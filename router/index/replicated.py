@@ -221,6 +221,11 @@ class ReplicatedPrefixIndex:
         }
         self._forgotten[endpoint_id] = now
 
+    async def clear_endpoint(self, endpoint_id: str) -> None:
+        # Unlike a departed endpoint's, the other processes' records made after this are not
+        # held back: each process sees the restart in its own scrapes and clears its copy.
+        self.local.forget_now(endpoint_id)
+
     def set_capacity(self, endpoint_id: str, blocks: int) -> None:
         self.local.set_capacity(endpoint_id, blocks)
 

@@ -17,7 +17,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -124,8 +124,12 @@ class EndpointMonitor:
         auth_headers: AuthHeaders | None = None,
         remote_load: Callable[[str], RemoteLoad] | None = None,
         on_scrape: Callable[[], None] | None = None,
+        on_restart: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self._pool = pool
+        # Told when an endpoint's engine restarted: its prefix cache is empty, whatever the
+        # index remembers of it.
+        self._on_restart = on_restart
         # Called after each scrape or health change: flow control re-reads the pool at once
         # instead of waiting for its next tick.
         self._on_scrape = on_scrape
@@ -261,6 +265,14 @@ class EndpointMonitor:
         )
         if capacity_changed and m.block_size and m.num_gpu_blocks and self._on_capacity:
             self._on_capacity(state.endpoint.id, m.block_size, m.num_gpu_blocks)
+        # A counter that went back is a new engine process at the same address (a container
+        # restarted in its pod): it serves with an empty prefix cache.
+        if m.prefix_queries < previous.prefix_queries and self._on_restart is not None:
+            log.warning(
+                "endpoint %s restarted (its prefix-cache query count went back): what the "
+                "prefix index held for it is forgotten", state.endpoint.id,
+            )
+            await self._on_restart(state.endpoint.id)
 
     def _counts(self, state: EndpointState) -> tuple[int, int]:
         """The gateways' requests in flight to the endpoint, and those past their first

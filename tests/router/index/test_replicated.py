@@ -236,3 +236,21 @@ async def test_a_late_record_from_another_process_does_not_bring_back_a_forgotte
         assert index.local.entries(pod) == 1
     finally:
         await replicator.aclose()
+
+
+async def test_a_restarted_endpoint_is_cleared_and_takes_the_other_processes_records_at_once(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """Unlike a departed endpoint, a restarted one stays in every process's pool: the other
+    workers' records made after the restart are applied, not held back."""
+    replicator = Replicator(redis_url, redis_namespace, RedisMetrics(CollectorRegistry()))
+    index = ReplicatedPrefixIndex(InMemoryPrefixIndex(1000), replicator, clock=ManualClock())
+    pod = "10.0.0.5:8000"
+    try:
+        index.record(pod, [1, 2, 3])
+        await index.clear_endpoint(pod)
+        assert await index.match([1, 2, 3], [pod]) == {pod: 0}
+        replicator.apply(msgpack.packb([b"other", [("r", pod, pack_hashes([4, 5]))]]))
+        assert await index.match([4, 5], [pod]) == {pod: 2}
+    finally:
+        await replicator.aclose()

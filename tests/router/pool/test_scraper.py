@@ -309,3 +309,54 @@ async def test_requests_waiting_behind_a_prefill_teach_no_slot_limit() -> None:
     limit, waited = await _slot_limit_while_busy(config, "word " * 2000, max_tokens=2)
     assert waited >= 1, "requests waited, behind the prefill"
     assert limit == 0.0
+
+
+async def test_a_replica_whose_counters_went_back_restarted_and_its_prefixes_are_forgotten(
+) -> None:
+    """A container restarted at the same address serves with an empty prefix cache: what the
+    index held for it is dropped (its other endpoints' entries stay), once per restart."""
+    queries = [400.0]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            for _ in range(100):
+                await reader.readuntil(b"\r\n\r\n")
+                page = f"vllm:prefix_cache_queries_total{{model_name=\"a\"}} {queries[0]}\n"
+                body = page.encode()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    index = InMemoryPrefixIndex()
+    restarted: list[str] = []
+
+    async def on_restart(endpoint_id: str) -> None:
+        restarted.append(endpoint_id)
+        await index.clear_endpoint(endpoint_id)
+
+    try:
+        async with monitor_client() as http:
+            pool = EndpointPool([Endpoint.from_url(f"http://127.0.0.1:{port}")])
+            (state,) = pool
+            state.healthy = True
+            monitor = EndpointMonitor(pool, http, MonitorSettings(), on_restart=on_restart)
+            endpoint = state.endpoint.id
+            index.record(endpoint, [1, 2, 3])
+            index.record("other", [1, 2])
+            await monitor._scrape(state)
+            queries[0] = 450.0  # counting on: the same engine
+            await monitor._scrape(state)
+            assert restarted == [] and index.match_now([1, 2, 3], [endpoint]) == {endpoint: 3}
+            queries[0] = 12.0  # back near zero: a new engine
+            await monitor._scrape(state)
+            assert restarted == [endpoint]
+            assert index.match_now([1, 2, 3], [endpoint, "other"]) == {endpoint: 0, "other": 2}
+            index.record(endpoint, [1, 2, 3])  # recorded again after the restart: kept
+            queries[0] = 30.0
+            await monitor._scrape(state)
+            assert restarted == [endpoint]
+            assert index.match_now([1, 2, 3], [endpoint]) == {endpoint: 3}
+    finally:
+        server.close()
