@@ -360,3 +360,40 @@ async def test_a_replica_whose_counters_went_back_restarted_and_its_prefixes_are
             assert index.match_now([1, 2, 3], [endpoint]) == {endpoint: 3}
     finally:
         server.close()
+
+
+async def test_the_gateway_forgets_a_restarted_replicas_prefixes() -> None:
+    """Wired by the composition root: the gateway's own index, through its own scrapes."""
+    queries = [400.0]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            for _ in range(10_000):
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"GET /v1/models"):
+                    body = b'{"data": [{"id": "m"}]}'
+                elif head.startswith(b"GET /metrics"):
+                    body = f"vllm:prefix_cache_queries_total {queries[0]}\n".encode()
+                else:
+                    body = b""
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with running_gateway(gateway_config([url])) as gw:
+            index = gw.gateway.stores.index
+            assert isinstance(index, InMemoryPrefixIndex)
+            (state,) = gw.gateway.pool
+            async with asyncio.timeout(20):
+                while state.metrics.prefix_queries != 400.0:  # noqa: ASYNC110 (monitor task)
+                    await asyncio.sleep(0.01)
+            index.record(state.endpoint.id, [1, 2, 3])
+            queries[0] = 3.0
+            async with asyncio.timeout(20):
+                while index.match_now([1, 2, 3], [state.endpoint.id])[state.endpoint.id]:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+    finally:
+        server.close()
