@@ -130,6 +130,7 @@ class EndpointMonitor:
         # Told when an endpoint's engine restarted: its prefix cache is empty, whatever the
         # index remembers of it.
         self._on_restart = on_restart
+        self._queries: dict[str, float] = {}  # endpoint -> its last prefix-cache query count
         # Called after each scrape or health change: flow control re-reads the pool at once
         # instead of waiting for its next tick.
         self._on_scrape = on_scrape
@@ -155,6 +156,7 @@ class EndpointMonitor:
     def unwatch(self, endpoint_id: str) -> None:
         """Stop polling an endpoint that left the pool (Kubernetes discovery)."""
         task = self._tasks.pop(endpoint_id, None)
+        self._queries.pop(endpoint_id, None)
         if task is not None:
             task.cancel()
 
@@ -265,14 +267,23 @@ class EndpointMonitor:
         )
         if capacity_changed and m.block_size and m.num_gpu_blocks and self._on_capacity:
             self._on_capacity(state.endpoint.id, m.block_size, m.num_gpu_blocks)
-        # A counter that went back is a new engine process at the same address (a container
-        # restarted in its pod): it serves with an empty prefix cache.
-        if m.prefix_queries < previous.prefix_queries and self._on_restart is not None:
+        await self._check_restart(state.endpoint.id, m.prefix_queries)
+
+    async def _check_restart(self, endpoint_id: str, queries: float) -> None:
+        """A counter that went back is a new engine process at the same address (a container
+        restarted in its pod): it serves with an empty prefix cache. A count of 0 (no query
+        yet, or a page without the series) is compared with nothing: the next one counting,
+        below the last count before it, tells the restart."""
+        if queries <= 0:
+            return
+        last = self._queries.get(endpoint_id, 0.0)
+        self._queries[endpoint_id] = queries
+        if queries < last and self._on_restart is not None:
             log.warning(
                 "endpoint %s restarted (its prefix-cache query count went back): what the "
-                "prefix index held for it is forgotten", state.endpoint.id,
+                "prefix index held for it is forgotten", endpoint_id,
             )
-            await self._on_restart(state.endpoint.id)
+            await self._on_restart(endpoint_id)
 
     def _counts(self, state: EndpointState) -> tuple[int, int]:
         """The gateways' requests in flight to the endpoint, and those past their first

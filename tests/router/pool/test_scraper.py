@@ -349,6 +349,14 @@ async def test_a_replica_whose_counters_went_back_restarted_and_its_prefixes_are
             queries[0] = 450.0  # counting on: the same engine
             await monitor._scrape(state)
             assert restarted == [] and index.match_now([1, 2, 3], [endpoint]) == {endpoint: 3}
+            queries[0] = 0.0  # a page without queries tells nothing (nor does the next, above)
+            await monitor._scrape(state)
+            queries[0] = 460.0
+            await monitor._scrape(state)
+            assert restarted == []
+            queries[0] = 0.0  # a new engine, not queried yet: told by its next count
+            await monitor._scrape(state)
+            assert restarted == []
             queries[0] = 12.0  # back near zero: a new engine
             await monitor._scrape(state)
             assert restarted == [endpoint]
