@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
@@ -133,6 +133,17 @@ def _capacity_bound(precise: PreciseRuntime | None, sizer: IndexSizer) -> Capaci
     return on_capacity
 
 
+def _restarted(stores: Stores, routing: RoutingGraph) -> Callable[[str], Awaitable[None]]:
+    """What an endpoint's engine restart empties: its entries in the prefix index, and the
+    live sessions' contexts counted in its cache."""
+
+    async def restarted(endpoint_id: str) -> None:
+        await stores.index.clear_endpoint(endpoint_id)
+        routing.live.clear_endpoint(endpoint_id)
+
+    return restarted
+
+
 def _build_monitor(
     config: GatewayConfig,
     pool: EndpointPool,
@@ -141,6 +152,7 @@ def _build_monitor(
     flow: FlowController,
     keys: UpstreamKeys,
     on_capacity: CapacityCallback,
+    on_restart: Callable[[str], Awaitable[None]],
 ) -> EndpointMonitor:
     hc, ms = config.pool.health_check, config.pool.metrics_scrape
     settings = MonitorSettings(
@@ -156,7 +168,7 @@ def _build_monitor(
         auth_headers=keys.headers,
         remote_load=shared.remote_load if shared else None,
         on_scrape=flow.poke,
-        on_restart=stores.index.clear_endpoint,
+        on_restart=on_restart,
     )
 
 
@@ -228,7 +240,8 @@ def build_gateway(
         token_counts=token_counts, disagg=build_disagg(config, routing, metrics),
     )
     monitor = _build_monitor(
-        config, pool, monitor_client, stores, routing.flow, keys, _capacity_bound(precise, sizer)
+        config, pool, monitor_client, stores, routing.flow, keys, _capacity_bound(precise, sizer),
+        _restarted(stores, routing),
     )
     return Gateway(
         config, pool, stores, routing.scheduler, metrics, routing.flow, routing.router, proxy,

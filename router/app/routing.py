@@ -50,6 +50,7 @@ class RoutingGraph:
     answers: AnswerCache
     precise: PreciseRuntime | None
     prefill_profile: SchedulingProfile | None
+    live: LiveSessions
 
 
 def _plugins(config: GatewayConfig) -> Strategy:
@@ -72,8 +73,9 @@ def _build_scheduler(
     stores: Stores,
     metrics: GatewayMetrics,
     precise: PreciseRuntime | None,
-) -> tuple[Scheduler, SchedulingProfile | None]:
-    """The scheduler with its producers and observers, and the prefill profile (disaggregated)."""
+) -> tuple[Scheduler, SchedulingProfile | None, LiveSessions]:
+    """The scheduler with its producers and observers, the prefill profile (disaggregated),
+    and the live sessions' estimate among the producers."""
     prefill_profile: SchedulingProfile | None = None
     if config.disaggregation.enabled:
         profile, prefill_profile = build_disagg_profiles(
@@ -95,7 +97,7 @@ def _build_scheduler(
     observers += [
         ws.scorer for p in profiles for ws in p.scorers if isinstance(ws.scorer, PickObserver)
     ]
-    return Scheduler(profile, producers=producers, observers=observers), prefill_profile
+    return Scheduler(profile, producers=producers, observers=observers), prefill_profile, live
 
 
 def _build_flow(
@@ -135,7 +137,7 @@ def build_routing(
     context = PluginContext(
         random.Random(config.seed), calibrator, precise.tracker if precise else None
     )
-    scheduler, prefill_profile = _build_scheduler(
+    scheduler, prefill_profile, live = _build_scheduler(
         config, plugins, profile_cfg, registry, context, stores, metrics, precise
     )
     candidates = stores.candidates(pool)
@@ -154,7 +156,7 @@ def build_routing(
             calibrator=calibrator, answers=answers, density=density, learning=learning,
         )
     return RoutingGraph(
-        scheduler, flow, router, calibrator, density, answers, precise, prefill_profile
+        scheduler, flow, router, calibrator, density, answers, precise, prefill_profile, live
     )
 
 

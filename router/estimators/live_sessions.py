@@ -113,6 +113,14 @@ class LiveSessions:
             self._live[session_id] = session
             self._tokens[endpoint_id] = self._tokens.get(endpoint_id, 0) + session.tokens
 
+    def clear_endpoint(self, endpoint_id: str) -> None:
+        """The endpoint's engine restarted: the contexts of the sessions homed there are gone
+        from its cache, so they no longer count as live there (each counts again from its
+        next request, wherever that goes)."""
+        homed = [s for s, session in self._live.items() if session.endpoint_id == endpoint_id]
+        for session_id in homed:
+            self._retire(session_id)
+
     def _learn_gap(self, gap: float) -> None:
         """The mean of the first gaps, then an exponential average (the traffic's pace drifts)."""
         if gap < BURST_GAP_S:

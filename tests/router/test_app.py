@@ -433,3 +433,26 @@ async def test_the_lifespan_closes_the_clients_it_was_given() -> None:
     async with gateway_running(gw):
         assert not gw.monitor_client.closed and not gw.upstream.closed
     assert gw.monitor_client.closed and gw.upstream.closed
+
+
+async def test_an_engine_restart_empties_the_index_and_the_live_contexts_of_its_endpoint() -> None:
+    from router.core.framework import RoutingRequest
+    from router.estimators.live_sessions import LiveSessions
+    from router.index.prefix_index import InMemoryPrefixIndex
+
+    urls = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+    gw = build_gateway(parse_config({"pool": {"endpoints": [{"url": u} for u in urls]}}))
+    a, b = (state.endpoint.id for state in gw.pool)
+    index = gw.stores.index
+    assert isinstance(index, InMemoryPrefixIndex)
+    (live,) = [p for p in gw.scheduler._producers if isinstance(p, LiveSessions)]
+    for endpoint in (a, b):
+        index.record(endpoint, [1, 2])
+        for _ in range(2):
+            request = RoutingRequest("r", "m", session_id=endpoint, prompt_tokens=100)
+            live.on_pick(request, endpoint)
+    restarted = gw.monitor._on_restart
+    assert restarted is not None
+    await restarted(a)
+    assert index.match_now([1, 2], [a, b]) == {a: 0, b: 2}
+    assert (live.live_tokens(a), live.live_tokens(b)) == (0, 100)

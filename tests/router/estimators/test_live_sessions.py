@@ -97,3 +97,17 @@ async def test_a_new_sessions_first_request_is_told_how_many_requests_follow_it(
     )
     text = generate_latest(registry).decode()
     assert f"prefixgate_session_later_requests {expected}" in text
+
+
+def test_a_restarted_endpoint_holds_no_live_context_until_its_sessions_come_back() -> None:
+    clock = ManualClock(100.0)
+    live = LiveSessions(clock=clock)
+    for session, home in (("s", "a"), ("t", "a"), ("u", "b")):
+        live.on_pick(req(session, 1_000), home)
+        live.on_pick(req(session, 2_000), home)
+    assert (live.live_tokens("a"), live.live_tokens("b")) == (4_000, 2_000)
+    live.clear_endpoint("a")
+    assert (live.live_tokens("a"), live.live_tokens("b")) == (0, 2_000)
+    clock.now += 1.0
+    live.on_pick(req("s", 3_000), "a")  # back on the new engine: counted again
+    assert live.live_tokens("a") == 3_000
