@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.precise.tokenizers import TokenizeInput
+from router.protocol.parsing import salt_field
 
 # Content parts vLLM renders as text; any other part is media (or unknown: not guessed at).
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal", "thinking"})
@@ -49,8 +50,7 @@ def key_extras(
 
     ``source`` is what is tokenized (Messages and Responses as chat), ``body`` the request as
     sent to the route ``api``."""
-    # vLLM's Messages route has no cache_salt: it drops the field and caches unsalted.
-    salt = body.get("cache_salt") if api != "messages" else None
+    salt = salt_field(api, body)
     if salt is not None and (not isinstance(salt, str) or not salt):
         return None  # vLLM refuses the request
     if source.api == "completions":

@@ -12,6 +12,7 @@ without FastAPI validating anything per request: the routes read the raw body.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -268,11 +269,17 @@ GATEWAY_FIELDS = ("kv_transfer_params",)
 
 def parse_request(api: Api, body: bytes) -> ParsedRequest:
     parsed = _parse_request(api, body)
-    # vLLM's Messages route has no cache_salt: it drops the field and caches unsalted.
-    salt = parsed.payload.get("cache_salt") if api != "messages" else None
+    salt = salt_field(api, parsed.payload)
     if isinstance(salt, str) and salt:
         return replace(parsed, cache_salt=salt)
     return parsed
+
+
+def salt_field(api: str, payload: Mapping[str, Any]) -> Any:
+    """The body's ``cache_salt`` as vLLM takes it on route ``api`` (None: none): its Messages
+    route has no such field, drops it and caches unsalted. vLLM refuses a salt that is not
+    non-empty text."""
+    return payload.get("cache_salt") if api != "messages" else None
 
 
 def _parse_request(api: Api, body: bytes) -> ParsedRequest:
