@@ -13,13 +13,11 @@ response's end of stream or when the stream closes, whichever comes first, exact
 from __future__ import annotations
 
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
-from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from flow_control.request import Ticket
 from router.api.request_body import join_body
@@ -45,6 +43,8 @@ from router.extproc.messages import (
     subset_hint,
     trailers,
 )
+from router.extproc.metrics import ExtProcMetrics
+from router.extproc.paths import api_for, stored_response_id
 from router.protocol.headers import DESTINATION_HEADER
 from router.protocol.parsing import Api, ParsedRequest
 from router.scheduling.disagg import PREFILLER_HEADER
@@ -54,46 +54,6 @@ log = logging.getLogger("prefixgate.extproc")
 _MODE = processing_mode_pb2.ProcessingMode
 Candidates = Callable[[str], list[EndpointSnapshot]]
 _ROUTABLE_MODES = (_MODE.FULL_DUPLEX_STREAMED, _MODE.BUFFERED)
-
-
-class ExtProcMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.decisions = Counter(
-            "prefixgate_extproc_decisions",
-            "Endpoint picker answers: routed, routed without a body, rejected (shed or no "
-            "endpoint), invalid (4xx) or error.",
-            ["outcome"],
-            registry=registry,
-        )
-        self.streams = Gauge(
-            "prefixgate_extproc_streams",
-            "Open ext_proc streams (HTTP requests in flight).",
-            registry=registry,
-        )
-
-
-# GET/DELETE /v1/responses/{id} and POST /v1/responses/{id}/cancel: the endpoint holding it.
-_STORED_RESPONSE = re.compile(r".*/responses/([^/]+)(?:/cancel)?")
-
-
-def api_for(path: str) -> Api | None:
-    """The API whose body a path carries; None for paths routed without reading the body."""
-    path = path.split("?", 1)[0].rstrip("/")
-    if path.endswith("/chat/completions"):
-        return "chat"
-    if path.endswith("/completions"):
-        return "completions"
-    if path.endswith("/messages"):
-        return "messages"
-    if path.endswith("/responses"):
-        return "responses"
-    return None
-
-
-def stored_response_id(path: str) -> str | None:
-    """The response a ``/v1/responses/{id}`` path names (None for any other path)."""
-    found = _STORED_RESPONSE.fullmatch(path.split("?", 1)[0].rstrip("/"))
-    return found.group(1) if found else None
 
 
 class Exchange:

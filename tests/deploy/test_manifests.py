@@ -37,8 +37,8 @@ from google.protobuf import json_format
 
 from router.app import build_gateway
 from router.config.model import parse_config
+from router.extproc.metrics import ExtProcMetrics
 from router.extproc.server import EXT_PROC_SERVICE
-from router.extproc.service import ExtProcMetrics
 from router.index.redis_link import RedisMetrics
 from tests.deploy.schemas import CUSTOM_SCHEMAS, DEPLOY
 
