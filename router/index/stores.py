@@ -81,15 +81,11 @@ def build_stores(
     cfg = config.prefix_index
     sessions = config.session_affinity
     capacity = cfg.capacity_blocks or DEFAULT_CAPACITY_BLOCKS
-    rc = config.responses
     if cfg.backend == "memory" or cfg.url is None:
         return Stores(
             InMemoryPrefixIndex(capacity),
             InMemoryAffinityStore(sessions.ttl_seconds, sessions.max_sessions),
-            responses=ResponseRoutes(
-                rc.ttl_seconds, rc.max_entries, probe_timeout_seconds=rc.probe_timeout_seconds,
-                probe=probe,
-            ),
+            responses=_response_routes(config, probe),
         )
     metrics = RedisMetrics(registry)
     url, namespace, budget = cfg.url, cfg.namespace, cfg.timeout_ms
@@ -101,17 +97,7 @@ def build_stores(
         metrics=metrics,
         cluster=cfg.cluster,
     )
-    responses = ResponseRoutes(
-        rc.ttl_seconds,
-        rc.max_entries,
-        url=url,
-        namespace=namespace,
-        timeout_ms=rc.redis_timeout_ms,
-        probe_timeout_seconds=rc.probe_timeout_seconds,
-        probe=probe,
-        metrics=metrics,
-        cluster=cfg.cluster,
-    )
+    responses = _response_routes(config, probe, metrics)
     if cfg.backend == "replicated":
         replicator = Replicator(url, namespace, metrics)
         return Stores(
@@ -135,3 +121,26 @@ def build_stores(
         cluster=cfg.cluster,
     )
     return Stores(index, affinity, shared, responses, metrics)
+
+
+def _response_routes(
+    config: GatewayConfig, probe: Probe | None, metrics: RedisMetrics | None = None
+) -> ResponseRoutes:
+    """Where stored responses live: in memory, or in the Redis of the index (with ``metrics``)."""
+    rc, cfg = config.responses, config.prefix_index
+    if metrics is None or cfg.url is None:
+        return ResponseRoutes(
+            rc.ttl_seconds, rc.max_entries, probe_timeout_seconds=rc.probe_timeout_seconds,
+            probe=probe,
+        )
+    return ResponseRoutes(
+        rc.ttl_seconds,
+        rc.max_entries,
+        url=cfg.url,
+        namespace=cfg.namespace,
+        timeout_ms=rc.redis_timeout_ms,
+        probe_timeout_seconds=rc.probe_timeout_seconds,
+        probe=probe,
+        metrics=metrics,
+        cluster=cfg.cluster,
+    )
