@@ -196,7 +196,7 @@ class UpstreamClient:
             self._let_go(key)
             raise
         try:
-            conn = await self._exchange(target, data, method in _IDEMPOTENT)
+            conn = await self._exchange(target, data, method)
         except BaseException:
             self._release_slot(key)
             raise
@@ -237,21 +237,22 @@ class UpstreamClient:
             if reply is not None:
                 reply.close()
 
-    async def _exchange(self, target: _Target, data: list[bytes], idempotent: bool) -> Connection:
+    async def _exchange(self, target: _Target, data: list[bytes], method: str) -> Connection:
+        bodiless = method == "HEAD"
         conn = self._pooled(target.key)
         if conn is not None:
             sent_at = self._clock()
             try:
-                await _send(conn, data)
+                await _send(conn, data, bodiless)
                 return conn
             except OSError:
                 if conn.answered:
                     raise
-                if not idempotent and self._clock() - sent_at > STALE_CLOSE_S:
+                if method not in _IDEMPOTENT and self._clock() - sent_at > STALE_CLOSE_S:
                     raise  # the endpoint may have read it: the caller's to retry, or not
                 # Closed by the endpoint while idle, as the request was written (see above).
         conn = await self._connect(target)
-        await _send(conn, data)
+        await _send(conn, data, bodiless)
         return conn
 
     def _pooled(self, key: tuple[str, int, bool]) -> Connection | None:
@@ -357,10 +358,10 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-async def _send(conn: Connection, data: list[bytes]) -> None:
+async def _send(conn: Connection, data: list[bytes], bodiless: bool) -> None:
     if conn.closed:
         raise UpstreamConnectionError("the endpoint closed the connection")
-    conn.send(data)
+    conn.send(data, bodiless)
     try:
         await conn.head()
     except BaseException:

@@ -45,6 +45,7 @@ class Connection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self._head_done = False
         self._interim = False  # between an interim (1xx) head and its message's end
+        self._bodiless = False  # the answer to a HEAD: its head is all of it
         self._framed = False
         self._complete = self._keep_alive = False
         self._error: BaseException | None = None
@@ -122,6 +123,11 @@ class Connection(asyncio.Protocol):
                 low == b"transfer-encoding" and b"chunked" in value.lower()
             ):
                 self._framed = True
+        if self._bodiless:
+            # Its Content-Length or chunking describe the body a GET would get: none comes.
+            # llhttp cannot be told so and would wait for that body, so unless it saw the
+            # message end (a length of 0) the connection is not used again (_keep_alive).
+            self._complete = True
         self._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -162,11 +168,13 @@ class Connection(asyncio.Protocol):
             and not self._paused
         )
 
-    def send(self, data: list[bytes]) -> None:
-        """Write a request; its response state starts afresh."""
+    def send(self, data: list[bytes], bodiless: bool = False) -> None:
+        """Write a request; its response state starts afresh. ``bodiless``: the request is a
+        HEAD, whose answer has no body whatever its head says."""
         assert self.transport is not None
         self.requests += 1
         self.answered = False
+        self._bodiless = bodiless
         self.headers = []
         self._head_done = self._framed = self._complete = self._keep_alive = False
         self._interim = False
@@ -217,7 +225,14 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         self.closed = True
         if self.transport is not None:
-            self.transport.close()
+            if self._complete and not self._unsent:
+                self.transport.close()
+            else:
+                # An exchange cut short: dropped at once, with whatever of the request the
+                # transport still holds. A graceful close would first wait for those bytes
+                # to be written, forever if the endpoint stopped reading (hung), keeping the
+                # socket open and the endpoint uninformed.
+                self.transport.abort()
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
