@@ -151,7 +151,9 @@ class ForwardedHeaders:
         ]
         headers.append((REQUEST_ID_HEADER, request_id))
         if tenant is not None:
-            headers.append((FAIRNESS_HEADER, tenant))
+            # The values above stand for the client's bytes (latin-1); the tenant is text from
+            # the config, which may be any Unicode: sent as its UTF-8 bytes.
+            headers.append((FAIRNESS_HEADER, tenant.encode().decode("latin-1")))
         return headers
 
     def keyed(self, headers: list[tuple[str, str]], endpoint_id: str) -> list[tuple[str, str]]:

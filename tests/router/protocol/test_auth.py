@@ -200,3 +200,24 @@ async def test_forward_client_key_when_configured() -> None:
             resp = await http.post("/v1/chat/completions", json=CHAT, headers={"x-api-key": KEY_A})
     assert resp.status_code == 200
     assert echo.received[0]["x-api-key"] == KEY_A
+
+
+async def test_a_tenant_named_outside_latin_1_is_served_not_a_500() -> None:
+    """A tenant is any string in the config (``auth.apiKeys[].tenant``); it goes upstream as
+    the fairness header. Written as it was, the request head could not be encoded, and every
+    request of that tenant was a 500 (a UnicodeEncodeError out of the upstream client)."""
+    tenant = "研究チーム"
+    key = "sk-tenant-0123456789"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    async with echo_upstream() as echo:
+        config = gateway_config(
+            [echo.url], auth={"enabled": True, "apiKeys": [{"key": key, "tenant": tenant}]}
+        )
+        async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+            resp = await http.post(
+                "/v1/chat/completions", json=chat, headers={"authorization": f"Bearer {key}"}
+            )
+    assert resp.status_code == 200, resp.text
+    # Headers arrive latin-1 decoded: these are the tenant's UTF-8 bytes.
+    sent = echo.received[0]["x-gateway-inference-fairness-id"]
+    assert sent.encode("latin-1").decode() == tenant
