@@ -6,6 +6,8 @@ they last, and relayed as they come.
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -33,18 +35,25 @@ async def pass_through(
     awaited since it chose it) and relay the answer; ``what`` names the endpoint in errors."""
     if request.url.query:
         url += "?" + request.url.query
+    # Watched from before it is sent, as on the inference routes: a client that leaves while
+    # the endpoint has not answered yet cancels the request upstream.
+    watch = DisconnectWatch(request.receive, request.scope)
+    watch.start()
+    if watch.disconnected:
+        return Response(status_code=499)
     lease = pool.lease(endpoint_id)
     try:
         attempt = await proxy.open_upstream(request.method, url, upstream_headers, body)
     except BaseException as exc:
         lease.release()
+        watch.stop()
+        if isinstance(exc, asyncio.CancelledError) and watch.absorb_cancel():
+            return Response(status_code=499)
         if isinstance(exc, TimeoutError):
             raise UpstreamTimeoutError(f"{what} did not answer") from None
         if isinstance(exc, UPSTREAM_ERRORS):
             raise UpstreamError(f"{what} is unreachable ({type(exc).__name__})") from None
         raise
-    watch = DisconnectWatch(request.receive, request.scope)
-    watch.start()
     reply = attempt.reply
     return UpstreamResponse(
         reply,

@@ -4,6 +4,7 @@ follow-ups on the replica that stored the response, shared routes, errors and pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -365,3 +366,41 @@ async def test_a_stream_that_opens_and_never_starts_goes_to_another_endpoint() -
     assert got.text.count("event: response.created") == 1 and "response.completed" in got.text
     assert "resp_2" in got.text and "resp_1" not in got.text
     assert retries == 1
+
+
+async def test_a_client_gone_while_a_stored_response_is_awaited_cancels_it_upstream() -> None:
+    """``GET /v1/responses/{id}`` (a background response's ``?stream=true`` too) is relayed
+    by pass_through, which watched for the client only once the holder had answered: a client
+    gone before that left the request upstream until its first byte (up to the first-byte
+    timeout, a connection slot held), and then the whole answer was relayed to nobody."""
+    stored = {"id": "resp_held", "object": "response", "status": "completed", "output": []}
+    asked, dropped = asyncio.Event(), asyncio.Event()
+
+    async def create(request: Request) -> Response:
+        return Response(orjson.dumps(stored), media_type="application/json")
+
+    async def retrieve(request: Request) -> Response:
+        asked.set()
+        # A holder that takes its time, until the gateway drops the request.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        dropped.set()
+        return Response(b"")
+
+    app = Starlette(routes=[
+        Route("/v1/responses", create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", retrieve, methods=["GET"]),
+        *replica_routes(),
+    ])
+    async with serve_app(app) as url:
+        config = gateway_config([url], responses={"probeTimeoutSeconds": 0})
+        async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+            made = await http.post("/v1/responses", json={"model": MODEL, "input": "hi"})
+            assert made.status_code == 200 and made.json()["id"] == "resp_held", made.text
+            waiting = asyncio.create_task(http.get("/v1/responses/resp_held"))
+            await asyncio.wait_for(asked.wait(), 10)
+            waiting.cancel()  # the client leaves: httpx drops its connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            # Bounded far above the fast path: the gateway cancels at once on the disconnect.
+            await asyncio.wait_for(dropped.wait(), 10)
