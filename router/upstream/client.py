@@ -165,6 +165,7 @@ class UpstreamClient:
         self._clock = clock
         self._ssl = ssl_context
         self._idle: dict[tuple[str, int, bool], list[Connection]] = {}
+        self._swept_at = clock()
         self._dns: dict[tuple[str, int], tuple[float, list[str]]] = {}
         self._closed = False
 
@@ -257,7 +258,7 @@ class UpstreamClient:
 
     def _pooled(self, key: tuple[str, int, bool]) -> Connection | None:
         idle = self._idle.get(key)
-        now = time.monotonic()
+        now = self._clock()
         while idle:
             conn = idle.pop()
             conn.on_lost = None
@@ -331,9 +332,31 @@ class UpstreamClient:
         if self._closed or not conn.reusable:
             conn.close()
             return
-        conn.idle_since = time.monotonic()
+        now = self._clock()
+        conn.idle_since = now
         conn.on_lost = self._lost
         self._idle.setdefault(conn.key, []).append(conn)
+        if now - self._swept_at >= self._keepalive:
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Close the pooled connections idle past the keep-alive, every endpoint's. A server
+        closes its idle ones itself, but one that vanished without a reset (its node lost)
+        never does, and no request to it takes them out of the pool: their sockets would stay
+        for the life of the gateway."""
+        self._swept_at = now
+        for key, idle in list(self._idle.items()):
+            # Oldest first: released in order.
+            stale = 0
+            while stale < len(idle) and now - idle[stale].idle_since >= self._keepalive:
+                stale += 1
+            for conn in idle[:stale]:
+                conn.on_lost = None
+                conn.close()
+            if stale == len(idle):
+                del self._idle[key]
+            elif stale:
+                del idle[:stale]
 
     def _lost(self, conn: Connection) -> None:
         idle = self._idle.get(conn.key)

@@ -504,3 +504,31 @@ async def test_an_endpoint_that_holds_all_its_slots_leaves_the_others_theirs() -
         await asyncio.gather(*stuck, return_exceptions=True)
         assert not client._slots, "no slots kept for endpoints nobody sends to"
     await client.aclose()
+
+
+async def test_connections_idle_past_the_keepalive_are_closed_though_nothing_asks_for_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pooled connection is checked for staleness only when its endpoint is asked again;
+    an endpoint never asked again (gone without closing its connections) kept them, and
+    their sockets, for the life of the gateway. Releasing any connection sweeps them."""
+    clock = ManualClock()
+    transports = recorded_transports(monkeypatch)
+    client = UpstreamClient(8, 2, keepalive_seconds=4.0, clock=clock)
+    async with serve(keep_answering) as gone, serve(keep_answering) as alive:
+        reply = await client.request("GET", gone.url, [])
+        assert (await asyncio.wait_for(reply.read_all(), 2)).startswith(b"pong")
+        reply.close()
+        clock.now += 3.0
+        reply = await client.request("GET", alive.url, [])
+        assert (await asyncio.wait_for(reply.read_all(), 2)).startswith(b"pong")
+        reply.close()
+        assert not transports[0].is_closing(), "not idle past the keep-alive yet"
+        clock.now += 1.5
+        reply = await client.request("GET", alive.url, [])
+        assert (await asyncio.wait_for(reply.read_all(), 2)).startswith(b"pong")
+        reply.close()
+        assert transports[0].is_closing(), "the vanished endpoint's connection is still pooled"
+        assert not transports[1].is_closing(), "the live endpoint's connection was reused"
+        assert alive.connections == 1 and len(alive.requests) == 2
+    await client.aclose()
