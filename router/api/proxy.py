@@ -295,7 +295,11 @@ class Proxy:
         count where the answer will have none (of a body decoded here), then the relay."""
         attempt, endpoint, lease = answered.attempt, answered.endpoint, answered.lease
         status, first, begun = attempt.reply.status, attempt.first_chunk, responses_api.TOKEN
-        if parsed.api == "responses" and parsed.stream and status == 200 and first:
+        if status >= 400:
+            # An error reply comes before any prefill: its time is no first token's (as the
+            # picker's, router/extproc/answer.py), neither for the calibrator nor the limits.
+            begun = responses_api.FAILED
+        elif parsed.api == "responses" and parsed.stream and status == 200 and first:
             begun = responses_api.answer_begun(first)
         tell_first_byte(lease, begun, answered=status < 400)
         later = begun == responses_api.OPENING

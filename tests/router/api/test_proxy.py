@@ -5,10 +5,14 @@ from typing import Any
 
 import httpx
 import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from router.serve.server import running_gateway
-from tests.e2e.test_reliability_support import echo_upstream
-from tests.gateways import MODEL, Parses, gateway_config
+from tests.e2e.test_reliability_support import echo_upstream, replica_routes, serve_app
+from tests.gateways import MODEL, Parses, gateway_config, learned_first_tokens
 
 
 def _chat(text: str) -> dict[str, Any]:
@@ -63,3 +67,34 @@ async def test_a_clients_kv_transfer_params_never_reach_a_replica() -> None:
             assert parser is not None and parser.digested == 1, "the large body, in the pool"
     forwarded = [orjson.loads(b) for b in echo.bodies[-2:]]
     assert forwarded == [_chat("hello"), _chat("x y " * 300_000)]
+
+
+async def test_an_error_reply_is_no_first_token_to_learn_from() -> None:
+    """A replica refusing a streamed request (a 400 for a prompt over its context, a 5xx on the
+    last attempt) answers at once, before any prefill: timed as a first token, it would read
+    as a fast prefill, and each one sent at the learned concurrency limit would grow that
+    limit. The picker (router/extproc/answer.py) times only a 200's first body chunk."""
+
+    async def refuse(request: Request) -> Response:
+        await request.body()
+        error = {"error": {"message": "prompt too long", "type": "BadRequestError"}}
+        return Response(orjson.dumps(error), 400, media_type="application/json")
+
+    app = Starlette(
+        routes=[Route("/v1/chat/completions", refuse, methods=["POST"]), *replica_routes()]
+    )
+    flow = {"saturationDetector": {"concurrencyLimit": {"initialLimit": 1, "maxLimit": 8}}}
+    async with serve_app(app) as url:
+        config = gateway_config([url], flowControl=flow)
+        async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+            learned = learned_first_tokens(gw.gateway.calibrator)
+            limits = gw.gateway.flow.limits
+            assert limits is not None
+            for _ in range(3):
+                reply = await http.post(
+                    "/v1/chat/completions", json={**_chat("hello"), "stream": True}
+                )
+                assert reply.status_code == 400
+            assert gw.gateway.flow.outstanding(MODEL) == 0
+            assert dict(limits.items()) == {}, "an error reply grew the learned limit"
+            assert learned == []
