@@ -185,9 +185,14 @@ class FlowController:
             _decrement(self._unplaced, request.model)
         # A turn that just ended is what makes its session live for the next one.
         self._resolver.boost.served(request.session_id)
-        if request.model in self._room.queues:
+        queues = self._room.queues
+        if queues:
+            # Models share endpoints (a base model and its adapters), so the room freed may be
+            # another model's too: its own queue first, then theirs.
+            others = [model for model in queues if model != request.model]
             try:
-                self._dispatch_model(request.model)
+                for model in (request.model, *others):
+                    self._dispatch_model(model)
             except Exception:  # a release must never fail the request that ends; tick retries
                 log.exception("flow control dispatch on release failed")
 

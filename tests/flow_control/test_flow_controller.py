@@ -506,3 +506,31 @@ async def test_a_ticket_counts_as_placed_once_however_often_its_request_is_lease
     assert queued.done()
     first.release()
     queued.result().release()
+
+
+async def test_a_release_dispatches_another_models_queue_on_the_same_endpoint() -> None:
+    """An endpoint serving two models (a base model and its LoRA adapter, say) has one room:
+    a request of one that ends before its first byte frees it for the other's queue at once,
+    not on the next tick."""
+    clock = Clock()
+    pool = EndpointPool(clock=clock)
+    pool.add(Endpoint.from_url("http://a:8000", models=["m", "n"])).healthy = True
+    ctl = FlowController(
+        FlowControlConfig.model_validate(
+            {"saturationDetector": {"concurrencyLimit": {"initialLimit": 1}},
+             "dispatchIntervalSeconds": 5}
+        ),
+        pool.candidates, clock=clock, registry=CollectorRegistry(),
+    )
+    first = run_now(ctl.admit(req("first")))
+    first.leased()
+    lease = pool.lease("a:8000", 100)  # waiting for its first byte: the limit of one is reached
+    other = asyncio.create_task(ctl.admit(FlowRequest(model="n", session_id="other")))
+    await settle()
+    assert not other.done() and ctl.queued == 1
+    lease.release()  # the replica refused it (or its client left) before any byte
+    first.release()
+    await settle()
+    assert other.done(), "room freed on the shared endpoint, yet the other model's queue waits"
+    other.result().release()
+
