@@ -67,9 +67,8 @@ class UpdateQueue(Generic[K, V]):
         return key in self._items
 
     def put(self, key: K, value: V) -> None:
-        old = self._items.pop(key, None)
-        if old is not None:
-            self._total_cost -= self._cost(key, old)
+        if key in self._items:  # its value may be None (a deletion): test the key
+            self._total_cost -= self._cost(key, self._items.pop(key))
         self._items[key] = value
         self._idle.clear()
         self._total_cost += self._cost(key, value)

@@ -35,3 +35,23 @@ async def test_updates_to_keep_are_neither_pushed_out_nor_dropped(redis_url: str
     # Two records were pushed out by newer ones; the first batch (the purge and the newest
     # records) met a Redis failure: its records were dropped, the purge went again.
     assert shipped == [["forget a"]]
+
+
+async def test_an_update_put_again_keeps_the_cost_accounting_exact(redis_url: str) -> None:
+    """A key put again replaces its pending update: its cost is counted once, whatever its
+    value (None is one: ResponseRoutes queues a deleted response's id with None)."""
+    link = RedisLink(redis_url, component="test", metrics=RedisMetrics(CollectorRegistry()))
+
+    async def ship(batch: list[tuple[str, str | None]]) -> None:
+        return None
+
+    queue: UpdateQueue[str, str | None] = UpdateQueue(ship, op="test", link=link, max_cost=2)
+    try:
+        for _ in range(3):  # a response deleted three times before the queue ran
+            queue.put("resp_1", None)
+        queue.put("resp_2", "e1")
+        assert queue._total_cost == 2
+        assert "resp_1" in queue and "resp_2" in queue, "two updates fit a cost of 2"
+    finally:
+        await queue.aclose(1.0)
+        await link.aclose()
