@@ -67,6 +67,7 @@ class Replicator:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        self._unreadable_logged = False
 
     def on(self, kind: str, apply: Apply) -> None:
         self._handlers[kind] = apply
@@ -122,13 +123,28 @@ class Replicator:
                             ignore_subscribe_messages=True, timeout=READ_TIMEOUT_S
                         )
                         if message is not None:
-                            self.apply(message["data"])
+                            self._apply_or_skip(message["data"])
             except (RedisError, OSError) as exc:
                 if self._closing:
                     return
                 self._metrics.errors.labels("replicate", "error").inc()
                 log.warning("replication: subscription lost (%r); again in %.1fs", exc, RETRY_S)
                 await asyncio.sleep(RETRY_S)
+
+    def _apply_or_skip(self, data: bytes) -> None:
+        """Apply a batch; one this release cannot read (another release's format, anything
+        else published on the channel) is counted and skipped, never the end of the
+        subscription."""
+        try:
+            self.apply(data)
+        except Exception as exc:
+            self._metrics.errors.labels("replicate", "unreadable").inc()
+            if not self._unreadable_logged:
+                self._unreadable_logged = True
+                log.warning(
+                    "replication: skipping a message this release cannot read (%r); further "
+                    "ones are only counted (prefixgate_redis_errors_total)", exc,
+                )
 
     def apply(self, data: bytes) -> None:
         """Apply another process's published batch (our own comes back too: skipped)."""

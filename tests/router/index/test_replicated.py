@@ -8,6 +8,7 @@ from typing import TypeVar
 
 import msgpack
 import pytest
+import redis.asyncio
 from prometheus_client import CollectorRegistry
 
 from router.config.model import parse_config
@@ -15,7 +16,7 @@ from router.core.errors import ConfigError
 from router.index.affinity import InMemoryAffinityStore
 from router.index.prefix_index import InMemoryPrefixIndex
 from router.index.redis_index import pack_hashes
-from router.index.redis_link import RedisMetrics
+from router.index.redis_link import RedisMetrics, key_tag
 from router.index.replicated import (
     FORGOTTEN_FOR_S,
     ReplicatedAffinityStore,
@@ -39,9 +40,11 @@ class Process:
         self.affinity = ReplicatedAffinityStore(InMemoryAffinityStore(60, 100), self.replicator)
 
 
-async def _poll(probe: Callable[[], Awaitable[T]], until: Callable[[T], bool]) -> T:
+async def _poll(
+    probe: Callable[[], Awaitable[T]], until: Callable[[T], bool], rounds: int = 400
+) -> T:
     result = await probe()
-    for _ in range(400):  # 20 s: generous on a loaded machine
+    for _ in range(rounds):  # 400: 20 s, generous on a loaded machine
         if until(result):
             return result
         await asyncio.sleep(0.05)
@@ -254,3 +257,22 @@ async def test_a_restarted_endpoint_is_cleared_and_takes_the_other_processes_rec
         assert await index.match([4, 5], [pod]) == {pod: 2}
     finally:
         await replicator.aclose()
+
+
+async def test_a_message_that_cannot_be_applied_does_not_stop_the_subscription(
+    pair: tuple[Process, Process], redis_url: str, redis_namespace: str
+) -> None:
+    """A message on the channel this release cannot read (another release's format, anything
+    else published there) is skipped: the process goes on applying the others' writes."""
+    a, b = pair
+    client = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        channel = key_tag(redis_namespace) + ":replicate"
+        for garbage in (b"\xc1", msgpack.packb([b"other"]), msgpack.packb([b"other", [["r"]]])):
+            await client.publish(channel, garbage)
+    finally:
+        await client.aclose()
+    a.affinity.set("s9", "e1:8000")
+    seen = await _poll(lambda: b.affinity.get("s9"), lambda e: e is not None, rounds=100)
+    assert seen == "e1:8000"
+    assert b.metrics.errors.labels("replicate", "unreadable")._value.get() == 3
