@@ -24,6 +24,8 @@ import pytest
 import redis
 import redis.asyncio
 
+from router.index.redis_link import LuaScript
+
 T = TypeVar("T")
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 START_TIMEOUT = 5.0
@@ -125,6 +127,26 @@ async def namespace_for(url: str) -> AsyncIterator[str]:
         yield namespace
     finally:
         await delete_namespace(url, namespace)
+
+
+# Prepended to a script by declared_keys_only: every key a command names must be one of KEYS
+# (the first argument of every command the scripts use, TIME aside, is its key).
+_DECLARED_KEYS_ONLY = """
+local declared_keys_ = {}
+for _, k in ipairs(KEYS) do declared_keys_[k] = true end
+local function checked_call_(cmd, key, ...)
+  if cmd == 'TIME' then return redis.call(cmd) end
+  if not declared_keys_[key] then error('key not given in KEYS: ' .. tostring(key)) end
+  return redis.call(cmd, key, ...)
+end
+"""
+
+
+def declared_keys_only(script: LuaScript) -> LuaScript:
+    """``script`` failing on any key it touches that it was not given in KEYS: a Redis
+    Cluster (or a proxy) routes a script by its declared keys, and a key built inside it
+    escapes that, even when it shares their hash tag."""
+    return LuaScript(_DECLARED_KEYS_ONLY + script.source.replace("redis.call(", "checked_call_("))
 
 
 class FlakyProxy:

@@ -126,25 +126,26 @@ class RedisAffinityStore:
         await self._link.aclose()
 
 
+# KEYS: the gateways' set, this gateway's counts, the other gateways' counts (a key touched by a
+# script must be one it is given: a Redis Cluster routes it by them). A key of a gateway gone
+# stale has expired with it. ARGV: gateway id, ttl ms, then endpoint/count pairs.
 _INFLIGHT = LuaScript(
     """
-local gid, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local gid, ttl = ARGV[1], tonumber(ARGV[2])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('DEL', KEYS[2])
-if #ARGV > 3 then
-  redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+if #ARGV > 2 then
+  redis.call('HSET', KEYS[2], unpack(ARGV, 3))
   redis.call('PEXPIRE', KEYS[2], ttl)
 end
 redis.call('ZADD', KEYS[1], now, gid)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
 redis.call('PEXPIRE', KEYS[1], ttl * 4)
 local totals, out = {}, {}
-for _, other in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-  if other ~= gid then
-    local kv = redis.call('HGETALL', prefix .. other)
-    for i = 1, #kv, 2 do totals[kv[i]] = (totals[kv[i]] or 0) + tonumber(kv[i + 1]) end
-  end
+for k = 3, #KEYS do
+  local kv = redis.call('HGETALL', KEYS[k])
+  for i = 1, #kv, 2 do totals[kv[i]] = (totals[kv[i]] or 0) + tonumber(kv[i + 1]) end
 end
 for k, v in pairs(totals) do out[#out + 1] = k; out[#out + 1] = v end
 return out
@@ -238,13 +239,19 @@ class SharedInFlight:
         return dict(self._live())
 
     async def sync_once(self) -> bool:
-        """Publish our counts and read the others' in one round trip; False on failure."""
-        args: list[Any] = [self.gateway_id, max(1, int(self._expiry * 1000)), self._prefix]
+        """Publish our counts and read the others' (the gateways, then one script: it is
+        given their keys); False on failure."""
+        args: list[Any] = [self.gateway_id, max(1, int(self._expiry * 1000))]
         for endpoint_id, count in self._counts().items():
             if count > 0:
                 args += [endpoint_id, int(count)]
-        keys = [self._members_key, self._prefix + self.gateway_id]
+        own = self._prefix + self.gateway_id
         try:
+            members = await self._link.call(
+                "inflight_sync", lambda c: c.zrange(self._members_key, 0, -1)
+            )
+            others = [self._prefix + as_text(m) for m in members]
+            keys = [self._members_key, own, *(k for k in others if k != own)]
             flat = await self._link.call(
                 "inflight_sync", lambda c: eval_script(c, _INFLIGHT, keys, args)
             )

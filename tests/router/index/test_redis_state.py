@@ -17,12 +17,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.core.endpoints import QUEUE_AVERAGE_S, Endpoint, EndpointPool
+from router.index import redis_state
 from router.index.affinity import InMemoryAffinityStore
 from router.index.prefix_index import InMemoryPrefixIndex
 from router.index.redis_link import RedisLink, RedisMetrics, Unavailable
 from router.index.redis_state import RedisAffinityStore, SharedInFlight, gateway_load
 from router.index.stores import Stores
 from tests.manual_clock import ManualClock
+from tests.redis_server import declared_keys_only
 
 pytestmark = pytest.mark.redis
 
@@ -275,3 +277,17 @@ async def test_a_cancel_the_client_swallows_still_stops_the_caller(closing: list
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, 2)
+
+
+async def test_the_in_flight_script_touches_only_the_keys_it_is_given(
+    redis_url: str, redis_namespace: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every key a script touches must be in its KEYS (Redis Cluster routes a script by them):
+    the others' counts, read from keys built inside the script, were never given."""
+    monkeypatch.setattr(redis_state, "_INFLIGHT", declared_keys_only(redis_state._INFLIGHT))
+    a = inflight(redis_url, redis_namespace, closing, {"e1": 3}, gateway_id="a")
+    b = inflight(redis_url, redis_namespace, closing, {"e1": 2, "e2": 1}, gateway_id="b")
+    for shared in (a, b, a):
+        assert await shared.sync_once()
+    assert a.remote_counts() == {"e1": 2, "e2": 1}
+    assert b.remote_counts() == {"e1": 3}
