@@ -28,6 +28,7 @@ from router.index.redis_link import (
     RedisMetrics,
     ScriptCall,
     Unavailable,
+    as_text,
     default_metrics,
     eval_script,
     key_tag,
@@ -177,21 +178,30 @@ class RedisPrefixIndex:
         await self._link.aclose()
 
     def _script_args(
-        self, op: _Op, capacity: int, refresh: bool, most: int = 0, bound: int | None = None
+        self,
+        op: _Op,
+        capacity: int,
+        refresh: bool,
+        most: int = 0,
+        bound: int | None = None,
+        lrus: Sequence[str] = (),
     ) -> ScriptCall:
+        """A script call for ``op``; a refresh renews ``lrus`` (every endpoint's LRU key)."""
         kind, endpoint_id, blob = op
         keys = [self._holders, self._slots, self._lru_prefix + endpoint_id, self._clocks]
         if kind == "forget":
             return _FORGET, keys, [endpoint_id, self._forget_chunk]
         flag = "1" if refresh else "0"
         piece_of = "" if bound is None else bound
-        args = [endpoint_id, capacity, self._ttl_ms, flag, self._lru_prefix, blob, most, piece_of]
-        return _RECORD, keys, args
+        args = [endpoint_id, capacity, self._ttl_ms, flag, blob, most, piece_of]
+        return _RECORD, [*keys, *lrus] if refresh else keys, args
 
     async def _ship(self, batch: list[tuple[_Op, int]]) -> None:
         """Pipelined round trips for a batch of updates, in order: a purge is finished, chunk
         by chunk, before what was queued after it (a new pod at the same address records
-        blocks its predecessor's purge must not take)."""
+        blocks its predecessor's purge must not take). A purge that cannot finish now (Redis
+        away between its chunks, or its rounds used up) goes back to the head of the queue with
+        its endpoint's later updates behind it; the other endpoints' go on."""
         refresh = time.monotonic() - self._refreshed_at > self._refresh_every
         start = 0
         for i, (op, _) in enumerate(batch):
@@ -199,13 +209,36 @@ class RedisPrefixIndex:
                 run = batch[start : i + 1]
                 # Only a record refreshes the keys' TTL: the first run that has one does.
                 refreshes = refresh and any(o[0] == "record" for o, _ in run)
-                await self._ship_run(run, refreshes)
+                try:
+                    finished = await self._ship_run(run, refreshes)
+                except Unavailable as exc:
+                    # Only what did not ship goes back (its purges, as the queue would): a
+                    # purge done in an earlier run, run again, would take what a new pod at
+                    # the same address recorded after it.
+                    rest = batch[start:]
+                    kept = self._queue.requeue([u for u in rest if u[0][0] == "forget"])
+                    self.metrics.dropped.labels("index_update", exc.reason).inc(len(rest) - kept)
+                    return
                 refresh = refresh and not refreshes
                 start = i + 1
+                if not finished:
+                    later = batch[start:]
+                    self._queue.requeue([batch[i], *(u for u in later if u[0][1] == op[1])])
+                    await self._ship([u for u in later if u[0][1] != op[1]])
+                    return
 
-    async def _ship_run(self, batch: list[tuple[_Op, int]], refresh: bool) -> None:
+    async def _ship_run(self, batch: list[tuple[_Op, int]], refresh: bool) -> bool:
+        """One pipelined round trip (and the pieces it calls for); False when the run ends
+        with a purge that is not finished yet."""
+        lrus: list[str] = []
+        if refresh:  # a script touches only the keys it is given: it is given every LRU key
+            ids = await self._link.call(
+                "index_update", lambda c: c.hkeys(self._slots), self._write_budget
+            )
+            lrus = [self._lru_prefix + as_text(e) for e in ids]
         calls = [
-            self._script_args(op, capacity, refresh, self._max_touch) for op, capacity in batch
+            self._script_args(op, capacity, refresh, self._max_touch, lrus=lrus)
+            for op, capacity in batch
         ]
         results = await self._link.call(
             "index_update", lambda c: pipeline_scripts(c, calls), self._write_budget
@@ -216,18 +249,20 @@ class RedisPrefixIndex:
             self.metrics.dropped.labels("index_update", "error").inc(len(failed))
         if refresh and not failed:
             self._refreshed_at = time.monotonic()
+        finished = True
         for (op, capacity), result in zip(batch, results, strict=True):
             if op[0] == "forget" and isinstance(result, int) and result > 0:
-                await self._forget_rest(op)
+                finished = await self._forget_rest(op)
             elif op[0] == "trim" and isinstance(result, int) and result > 0:
                 if op not in self._queue:  # the next chunk (a newer trim would do it anyway)
                     self._queue.put(op, capacity)
             elif op[0] == "record" and isinstance(result, list) and len(result) == 2:
                 await self._record_in_pieces(op, capacity, int(result[0]) - 1, int(result[1]))
+        return finished
 
-    async def _forget_rest(self, op: _Op) -> None:
+    async def _forget_rest(self, op: _Op) -> bool:
         """A purge's later chunks, one bounded script each (a script runs alone on the
-        server)."""
+        server); False when it is not finished (the caller queues the rest)."""
         _, keys, args = self._script_args(op, 0, False)
 
         async def run(client: Any) -> Any:
@@ -237,11 +272,10 @@ class RedisPrefixIndex:
             try:
                 left = await self._link.call("index_update", run, self._write_budget)
             except Unavailable:
-                self._queue.requeue([(op, 0)])  # finished when Redis is back
-                return
+                return False  # finished when Redis is back
             if not isinstance(left, int) or left <= 0:
-                return
-        self._queue.put(op, 0)
+                return True
+        return False
 
     async def _record_in_pieces(self, op: _Op, capacity: int, fresh: int, bound: int) -> None:
         """Touch a long chain as growing prefixes, one round trip each.
@@ -268,5 +302,5 @@ class RedisPrefixIndex:
             try:
                 await self._link.call("index_update", run, self._write_budget)
             except Unavailable:
-                self._queue.requeue([(op, 0)])  # finished when Redis is back
+                self._queue.requeue([(op, capacity)])  # finished when Redis is back
                 return

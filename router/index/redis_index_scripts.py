@@ -95,25 +95,26 @@ search(0, n, cands)
 return res
 """)
 
-# KEYS: holders, slots, this endpoint's LRU, clocks. ARGV: endpoint, capacity, ttl ms,
-# refresh-all flag, LRU key prefix, packed hashes (possibly empty: then it only trims), the most
-# blocks to touch in this call (0: no limit), and the fresh bound of the record this call is a
-# piece of ('' for a record of its own). Returns 0, or {1 + the fresh head's length, the fresh
-# bound} when the touch would exceed that limit (nothing is written: the caller ships the chain
-# in pieces, each with that bound, as InMemoryPrefixIndex's pieces share theirs), or, for a trim,
+# KEYS: holders, slots, this endpoint's LRU, clocks, then (with the refresh-all flag) every
+# endpoint's LRU. ARGV: endpoint, capacity, ttl ms, refresh-all flag, packed hashes (possibly
+# empty: then it only trims), the most blocks to touch in this call (0: no limit), and the fresh
+# bound of the record this call is a piece of ('' for a record of its own). Returns 0, or
+# {1 + the fresh head's length, the fresh bound} when the touch would exceed that limit (nothing
+# is written: the caller ships the chain in pieces, each with that bound, as
+# InMemoryPrefixIndex's pieces share theirs), or, for a trim,
 # the entries over capacity left for the next call.
 # The touch rules of InMemoryPrefixIndex.record (router/index/prefix_index.py), step for step and in
 # the same double arithmetic, so both indexes score and evict alike: a binary search for the
 # fresh head of the chain, then only the rest is touched.
 RECORD = LuaScript(PRELUDE + """
 local holders, slots, lru, clocks = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local ep, cap, ttl, blob = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[6]
-local most, bound = tonumber(ARGV[7]), ARGV[8]
+local ep, cap, ttl, blob = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[5]
+local most, bound = tonumber(ARGV[6]), ARGV[7]
 if ARGV[4] == '1' then
   -- First, before any early return (a long record's pieces follow with the flag off): every
-  -- endpoint's keys kept alive while any gateway writes. LRU keys are derived from the slots
-  -- hash; they share the hash tag, so the same Cluster slot.
-  for _, e in ipairs(redis.call('HKEYS', slots)) do redis.call('PEXPIRE', ARGV[5] .. e, ttl) end
+  -- endpoint's keys kept alive while any gateway writes. The caller gives the LRU keys (read
+  -- from the slots hash): a script touches only keys it is given, as a Cluster requires.
+  for k = 5, #KEYS do redis.call('PEXPIRE', KEYS[k], ttl) end
   redis.call('PEXPIRE', holders, ttl)
   redis.call('PEXPIRE', slots, ttl)
   redis.call('PEXPIRE', clocks, ttl)

@@ -19,8 +19,8 @@ import router.index.redis_index as redis_index
 from router.index.circuit_breaker import CircuitBreaker
 from router.index.prefix_index import InMemoryPrefixIndex, PrefixIndex
 from router.index.redis_index import RedisPrefixIndex, pack_hashes
-from router.index.redis_link import LuaScript, eval_script, key_tag
-from tests.redis_server import FlakyProxy
+from router.index.redis_link import LuaScript, Unavailable, eval_script, key_tag
+from tests.redis_server import FlakyProxy, declared_keys_only
 
 pytestmark = pytest.mark.redis
 
@@ -531,3 +531,128 @@ async def test_a_long_cold_chain_is_touched_in_pieces(make_index: Factory) -> No
     writer.record("a", [100, 101, 102])  # over capacity: the old chain's tail goes
     reader = await remote_view(make_index, writer)
     assert await reader.match([*chain, 11, 12], ["a"]) == {"a": 9}
+
+
+async def test_a_long_record_that_meets_a_redis_failure_keeps_its_capacity(
+    make_index: Factory,
+) -> None:
+    """A long record whose pieces meet a blip goes back to the queue, finished when Redis is
+    back: with the capacity it was queued with, not 0, which trimmed the endpoint's whole LRU
+    in Redis (every entry past a capacity of 0 evicted)."""
+    writer = make_index(default_capacity=100, max_blocks_per_write=4)
+    writer.record("a", [1, 2, 3])
+    await writer.flush()
+    real_call = writer.link.call
+    calls = 0
+
+    async def flaky(op: str, fn: Any, budget: float | None = None) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the first piece, after the pipeline that found the record long
+            raise Unavailable("timeout")
+        return await real_call(op, fn, budget)
+
+    writer.link.call = flaky  # type: ignore[method-assign]
+    chain = list(range(100, 120))
+    writer.record("a", chain)
+    await writer.flush()
+    assert await writer.link.client.zcard(writer._lru_prefix + "a") == 23
+    reader = await remote_view(make_index, writer)
+    assert await reader.match([1, 2, 3], ["a"]) == {"a": 3}
+    assert await reader.match(chain, ["a"]) == {"a": 20}
+
+
+@pytest.mark.parametrize("interruption", ["a blip", "its rounds used up"])
+async def test_a_purge_interrupted_midway_still_ends_before_what_was_recorded_after_it(
+    make_index: Factory, monkeypatch: pytest.MonkeyPatch, interruption: str
+) -> None:
+    """A purge that cannot finish in one go (Redis away between its chunks, or its rounds for
+    this batch used up) goes on before the records queued after it: the new pod at the same
+    address keeps what it recorded."""
+    writer = make_index(forget_chunk=2)
+    writer.record("10.0.0.5:8000", list(range(1, 21)))  # a pod that leaves
+    await writer.flush()
+    if interruption == "its rounds used up":
+        monkeypatch.setattr(redis_index, "_FORGET_ROUNDS", 2)
+    else:
+        real_call = writer.link.call
+        calls = 0
+
+        async def flaky(op: str, fn: Any, budget: float | None = None) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 3:  # the purge's second chunk after its first run
+                raise Unavailable("timeout")
+            return await real_call(op, fn, budget)
+
+        writer.link.call = flaky  # type: ignore[method-assign]
+    await writer.forget_endpoint("10.0.0.5:8000")
+    writer.record("10.0.0.5:8000", [1001, 1002, 1003])  # a new pod at the same address
+    await writer.flush()
+    client = writer.link.client
+    assert await client.zcard(writer._lru_prefix + "10.0.0.5:8000") == 3
+    reader = await remote_view(make_index, writer)
+    assert await reader.match([1001, 1002, 1003], ["10.0.0.5:8000"]) == {"10.0.0.5:8000": 3}
+    assert await reader.match(list(range(1, 21)), ["10.0.0.5:8000"]) == {"10.0.0.5:8000": 0}
+
+
+async def test_the_index_scripts_touch_only_the_keys_they_are_given(
+    make_index: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every key a script touches must be in its KEYS (Redis Cluster routes a script by them):
+    a refresh that built every endpoint's LRU key inside the script touched keys it was never
+    given."""
+    for name in ("_MATCH", "_RECORD", "_FORGET"):
+        monkeypatch.setattr(redis_index, name, declared_keys_only(getattr(redis_index, name)))
+    registry = CollectorRegistry()
+    writer = make_index(registry=registry, forget_chunk=2, max_blocks_per_write=4)
+    writer.record("a", [1, 2, 3])
+    writer.record("b", [1, 2])
+    writer.record("gone", [5, 6, 7])
+    await writer.flush()
+    writer._refreshed_at = -float("inf")  # the refresh of every endpoint's keys is due
+    writer.record("a", list(range(1, 12)))  # past max_blocks_per_write: in pieces
+    writer.set_capacity("b", 1)
+    await writer.forget_endpoint("gone")
+    await writer.flush()
+    assert registry.get_sample_value(
+        "prefixgate_redis_errors_total", {"op": "index_update", "kind": "error"}
+    ) is None
+    reader = await remote_view(make_index, writer, registry=CollectorRegistry())
+    ids = ["a", "b", "gone"]
+    assert await reader.match(list(range(1, 12)), ids) == {"a": 11, "b": 1, "gone": 0}
+    assert reader.metrics.fallbacks.labels("index_match", "error")._value.get() == 0
+
+
+async def test_a_purge_already_done_is_not_run_again_after_the_records_that_followed_it(
+    make_index: Factory,
+) -> None:
+    """A batch whose later round trip fails puts its purges back, the ones done in its earlier
+    round trips too: run again, such a purge took what a new pod at the same address had
+    recorded after it."""
+    writer = make_index()
+    writer.record("10.0.0.5:8000", list(range(1, 11)))  # a pod that leaves
+    writer.record("10.0.0.6:8000", list(range(11, 21)))  # another one
+    await writer.flush()
+    real_call = writer.link.call
+    calls = 0
+
+    async def flaky(op: str, fn: Any, budget: float | None = None) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # the batch's third round trip: its last records
+            raise Unavailable("timeout")
+        return await real_call(op, fn, budget)
+
+    writer.link.call = flaky  # type: ignore[method-assign]
+    await writer.forget_endpoint("10.0.0.5:8000")
+    writer.record("10.0.0.5:8000", [1001, 1002, 1003])  # a new pod at the same address
+    await writer.forget_endpoint("10.0.0.6:8000")
+    writer.record("10.0.0.7:8000", [2001])
+    await writer.flush()
+    assert calls >= 3
+    client = writer.link.client
+    assert await client.zcard(writer._lru_prefix + "10.0.0.5:8000") == 3
+    assert await client.zcard(writer._lru_prefix + "10.0.0.6:8000") == 0
+    reader = await remote_view(make_index, writer)
+    assert await reader.match([1001, 1002, 1003], ["10.0.0.5:8000"]) == {"10.0.0.5:8000": 3}
