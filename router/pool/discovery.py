@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -34,6 +35,9 @@ log = logging.getLogger("prefixgate.discovery")
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
 MAX_BACKOFF_SECONDS = 30.0
+# A pass that ran this long was working: its failure starts the backoff over (client-go's
+# reflector resets its backoff after 2 minutes the same way).
+BACKOFF_RESET_SECONDS = 120.0
 _ROLES: dict[str, Role] = {
     "prefill": "prefill",
     "decode": "decode",
@@ -124,9 +128,15 @@ def apply_event(objects: dict[str, dict[str, Any]], event: Mapping[str, Any]) ->
 class KubernetesDiscovery:
     """Keeps an :class:`EndpointSink` in step with the pods Kubernetes reports."""
 
-    def __init__(self, config: DiscoveryConfig, sink: EndpointSink) -> None:
+    def __init__(
+        self,
+        config: DiscoveryConfig,
+        sink: EndpointSink,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._config = config
         self._sink = sink
+        self._clock = clock
         self._client: UpstreamClient | None = None
         self._api: KubeApi | None = None
         self._namespace = config.namespace or "default"
@@ -171,6 +181,7 @@ class KubernetesDiscovery:
     async def _run(self) -> None:
         backoff = self._config.retry_seconds
         while True:
+            started = self._clock()
             try:
                 await self._cycle()
                 backoff = self._config.retry_seconds
@@ -180,6 +191,8 @@ class KubernetesDiscovery:
                 log.warning("discovery: InferencePool %r not found", self._config.inference_pool)
                 await self._publish({})
             except Exception as exc:  # the API server may be briefly away: keep what we have
+                if self._clock() - started >= BACKOFF_RESET_SECONDS:
+                    backoff = self._config.retry_seconds  # a new failure, not the same one
                 log.warning("discovery: %s; retrying in %.1fs", exc, backoff)
             await asyncio.sleep(backoff)
             backoff = min(MAX_BACKOFF_SECONDS, backoff * 2)
@@ -191,10 +204,9 @@ class KubernetesDiscovery:
             await self._pods(selector_string(cfg.label_selector), cfg.target_ports)
             return
         path = f"/apis/{POOL_GROUP}/{POOL_VERSION}/namespaces/{self._namespace}/inferencepools"
-        pool = await self.api.get(f"{path}/{cfg.inference_pool}")
-        spec = pool_spec(pool)
+        spec, rv = await self._pool(path)
         pods = asyncio.create_task(self._pods(*spec))
-        watch = asyncio.create_task(self._pool_changed(path, _resource_version(pool), spec))
+        watch = asyncio.create_task(self._pool_changed(path, rv, spec))
         try:
             done, _ = await asyncio.wait({pods, watch}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -204,6 +216,17 @@ class KubernetesDiscovery:
                 task.cancel()
             await asyncio.gather(pods, watch, return_exceptions=True)
 
+    async def _pool(self, path: str) -> tuple[tuple[str, list[int]], str]:
+        """The InferencePool's (selector, ports), and the resourceVersion to watch it from:
+        its list's (the pool's own is as old as its last change, likely older than etcd
+        keeps, and a watch from it would be 410 Gone at once)."""
+        name = str(self._config.inference_pool)
+        listing = await self.api.get(path, {"fieldSelector": f"metadata.name={name}"})
+        for item in listing.get("items") or []:
+            if (item.get("metadata") or {}).get("name") == name:
+                return pool_spec(item), _resource_version(listing)
+        raise PoolMissing(f"{path}/{name}")
+
     async def _pool_changed(self, path: str, rv: str, spec: tuple[str, list[int]]) -> None:
         """Return when the InferencePool's selector or ports change, or it is deleted."""
         params = {"fieldSelector": f"metadata.name={self._config.inference_pool}"}
@@ -212,13 +235,19 @@ class KubernetesDiscovery:
             stream = self.api.watch(
                 path, {**params, "resourceVersion": rv}, self._config.watch_timeout_seconds
             )
-            async for event in stream:
-                rv = apply_event(pools, event) or rv
-                if event.get("type") == "DELETED":
-                    return
-                current = pools.get(str(self._config.inference_pool))
-                if current is not None and pool_spec(current) != spec:
-                    log.info("discovery: InferencePool changed: %s", pool_spec(current))
+            try:
+                async for event in stream:
+                    rv = apply_event(pools, event) or rv
+                    if event.get("type") == "DELETED":
+                        return
+                    current = pools.get(str(self._config.inference_pool))
+                    if current is not None and pool_spec(current) != spec:
+                        log.info("discovery: InferencePool changed: %s", pool_spec(current))
+                        return
+            except WatchExpired:  # read it again (PoolMissing if it went meanwhile)
+                latest, rv = await self._pool(path)
+                if latest != spec:
+                    log.info("discovery: InferencePool changed: %s", latest)
                     return
 
     async def _pods(self, selector: str, ports: list[int]) -> None:
@@ -295,7 +324,8 @@ class LivePool:
     def _leave(self, endpoint_id: str, keep: bool = False) -> None:
         self._pool.remove(endpoint_id, keep)
         if self._monitor is not None:
-            self._monitor.unwatch(endpoint_id)
+            # Not ready only: its last scrape stays, to tell a restart when it is back.
+            self._monitor.unwatch(endpoint_id, forget=not keep)
 
     async def apply(self, endpoints: Discovered) -> None:
         for endpoint_id, known in list(self._managed.items()):

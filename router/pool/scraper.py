@@ -153,10 +153,13 @@ class EndpointMonitor:
             task = asyncio.create_task(self._run(state), name=f"monitor:{state.endpoint.id}")
             self._tasks[state.endpoint.id] = task
 
-    def unwatch(self, endpoint_id: str) -> None:
-        """Stop polling an endpoint that left the pool (Kubernetes discovery)."""
+    def unwatch(self, endpoint_id: str, forget: bool = True) -> None:
+        """Stop polling an endpoint that left the pool (Kubernetes discovery); ``forget``:
+        for good, else (not ready) its last query count stays, so that a restart while it
+        was out (a container restart turns its pod NotReady) is still told."""
         task = self._tasks.pop(endpoint_id, None)
-        self._queries.pop(endpoint_id, None)
+        if forget:
+            self._queries.pop(endpoint_id, None)
         if task is not None:
             task.cancel()
 

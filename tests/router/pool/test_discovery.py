@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import ssl
 from collections.abc import AsyncIterator, Callable
@@ -19,10 +20,12 @@ from aiohttp import web
 from benchmarks.sim.cli import start_replicas
 from benchmarks.sim.config import SimConfig
 from router.config.model import DiscoveryConfig
-from router.core.endpoints import Endpoint
+from router.core.endpoints import Endpoint, EndpointPool
 from router.extproc.server import running_epp
-from router.pool.discovery import Discovered, KubernetesDiscovery
+from router.pool.discovery import Discovered, KubernetesDiscovery, LivePool
+from router.pool.scraper import EndpointMonitor, MonitorSettings
 from router.serve.server import running_gateway
+from router.upstream.client import UpstreamClient
 from tests.gateways import gateway_config
 from tests.router.extproc.envoy import MODEL, Envoy, chat_body, epp_config
 
@@ -418,3 +421,134 @@ async def test_http_gateway_discovers_its_replicas(kube: tuple[FakeKube, str]) -
             assert resp.headers["x-gateway-destination-endpoint"] == f"127.0.0.1:{replica.port}"
             fake.delete("pods", "a")
             await until(lambda: len(gw.gateway.pool) == 0)
+
+
+# -- review: watches that recover, restarts seen across a readiness blip ------------------------
+
+
+async def test_a_pool_unchanged_since_compaction_is_still_watched(
+    kube: tuple[FakeKube, str], watch: Callable[..., Any]
+) -> None:
+    """An InferencePool last changed before etcd's compaction: its own resourceVersion is too
+    old to watch from, the list's is not. Its watch stays open (no relist loop), and a change
+    to it is followed."""
+    fake, _ = kube
+    fake.put("pools", inference_pool("llama", [8000]))
+    fake.put("pods", pod("a", "127.0.0.11"))
+    fake.put("pods", pod("b", "127.0.0.12"))
+    fake.expire_watches()  # no watch open yet: only moves the oldest version kept
+    _, seen = await watch(inferencePool="llama")
+    assert set(seen.ready()) == {"127.0.0.11:8000", "127.0.0.12:8000"}
+    await until(lambda: {w.kind for w in fake.watchers} == {"pods", "pools"}, 5.0)
+    fake.put("pools", inference_pool("llama", [9000]))
+    await until(lambda: set(seen.ready()) == {"127.0.0.11:9000", "127.0.0.12:9000"})
+
+
+async def test_a_pool_watch_that_expires_checks_the_pool_again(
+    kube: tuple[FakeKube, str], watch: Callable[..., Any]
+) -> None:
+    """A 410 on the InferencePool's watch is no error: the pool is read again and watched on."""
+    fake, _ = kube
+    fake.put("pools", inference_pool("llama", [8000]))
+    fake.put("pods", pod("a", "127.0.0.11"))
+    _, seen = await watch(inferencePool="llama")
+    await until(lambda: {w.kind for w in fake.watchers} == {"pods", "pools"}, 5.0)
+    fake.put("pools", {**inference_pool("llama", [8000]), "status": {"seen": True}})
+    fake.expire_watches()
+    await until(lambda: {w.kind for w in fake.watchers} == {"pods", "pools"}, 5.0)
+    fake.put("pools", inference_pool("llama", [9000]))
+    await until(lambda: set(seen.ready()) == {"127.0.0.11:9000"})
+
+
+async def test_backoff_starts_over_after_the_watch_ran_well(
+    kube: tuple[FakeKube, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The retry delay doubles while the API server keeps failing, and starts over once
+    discovery has been working for a while: a blip an hour after the last one is retried
+    at once, not after the longest delay."""
+    fake, url = kube
+    fake.put("pods", pod("a", "127.0.0.11"))
+    failing = [2]
+    serve = fake._serve
+
+    async def flaky(request: web.Request, kind: str) -> web.StreamResponse:
+        if request.query.get("watch") == "true" and failing[0]:
+            failing[0] -= 1
+            return web.json_response({"kind": "Status", "code": 500}, status=500)
+        return await serve(request, kind)
+
+    fake._serve = flaky  # type: ignore[method-assign]
+    now = [0.0]
+    config = discovery_config(url, labelSelector={"app": "vllm"}, targetPorts=[8000])
+    config = config.model_copy(update={"retry_seconds": 0.1})
+    discovery = KubernetesDiscovery(config, Recorder(), clock=lambda: now[0])
+    caplog.set_level("WARNING", logger="prefixgate.discovery")
+
+    def delays() -> list[float]:
+        return [float(r.args[1]) for r in caplog.records if "retrying" in r.msg]  # type: ignore[index,arg-type]
+
+    try:
+        await discovery.start()
+        await until(lambda: len(delays()) == 2 and bool(fake.watchers))
+        assert delays() == [0.1, 0.2]
+        now[0] += 3600.0  # an hour of a working watch
+        for w in fake.watchers:
+            w.queue.put_nowait({"type": "ERROR", "object": {"code": 500, "message": "etcd"}})
+        await until(lambda: len(delays()) == 3)
+        assert delays()[2] == 0.1
+    finally:
+        await discovery.stop()
+
+
+async def test_a_replica_restarted_while_not_ready_is_still_noticed() -> None:
+    """In Kubernetes a container restart turns its pod NotReady until the new engine is up:
+    the endpoint leaves the pool and comes back. The metrics scrape must still see its
+    prefix-cache counter go back, so that the prefix index forgets what the old engine
+    held (docs/reliability.md, replicas that restart)."""
+    queries = [400.0]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            for _ in range(10_000):
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"GET /v1/models"):
+                    body = b'{"data": [{"id": "m"}]}'
+                elif head.startswith(b"GET /metrics"):
+                    body = f"vllm:prefix_cache_queries_total {queries[0]}\n".encode()
+                else:
+                    body = b""
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    restarted: list[str] = []
+
+    async def on_restart(endpoint_id: str) -> None:
+        restarted.append(endpoint_id)
+
+    client = UpstreamClient(8, 1.0)
+    pool = EndpointPool()
+    settings = MonitorSettings(scrape_interval=3600.0, health_interval=3600.0)
+    monitor = EndpointMonitor(pool, client, settings, on_restart=on_restart)
+    live = LivePool(pool, monitor)
+    a = Endpoint.from_url(url)
+    try:
+        await live.apply({a.id: (a, True)})
+        state = pool.get(a.id)
+        assert state is not None
+        await monitor._scrape(state)  # the engine has counted 400 queries
+        await live.apply({a.id: (a, False)})  # its container restarts: the pod is NotReady
+        queries[0] = 12.0  # a new engine
+        await live.apply({a.id: (a, True)})
+        state = pool.get(a.id)
+        assert state is not None
+        await monitor._scrape(state)
+        assert restarted == [a.id]
+        await live.apply({})  # the pod is deleted: nothing of it is kept
+        assert a.id not in monitor._queries
+    finally:
+        await monitor.stop()
+        await client.aclose()
+        server.close()
