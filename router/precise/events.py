@@ -68,6 +68,9 @@ class SubscriberSettings:
     events: KVEventsConfig = field(default_factory=KVEventsConfig)
     tick_seconds: float = 0.1
     receive_hwm: int = 100_000
+    # ZMTP heartbeats: a connection that died without closing (crashed host, dropped network)
+    # is dropped after three silent intervals and reconnected; TCP alone would wait for good.
+    heartbeat_seconds: float = 2.0
 
 
 class SubscriberMetrics:
@@ -287,6 +290,9 @@ class EndpointSubscriber:
         sub.setsockopt(zmq.RCVHWM, s.receive_hwm)
         sub.setsockopt(zmq.RECONNECT_IVL, 100)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        heartbeat_ms = max(1, int(s.heartbeat_seconds * 1000))
+        sub.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * heartbeat_ms)
         if "[" in self.source.address:
             sub.setsockopt(zmq.IPV6, 1)
         monitor = sub.get_monitor_socket(

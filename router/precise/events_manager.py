@@ -91,6 +91,7 @@ class KVEventsManager:
                 sub.last_seq = None
                 self.index.cleared(sub.endpoint_id)
                 self.index.set_trusted(sub.endpoint_id, False, "subscriber restarted")
+                self._metrics.trusted.labels(sub.endpoint_id).set(0)
                 await asyncio.sleep(1.0)
 
     def expect_events(self, endpoint_id: str, since: float) -> None:

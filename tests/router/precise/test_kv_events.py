@@ -306,3 +306,119 @@ async def test_precise_index_matches_the_replicas_after_eviction_pressure(encodi
             assert index.stats.removed > 0  # the pressure did evict
         finally:
             await manager.stop()
+
+
+# -- a connection that dies without closing -------------------------------------------------------
+
+
+class BlackHoleProxy:
+    """A loopback TCP proxy whose open connections can go dead without closing (a peer that
+    crashed or a network that dropped, as a half-open TCP connection looks from this side);
+    connections made later are relayed again."""
+
+    def __init__(self, port: int) -> None:
+        self._port = port
+        self._server: asyncio.Server | None = None
+        self._generation = 0
+        self._writers: list[asyncio.StreamWriter] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return f"tcp://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    def kill_open_connections(self) -> None:
+        self._generation += 1
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._port)
+        self._writers += [writer, up_writer]
+        generation = self._generation
+        for src, dst in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pump(src, dst, generation))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, generation: int
+    ) -> None:
+        while data := await reader.read(65536):
+            if generation != self._generation:
+                continue  # dead: bytes vanish, nothing is closed
+            writer.write(data)
+            await writer.drain()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for writer in self._writers:
+            writer.close()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+async def test_a_connection_that_dies_without_closing_is_detected_and_replaced() -> None:
+    """A replica that crashed (or a network that dropped) without closing the TCP connection:
+    the subscription must notice and reconnect, not wait on the dead connection for good."""
+    pub = KVEventPublisher("127.0.0.1", 0, "kv@t@m")
+    proxy = BlackHoleProxy(pub.port)
+    address = await proxy.start()
+    index = PreciseIndex(BS)
+    manager = KVEventsManager(
+        index,
+        [EventSource(EID, address)],
+        SubscriberSettings(tick_seconds=0.02, heartbeat_seconds=0.1),
+        CollectorRegistry(),
+    )
+    manager.start()
+    try:
+        sub = sub_of(manager)
+        async with asyncio.timeout(5):
+            while not index.trusted(EID):
+                pub.publish([AllBlocksCleared()])
+                await asyncio.sleep(0.02)
+        proxy.kill_open_connections()
+        # Keep publishing: only a new connection can carry these.
+        async with asyncio.timeout(10):
+            while 99 not in index.engine_hashes(EID):
+                store(pub, [99], None, 0)
+                await asyncio.sleep(0.05)
+        assert sub.connected
+    finally:
+        await manager.stop()
+        await proxy.close()
+        await pub.aclose()
+
+
+async def test_a_failed_subscriber_is_reported_untrusted_until_it_resyncs() -> None:
+    """A subscriber that failed is restarted with its entries dropped: the trust gauge says so."""
+    pub = KVEventPublisher("127.0.0.1", 0, "kv@t@m")
+    registry = CollectorRegistry()
+    index = PreciseIndex(BS)
+    manager = KVEventsManager(
+        index, [EventSource(EID, pub.address)], SubscriberSettings(tick_seconds=0.02), registry
+    )
+    manager.start()
+
+    def gauge() -> float | None:
+        return registry.get_sample_value("prefixgate_kv_events_trusted", {"endpoint": EID})
+
+    try:
+        sub = sub_of(manager)
+        async with asyncio.timeout(5):
+            while not index.trusted(EID):
+                pub.publish([AllBlocksCleared()])
+                await asyncio.sleep(0.02)
+        assert gauge() == 1
+
+        async def fail(frames: object) -> None:
+            raise RuntimeError("a bug")
+
+        sub.on_message = fail  # type: ignore[method-assign]
+        pub.publish([AllBlocksCleared()])
+        await wait_for(lambda: index.untrusted_reason(EID) == "subscriber restarted")
+        assert gauge() == 0
+    finally:
+        await manager.stop()
+        await pub.aclose()
