@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import ssl
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +27,7 @@ from router.serve.server import running_gateway
 from router.upstream.client import UpstreamClient
 from tests.gateways import gateway_config
 from tests.router.extproc.envoy import MODEL, Envoy, chat_body, epp_config
+from tests.router.pool.test_scraper import counting_replica
 
 POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools"
 PODS = "/api/v1/namespaces/default/pods"
@@ -506,23 +506,6 @@ async def test_a_replica_restarted_while_not_ready_is_still_noticed() -> None:
     prefix-cache counter go back, so that the prefix index forgets what the old engine
     held (docs/reliability.md, replicas that restart)."""
     queries = [400.0]
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            for _ in range(10_000):
-                head = await reader.readuntil(b"\r\n\r\n")
-                if head.startswith(b"GET /v1/models"):
-                    body = b'{"data": [{"id": "m"}]}'
-                elif head.startswith(b"GET /metrics"):
-                    body = f"vllm:prefix_cache_queries_total {queries[0]}\n".encode()
-                else:
-                    body = b""
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
-                await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     restarted: list[str] = []
 
     async def on_restart(endpoint_id: str) -> None:
@@ -533,22 +516,22 @@ async def test_a_replica_restarted_while_not_ready_is_still_noticed() -> None:
     settings = MonitorSettings(scrape_interval=3600.0, health_interval=3600.0)
     monitor = EndpointMonitor(pool, client, settings, on_restart=on_restart)
     live = LivePool(pool, monitor)
-    a = Endpoint.from_url(url)
     try:
-        await live.apply({a.id: (a, True)})
-        state = pool.get(a.id)
-        assert state is not None
-        await monitor._scrape(state)  # the engine has counted 400 queries
-        await live.apply({a.id: (a, False)})  # its container restarts: the pod is NotReady
-        queries[0] = 12.0  # a new engine
-        await live.apply({a.id: (a, True)})
-        state = pool.get(a.id)
-        assert state is not None
-        await monitor._scrape(state)
-        assert restarted == [a.id]
-        await live.apply({})  # the pod is deleted: nothing of it is kept
-        assert a.id not in monitor._queries
+        async with counting_replica(queries) as url:
+            a = Endpoint.from_url(url)
+            await live.apply({a.id: (a, True)})
+            state = pool.get(a.id)
+            assert state is not None
+            await monitor._scrape(state)  # the engine has counted 400 queries
+            await live.apply({a.id: (a, False)})  # its container restarts: the pod is NotReady
+            queries[0] = 12.0  # a new engine
+            await live.apply({a.id: (a, True)})
+            state = pool.get(a.id)
+            assert state is not None
+            await monitor._scrape(state)
+            assert restarted == [a.id]
+            await live.apply({})  # the pod is deleted: nothing of it is kept
+            assert a.id not in monitor._queries
     finally:
         await monitor.stop()
         await client.aclose()
-        server.close()

@@ -311,68 +311,10 @@ async def test_requests_waiting_behind_a_prefill_teach_no_slot_limit() -> None:
     assert limit == 0.0
 
 
-async def test_a_replica_whose_counters_went_back_restarted_and_its_prefixes_are_forgotten(
-) -> None:
-    """A container restarted at the same address serves with an empty prefix cache: what the
-    index held for it is dropped (its other endpoints' entries stay), once per restart."""
-    queries = [400.0]
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            for _ in range(100):
-                await reader.readuntil(b"\r\n\r\n")
-                page = f"vllm:prefix_cache_queries_total{{model_name=\"a\"}} {queries[0]}\n"
-                body = page.encode()
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
-                await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    index = InMemoryPrefixIndex()
-    restarted: list[str] = []
-
-    async def on_restart(endpoint_id: str) -> None:
-        restarted.append(endpoint_id)
-        await index.clear_endpoint(endpoint_id)
-
-    try:
-        async with monitor_client() as http:
-            pool = EndpointPool([Endpoint.from_url(f"http://127.0.0.1:{port}")])
-            (state,) = pool
-            state.healthy = True
-            monitor = EndpointMonitor(pool, http, MonitorSettings(), on_restart=on_restart)
-            endpoint = state.endpoint.id
-            index.record(endpoint, [1, 2, 3])
-            index.record("other", [1, 2])
-            await monitor._scrape(state)
-            queries[0] = 450.0  # counting on: the same engine
-            await monitor._scrape(state)
-            assert restarted == [] and index.match_now([1, 2, 3], [endpoint]) == {endpoint: 3}
-            queries[0] = 0.0  # a page without queries tells nothing (nor does the next, above)
-            await monitor._scrape(state)
-            queries[0] = 460.0
-            await monitor._scrape(state)
-            assert restarted == []
-            queries[0] = 0.0  # a new engine, not queried yet: told by its next count
-            await monitor._scrape(state)
-            assert restarted == []
-            queries[0] = 12.0  # back near zero: a new engine
-            await monitor._scrape(state)
-            assert restarted == [endpoint]
-            assert index.match_now([1, 2, 3], [endpoint, "other"]) == {endpoint: 0, "other": 2}
-            index.record(endpoint, [1, 2, 3])  # recorded again after the restart: kept
-            queries[0] = 30.0
-            await monitor._scrape(state)
-            assert restarted == [endpoint]
-            assert index.match_now([1, 2, 3], [endpoint]) == {endpoint: 3}
-    finally:
-        server.close()
-
-
-async def test_the_gateway_forgets_a_restarted_replicas_prefixes() -> None:
-    """Wired by the composition root: the gateway's own index, through its own scrapes."""
-    queries = [400.0]
+@contextlib.asynccontextmanager
+async def counting_replica(queries: list[float]) -> AsyncIterator[str]:
+    """A replica whose /metrics reads ``queries[0]`` as vLLM's prefix-cache query count (a
+    test sets it back to play a restarted engine), and whose /v1/models lists model ``m``."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
@@ -381,7 +323,8 @@ async def test_the_gateway_forgets_a_restarted_replicas_prefixes() -> None:
                 if head.startswith(b"GET /v1/models"):
                     body = b'{"data": [{"id": "m"}]}'
                 elif head.startswith(b"GET /metrics"):
-                    body = f"vllm:prefix_cache_queries_total {queries[0]}\n".encode()
+                    page = f'vllm:prefix_cache_queries_total{{model_name="m"}} {queries[0]}\n'
+                    body = page.encode()
                 else:
                     body = b""
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
@@ -389,19 +332,68 @@ async def test_the_gateway_forgets_a_restarted_replicas_prefixes() -> None:
         writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     try:
-        async with running_gateway(gateway_config([url])) as gw:
-            index = gw.gateway.stores.index
-            assert isinstance(index, InMemoryPrefixIndex)
-            (state,) = gw.gateway.pool
-            async with asyncio.timeout(20):
-                while state.metrics.prefix_queries != 400.0:  # noqa: ASYNC110 (monitor task)
-                    await asyncio.sleep(0.01)
-            index.record(state.endpoint.id, [1, 2, 3])
-            queries[0] = 3.0
-            async with asyncio.timeout(20):
-                while index.match_now([1, 2, 3], [state.endpoint.id])[state.endpoint.id]:  # noqa: ASYNC110
-                    await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     finally:
         server.close()
+
+
+async def test_a_replica_whose_counters_went_back_restarted_and_its_prefixes_are_forgotten(
+) -> None:
+    """A container restarted at the same address serves with an empty prefix cache: what the
+    index held for it is dropped (its other endpoints' entries stay), once per restart."""
+    queries = [400.0]
+    index = InMemoryPrefixIndex()
+    restarted: list[str] = []
+
+    async def on_restart(endpoint_id: str) -> None:
+        restarted.append(endpoint_id)
+        await index.clear_endpoint(endpoint_id)
+
+    async with counting_replica(queries) as url, monitor_client() as http:
+        pool = EndpointPool([Endpoint.from_url(url)])
+        (state,) = pool
+        state.healthy = True
+        monitor = EndpointMonitor(pool, http, MonitorSettings(), on_restart=on_restart)
+        endpoint = state.endpoint.id
+        index.record(endpoint, [1, 2, 3])
+        index.record("other", [1, 2])
+        await monitor._scrape(state)
+        queries[0] = 450.0  # counting on: the same engine
+        await monitor._scrape(state)
+        assert restarted == [] and index.match_now([1, 2, 3], [endpoint]) == {endpoint: 3}
+        queries[0] = 0.0  # a page without queries tells nothing (nor does the next, above)
+        await monitor._scrape(state)
+        queries[0] = 460.0
+        await monitor._scrape(state)
+        assert restarted == []
+        queries[0] = 0.0  # a new engine, not queried yet: told by its next count
+        await monitor._scrape(state)
+        assert restarted == []
+        queries[0] = 12.0  # back near zero: a new engine
+        await monitor._scrape(state)
+        assert restarted == [endpoint]
+        assert index.match_now([1, 2, 3], [endpoint, "other"]) == {endpoint: 0, "other": 2}
+        index.record(endpoint, [1, 2, 3])  # recorded again after the restart: kept
+        queries[0] = 30.0
+        await monitor._scrape(state)
+        assert restarted == [endpoint]
+        assert index.match_now([1, 2, 3], [endpoint]) == {endpoint: 3}
+
+
+async def test_the_gateway_forgets_a_restarted_replicas_prefixes() -> None:
+    """Wired by the composition root: the gateway's own index, through its own scrapes."""
+    queries = [400.0]
+
+    async with counting_replica(queries) as url, running_gateway(gateway_config([url])) as gw:
+        index = gw.gateway.stores.index
+        assert isinstance(index, InMemoryPrefixIndex)
+        (state,) = gw.gateway.pool
+        async with asyncio.timeout(20):
+            while state.metrics.prefix_queries != 400.0:  # noqa: ASYNC110 (monitor task)
+                await asyncio.sleep(0.01)
+        index.record(state.endpoint.id, [1, 2, 3])
+        queries[0] = 3.0
+        async with asyncio.timeout(20):
+            while index.match_now([1, 2, 3], [state.endpoint.id])[state.endpoint.id]:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
