@@ -533,6 +533,23 @@ async def test_a_long_cold_chain_is_touched_in_pieces(make_index: Factory) -> No
     assert await reader.match([*chain, 11, 12], ["a"]) == {"a": 9}
 
 
+def fail_call(index: RedisPrefixIndex, nth: int) -> Callable[[], int]:
+    """Make the index's ``nth`` Redis call from now on fail as a blip would (Unavailable);
+    returns how many calls it has made since."""
+    real_call = index.link.call
+    calls = 0
+
+    async def flaky(op: str, fn: Any, budget: float | None = None) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == nth:
+            raise Unavailable("timeout")
+        return await real_call(op, fn, budget)
+
+    index.link.call = flaky  # type: ignore[method-assign]
+    return lambda: calls
+
+
 async def test_a_long_record_that_meets_a_redis_failure_keeps_its_capacity(
     make_index: Factory,
 ) -> None:
@@ -542,17 +559,7 @@ async def test_a_long_record_that_meets_a_redis_failure_keeps_its_capacity(
     writer = make_index(default_capacity=100, max_blocks_per_write=4)
     writer.record("a", [1, 2, 3])
     await writer.flush()
-    real_call = writer.link.call
-    calls = 0
-
-    async def flaky(op: str, fn: Any, budget: float | None = None) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 2:  # the first piece, after the pipeline that found the record long
-            raise Unavailable("timeout")
-        return await real_call(op, fn, budget)
-
-    writer.link.call = flaky  # type: ignore[method-assign]
+    fail_call(writer, 2)  # the first piece, after the pipeline that found the record long
     chain = list(range(100, 120))
     writer.record("a", chain)
     await writer.flush()
@@ -575,17 +582,7 @@ async def test_a_purge_interrupted_midway_still_ends_before_what_was_recorded_af
     if interruption == "its rounds used up":
         monkeypatch.setattr(redis_index, "_FORGET_ROUNDS", 2)
     else:
-        real_call = writer.link.call
-        calls = 0
-
-        async def flaky(op: str, fn: Any, budget: float | None = None) -> Any:
-            nonlocal calls
-            calls += 1
-            if calls == 3:  # the purge's second chunk after its first run
-                raise Unavailable("timeout")
-            return await real_call(op, fn, budget)
-
-        writer.link.call = flaky  # type: ignore[method-assign]
+        fail_call(writer, 3)  # the purge's second chunk after its first run
     await writer.forget_endpoint("10.0.0.5:8000")
     writer.record("10.0.0.5:8000", [1001, 1002, 1003])  # a new pod at the same address
     await writer.flush()
@@ -634,23 +631,13 @@ async def test_a_purge_already_done_is_not_run_again_after_the_records_that_foll
     writer.record("10.0.0.5:8000", list(range(1, 11)))  # a pod that leaves
     writer.record("10.0.0.6:8000", list(range(11, 21)))  # another one
     await writer.flush()
-    real_call = writer.link.call
-    calls = 0
-
-    async def flaky(op: str, fn: Any, budget: float | None = None) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 3:  # the batch's third round trip: its last records
-            raise Unavailable("timeout")
-        return await real_call(op, fn, budget)
-
-    writer.link.call = flaky  # type: ignore[method-assign]
+    calls = fail_call(writer, 3)  # the batch's third round trip: its last records
     await writer.forget_endpoint("10.0.0.5:8000")
     writer.record("10.0.0.5:8000", [1001, 1002, 1003])  # a new pod at the same address
     await writer.forget_endpoint("10.0.0.6:8000")
     writer.record("10.0.0.7:8000", [2001])
     await writer.flush()
-    assert calls >= 3
+    assert calls() >= 3
     client = writer.link.client
     assert await client.zcard(writer._lru_prefix + "10.0.0.5:8000") == 3
     assert await client.zcard(writer._lru_prefix + "10.0.0.6:8000") == 0
