@@ -35,9 +35,17 @@ class Authenticator(Protocol):
         ...
 
 
-def _digest(key: str) -> bytes:
-    # Headers arrive latin-1 decoded: re-encoding so restores the bytes the client sent.
-    return hashlib.sha256(key.encode("latin-1", "replace")).digest()
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+def _presented_bytes(key: str) -> bytes:
+    # Headers arrive latin-1 decoded: re-encoding so restores the bytes the client sent (a
+    # character past latin-1 cannot come from a header's bytes: text, sent as its UTF-8).
+    try:
+        return key.encode("latin-1")
+    except UnicodeEncodeError:
+        return key.encode()
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
@@ -57,7 +65,9 @@ class ApiKeyAuthenticator:
     """Static API keys, each bound to one tenant."""
 
     def __init__(self, keys: Iterable[tuple[str, str]]) -> None:
-        self._entries = [(_digest(key), tenant) for key, tenant in keys]
+        # A configured key is text, which a client sends as its UTF-8 bytes. An empty one
+        # would match the "" a malformed Authorization header presents: never kept.
+        self._entries = [(_digest(key.encode()), tenant) for key, tenant in keys if key]
 
     def __repr__(self) -> str:
         return f"ApiKeyAuthenticator({len(self._entries)} keys)"
@@ -68,7 +78,7 @@ class ApiKeyAuthenticator:
             raise AuthenticationError(
                 "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
             )
-        digest = _digest(key)
+        digest = _digest(_presented_bytes(key))
         tenant: str | None = None
         for known, owner in self._entries:
             if hmac.compare_digest(known, digest):
@@ -107,7 +117,9 @@ def build_authenticator(
     keys: list[tuple[str, str]] = []
     for i, entry in enumerate(config.api_keys):
         if entry.key is not None:
-            key = entry.key.get_secret_value()
+            key = entry.key.get_secret_value().strip()
+            if not key:
+                raise ConfigError(f"auth.apiKeys[{i}].key is empty")
         else:
             assert entry.key_env is not None  # enforced by the config model
             key = _from_env(environ, entry.key_env, f"auth.apiKeys[{i}].keyEnv")

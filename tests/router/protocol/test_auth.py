@@ -221,3 +221,39 @@ async def test_a_tenant_named_outside_latin_1_is_served_not_a_500() -> None:
     # Headers arrive latin-1 decoded: these are the tenant's UTF-8 bytes.
     sent = echo.received[0]["x-gateway-inference-fairness-id"]
     assert sent.encode("latin-1").decode() == tenant
+
+
+def test_an_empty_configured_key_is_refused_not_matched_by_a_malformed_header() -> None:
+    """A malformed ``Authorization`` (not Bearer, or Bearer with nothing after it) presents
+    the key "": an empty literal key in the config (``key: ""``, a template that rendered
+    empty) used to match it, so any such header authenticated as that tenant. The config is
+    refused, as an empty key from the environment already is."""
+    config = auth_config(apiKeys=[{"key": "", "tenant": "a"}, {"key": KEY_B, "tenant": "b"}])
+    with pytest.raises(ConfigError) as info:
+        build_authenticator(config, {})
+    assert "auth.apiKeys[0]" in str(info.value)
+    # Nor does an authenticator given one anyhow let a malformed header in.
+    auth = ApiKeyAuthenticator([("", "a"), (KEY_B, "b")])
+    for headers in ({"authorization": "Basic Zm9vOmJhcg=="}, {"authorization": "Bearer "}):
+        with pytest.raises(AuthenticationError):
+            auth.authenticate(headers)
+
+
+def test_a_key_outside_latin_1_matches_its_utf8_bytes_not_question_marks() -> None:
+    """Headers arrive latin-1 decoded (each byte one character), so a client's key is its
+    bytes; a configured key is text, whose bytes are its UTF-8. Encoded as latin-1 with
+    'replace', ``sk-ключ`` was digested as ``sk-????``: its owner's key never matched, and
+    the ASCII ``sk-????`` did."""
+    key = "sk-ключ-0123456789"
+    guess = key.encode("latin-1", "replace").decode("latin-1")
+    for config, environ in (
+        (auth_config(apiKeys=[{"key": key, "tenant": "a"}]), {}),
+        (auth_config(apiKeysEnv="KEYS"), {"KEYS": f"a={key}"}),
+    ):
+        auth = build_authenticator(config, environ)
+        assert auth is not None
+        as_received = key.encode().decode("latin-1")  # what Starlette's headers hold
+        assert auth.authenticate({"x-api-key": as_received}) == "a"
+        assert auth.authenticate({"authorization": f"Bearer {as_received}"}) == "a"
+        with pytest.raises(AuthenticationError):
+            auth.authenticate({"x-api-key": guess})
