@@ -50,7 +50,10 @@ def _render_part(part: Mapping[str, Any]) -> str:
         text = part.get("text")
         return text if isinstance(text, str) else ""
     # Images and other media: the canonical JSON of the part, so the same image yields the same
-    # block and a different image breaks the chain, as the engine's multimodal hashes do.
+    # block and a different image breaks the chain, as the engine's multimodal hashes do. Less
+    # a cache_control marker, which vLLM ignores and clients move every turn.
+    if "cache_control" in part:
+        part = {k: v for k, v in part.items() if k != "cache_control"}
     return _canonical_json(part)
 
 

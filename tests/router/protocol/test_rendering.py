@@ -82,3 +82,22 @@ def test_the_last_answer_is_spanned_in_bytes() -> None:
     # Of several answers, the last one that another message follows.
     _, last = render_conversation([*turn2, answer, {"role": "user", "content": "and?"}])
     assert last is not None and last[0] > span[1]
+
+
+def test_a_cache_control_marker_moved_off_an_image_part_does_not_break_the_chain() -> None:
+    """Clients that speak Anthropic's prompt caching through chat (OpenRouter's convention)
+    put a ``cache_control`` marker on the newest parts and move it every turn. vLLM ignores
+    it, and the rendering does on text parts; on an image part it was hashed with the image,
+    so the next turn's rendering no longer extended this one's at that image."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    marked = {**image, "cache_control": {"type": "ephemeral"}}
+    turn1 = [{"role": "user", "content": [{"type": "text", "text": "look"}, marked]}]
+    turn2 = [
+        {"role": "user", "content": [{"type": "text", "text": "look"}, image]},
+        {"role": "assistant", "content": "a cat"},
+        {"role": "user", "content": [{"type": "text", "text": "and?", "cache_control": {}}]},
+    ]
+    assert render_chat(turn2).startswith(render_chat(turn1))
+    # A different image still breaks it.
+    other = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert render_content([other]) != render_content([image])
