@@ -11,10 +11,12 @@ at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn._types import ASGI3Application
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from router.api.streaming import DISCONNECT_CALLBACKS, DISCONNECTED
 
@@ -62,6 +64,14 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     """Each request's cycle writes through a :class:`HeadWithBody`, and its scope carries the
     callbacks to call when the client leaves before the response ends (DisconnectWatch)."""
 
+    # The cycle whose task runs: with pipelined requests not ``self.cycle`` (the latest
+    # parsed, still queued), and the one a client leaving must cancel.
+    _running: RequestResponseCycle | None = None
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
+
     def on_headers_complete(self) -> None:
         before = self.cycle
         super().on_headers_complete()
@@ -71,12 +81,25 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             cycle.transport = HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
             callbacks: set[Callable[[], None]] = set()
             cycle.scope[DISCONNECT_CALLBACKS] = callbacks  # type: ignore[literal-required]
+            if self.expect_100_continue:
+                cycle.on_response = functools.partial(self._after_expected_body, cycle)
+
+    def _after_expected_body(self, cycle: RequestResponseCycle) -> None:
+        """An ``Expect: 100-continue`` request answered before its body came in (refused on
+        its Content-Length, say, with no 100 sent): whether the client sends that body now or
+        its next request, the parser cannot tell them apart, so the connection closes."""
+        if cycle.more_body:
+            cycle.transport.close()
+        self.on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        cycle = self.cycle
+        cycle = self._running
         super().connection_lost(exc)
         if cycle is None or cycle.response_complete:
             return
+        if cycle is not self.cycle:  # uvicorn marks only the latest cycle (queued) as left
+            cycle.disconnected = True
+            cycle.message_event.set()
         cycle.scope[DISCONNECTED] = True  # type: ignore[literal-required]
         callbacks: set[Callable[[], None]] = cycle.scope.get(  # type: ignore[assignment]
             DISCONNECT_CALLBACKS, set()

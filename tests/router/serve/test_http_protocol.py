@@ -167,3 +167,71 @@ async def test_over_a_socket_a_client_that_leaves_cancels_the_request_without_a_
             await ended.wait()
     assert seen["task"] is None and seen["absorbed"] is True
     assert seen["callbacks"] == set()  # the watch took its callback back
+
+
+async def test_over_a_socket_a_client_that_leaves_with_a_pipelined_request_cancels_the_running_one(
+) -> None:
+    """Two requests in one write: the second waits its turn (uvicorn's pipeline) and is the
+    protocol's latest cycle; the client leaving must still cancel the first, the one running."""
+    from router.api.streaming import DisconnectWatch
+
+    waiting, ended = asyncio.Event(), asyncio.Event()
+    seen: dict[str, object] = {}
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()  # the body, as the gateway reads it (reading resumes)
+        watch = DisconnectWatch(receive, scope)
+        watch.start()
+        try:
+            waiting.set()
+            await asyncio.Event().wait()  # a request waiting for its first byte
+        except asyncio.CancelledError:
+            seen["absorbed"] = watch.absorb_cancel()
+            ended.set()
+        finally:
+            watch.stop()
+
+    async with serving(app) as port:
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        request = b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"
+        writer.write(request + request.replace(b"/a", b"/b"))
+        async with asyncio.timeout(5):
+            await waiting.wait()
+            writer.close()
+            await ended.wait()
+    assert seen["absorbed"] is True
+
+
+async def test_over_a_socket_a_refused_expect_100_continue_body_does_not_swallow_the_next_request(
+) -> None:
+    """A body refused on its Content-Length alone (read_body's early 413) is never asked for:
+    a client that sent ``Expect: 100-continue`` gets no 100 and sends no body. The connection
+    must not then read the client's next request as that body: it closes, or answers it."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        status = 413 if scope["path"] == "/big" else 200
+        body = b"{}"
+        headers = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async with serving(app) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(
+                b"POST /big HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n"
+                b"expect: 100-continue\r\n\r\n"
+            )
+            async with asyncio.timeout(5):
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 413")
+                assert await reader.readexactly(2) == b"{}"
+                writer.write(b"GET /next HTTP/1.1\r\nhost: x\r\n\r\n")
+                rest = await reader.read(1 << 16)
+            assert rest == b"" or rest.startswith(b"HTTP/1.1 200")
+        finally:
+            writer.close()
