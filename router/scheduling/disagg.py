@@ -205,7 +205,10 @@ class Disaggregator:
         if chosen is None:
             return DecodeStep(parsed)
         prefill_routing, endpoint = chosen
-        lease = self._router.lease(prefill_routing, endpoint)
+        try:
+            lease = self._router.lease(prefill_routing, endpoint)
+        except KeyError:  # it left the pool while the prefill pool was ranked: decode alone
+            return DecodeStep(parsed, ranked_earlier=True)
         self._router.picked(prefill_routing, endpoint.id)
         if self.settings.mode == "sidecar":
             step = DecodeStep(

@@ -447,3 +447,43 @@ async def test_a_request_in_its_prefill_step_is_unplaced_until_its_decode_lease(
     assert told == []
     gw.router.lease(routing, decode).release()
     assert told == ["leased"]
+
+
+async def test_a_prefill_endpoint_that_left_while_ranked_means_a_plain_decode_request() -> None:
+    """The prefill pool is ranked across awaits (index, affinity, Redis): its pick may leave
+    the pool meanwhile (discovery), as a decode pick may (which failover skips). Its lease then
+    cannot be taken: the request goes to decode alone rather than failing."""
+    endpoints = [
+        {"url": "http://127.0.0.1:1", "role": "prefill", "models": ["m"]},
+        {"url": "http://127.0.0.1:2", "role": "decode", "models": ["m"]},
+    ]
+    gw = build_gateway(parse_config(
+        {"pool": {"endpoints": endpoints}, "disaggregation": {"enabled": True}}
+    ))
+    for state in gw.pool:
+        state.healthy = True
+    disagg = gw.proxy.disagg
+    assert disagg is not None
+    rank = gw.router.rank
+
+    async def rank_while_the_prefiller_leaves(*args: Any, **kwargs: Any) -> list[EndpointSnapshot]:
+        ranked = await rank(*args, **kwargs)
+        gw.pool.remove("127.0.0.1:1")  # discovery saw it go during the ranking's awaits
+        return ranked
+
+    gw.router.rank = rank_while_the_prefiller_leaves  # type: ignore[method-assign]
+    posted: list[str] = []
+
+    async def post(endpoint: EndpointSnapshot, path: str, body: bytes) -> Any:
+        posted.append(endpoint.id)
+        raise AssertionError("no prefill request to an endpoint out of the pool")
+
+    parsed = parse_request("chat", orjson.dumps({"model": "m", "messages": [LONG_MESSAGE]}))
+    routing = RoutingRequest("r", "m", api="chat", prompt_tokens=5_000)
+    decode = next(c for c in gw.pool.candidates("m") if c.role == "decode")
+    step = await disagg.prepare(parsed, routing, [decode], post)
+    assert step.parsed is parsed and step.response is None and step.lease is None
+    assert posted == [] and all(s.in_flight == 0 for s in gw.pool)
+
+
+LONG_MESSAGE = {"role": "user", "content": LONG}
