@@ -27,6 +27,7 @@ _LLMD_KEYS = frozenset({
 _GATE_IGNORED = {
     "haPopulateNonLeaderDatastore": "every gateway replica keeps its own view of the pool",
 }
+_DEFAULT_DETECTOR = "utilization-detector"
 _SCHEDULING_TYPES = frozenset({
     "decode-filter", "prefill-filter", "queue-scorer", "kv-cache-utilization-scorer",
     "load-aware-scorer", "no-hit-lru-scorer", "prefix-cache-scorer",
@@ -52,6 +53,9 @@ def translate(data: Mapping[str, Any]) -> dict[str, Any]:
     top = data.get("saturationDetector")
     if top is not None:
         flow["saturationDetector"] = _detector(state, top, "saturationDetector")
+    elif "saturationDetector" not in flow and _DEFAULT_DETECTOR in state.detectors:
+        # llm-d's pluginRef when none is given.
+        flow["saturationDetector"] = dict(state.detectors[_DEFAULT_DETECTOR])
     state.sections["flowControl"] = _merge(state.sections.get("flowControl", {}), flow)
     _data_layer(state, data.get("dataLayer"))
     _parsers(state, data.get("requestHandler"), data.get("parser"))

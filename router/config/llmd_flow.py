@@ -24,6 +24,10 @@ def _program_aware(state: State, name: str, p: Params) -> None:
         "headWaitWeight": p.get("lasWeightHeadWait", float, 0.2),
         "halfLifeSeconds": p.get("lasHalfLifeSeconds", float, 60.0),
     }
+    for key, value in zip(("lasWeightService", "lasWeightHeadWait", "lasHalfLifeSeconds"),
+                          params.values(), strict=True):
+        if not value >= 0:  # checked here, as llm-d does, even if no band names the policy
+            raise ConfigError(f"{p.at(key)}: must be >= 0, got {value!r}")
     p.ignore("idle programs are forgotten by count (programAware.maxPrograms), not by age",
              "evictionTtlSeconds", "evictionSweepSeconds")
     p.done()
@@ -44,7 +48,8 @@ def _fcfs_ordering(state: State, name: str, p: Params) -> None:
 
 
 def _utilization_detector(state: State, name: str, p: Params) -> None:
-    detector: dict[str, Any] = {}
+    # The type too: without a threshold set, prefixgate's default is the concurrency detector.
+    detector: dict[str, Any] = {"type": "utilization"}
     if p.has("queueDepthThreshold"):
         detector["queueDepthThreshold"] = p.get("queueDepthThreshold", int, 5)
     if p.has("kvCacheUtilThreshold"):
@@ -65,8 +70,8 @@ def _concurrency_detector(state: State, name: str, p: Params) -> None:
     if mode != "requests":
         raise ConfigError(f"{p.at('concurrencyMode')}: only 'requests' is supported "
                           "(the gateway counts requests in flight, not tokens)")
-    if p.has("maxConcurrency"):
-        detector["inFlightThreshold"] = p.get("maxConcurrency", int, 256)
+    # llm-d's default, so that leaving it out means what spelling it out does.
+    detector["inFlightThreshold"] = p.get("maxConcurrency", int, 100)
     p.ignore("routing does not filter endpoints on the detector's limits", "headroom")
     p.ignore("the gateway counts requests in flight, not tokens",
              "maxTokenConcurrency", "inFlightLoadProducerName")

@@ -312,3 +312,47 @@ async def test_an_llm_d_config_serves_with_backends_and_new_sessions_rotate(
             homes.append(r.headers["x-gateway-destination-endpoint"])
     assert len(set(homes[:-1])) == len(replicas)
     assert homes[-1] == homes[0], "the least recently used replica gets the next new session"
+
+
+@pytest.mark.parametrize("parameters", [{}, {"kvCacheUtilThreshold": 0.8}])
+def test_a_utilization_detector_is_one_with_or_without_parameters(
+    parameters: dict[str, Any],
+) -> None:
+    """llm-d's utilization-detector with its defaults is still the utilization detector, not
+    prefixgate's learned concurrency limits."""
+    detector = {"type": "utilization-detector", "name": "u", "parameters": parameters}
+    config = parse_config(llmd([detector], featureGates=["flowControl"],
+                               flowControl={"saturationDetector": {"pluginRef": "u"}}))
+    saturation = config.flow_control.saturation_detector
+    assert saturation.type == "utilization"
+    assert (saturation.queue_depth_threshold, saturation.kv_cache_util_threshold) == (5, 0.8)
+
+
+@pytest.mark.parametrize("parameters", [{}, {"maxConcurrency": 100}])
+def test_a_concurrency_detector_means_the_same_with_its_default_spelled_out(
+    parameters: dict[str, Any],
+) -> None:
+    """llm-d's concurrency-detector defaults maxConcurrency to 100: leaving it out must not
+    change which detector runs."""
+    detector = {"type": "concurrency-detector", "name": "c", "parameters": parameters}
+    config = parse_config(llmd([detector], featureGates=["flowControl"],
+                               flowControl={"saturationDetector": {"pluginRef": "c"}}))
+    saturation = config.flow_control.saturation_detector
+    assert (saturation.type, saturation.in_flight_threshold) == ("utilization", 100)
+
+
+def test_a_detector_named_utilization_detector_is_used_without_a_plugin_ref() -> None:
+    """llm-d's saturationDetector.pluginRef defaults to utilization-detector: a plugin of
+    that name is the detector even when nothing references it."""
+    detector = {"type": "utilization-detector", "parameters": {"queueDepthThreshold": 8}}
+    config = parse_config(llmd([detector], featureGates=["flowControl"]))
+    saturation = config.flow_control.saturation_detector
+    assert (saturation.type, saturation.queue_depth_threshold) == ("utilization", 8)
+
+
+def test_program_aware_parameters_are_checked_under_their_own_names() -> None:
+    """A negative LAS weight fails naming the llm-d parameter, as llm-d does, whether or not
+    a band references the policy."""
+    policy = {"type": "program-aware-fairness", "parameters": {"lasWeightService": -1}}
+    with pytest.raises(ConfigError, match=r"plugins\[0\]\.parameters\.lasWeightService"):
+        parse_config(llmd([policy]))
