@@ -105,7 +105,8 @@ class SaturationDetectorConfig(Strict):
 
     type: Literal["concurrency", "utilization"] = "concurrency"
     concurrency_limit: ConcurrencyLimitConfig = ConcurrencyLimitConfig()
-    queue_depth_threshold: float = Field(5, ge=0)
+    # Above 0: every endpoint has at least 0 requests waiting.
+    queue_depth_threshold: float = Field(5, gt=0)
     kv_cache_util_threshold: float = Field(0.8, gt=0, le=1)
     # The gateway's own count, the one signal available before a scrape lands. vLLM runs up
     # to max_num_seqs (256 by default) at once; beyond that requests only queue in the engine.

@@ -164,7 +164,8 @@ class PluginConfig(Strict):
 
 class PluginRef(Strict):
     plugin_ref: str
-    weight: float | None = Field(None, ge=0)
+    # Finite: an infinite weight times a zero score is NaN.
+    weight: float | None = Field(None, ge=0, allow_inf_nan=False)
 
 
 class ProfileConfig(Strict):

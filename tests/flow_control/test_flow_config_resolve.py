@@ -155,3 +155,11 @@ def test_session_boost() -> None:
     off.served("s")
     assert off.apply(0, "s") == 0
     assert len(off.memory) == 0
+
+
+def test_a_queue_depth_threshold_of_zero_is_refused() -> None:
+    """Every endpoint has at least 0 waiting requests: 0 would hold every request in the
+    gateway (llm-d refuses it too)."""
+    assert "flowControl.saturationDetector.queueDepthThreshold:" in errors(
+        {"saturationDetector": {"queueDepthThreshold": 0}}
+    )

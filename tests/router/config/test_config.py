@@ -100,3 +100,16 @@ def test_unreadable_and_invalid_yaml(tmp_path: Path) -> None:
     scalar.write_text("42")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(scalar)
+
+
+@pytest.mark.parametrize("weight", [float("inf"), float("nan")])
+def test_a_weight_must_be_finite(weight: float) -> None:
+    """An infinite weight turns a zero score into NaN (inf * 0) and the sum into nonsense."""
+    with pytest.raises(ConfigError, match=r"schedulingProfiles\[0\]\.plugins\[0\]\.weight"):
+        parse_config({
+            "plugins": [{"type": "queue-scorer"}, {"type": "max-score-picker"}],
+            "schedulingProfiles": [{"name": "default", "plugins": [
+                {"pluginRef": "queue-scorer", "weight": weight},
+                {"pluginRef": "max-score-picker"},
+            ]}],
+        })
