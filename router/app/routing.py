@@ -82,7 +82,13 @@ def _build_scheduler(
             plugins, config.scheduling_profiles or [profile_cfg], registry, context
         )
     else:
-        profile = build_profile(plugins, profile_cfg, registry, context)
+        profiles_cfg = config.scheduling_profiles or [profile_cfg]
+        at = next(j for j, p in enumerate(profiles_cfg) if p is profile_cfg)
+        where = f"schedulingProfiles[{at}]"
+        profile = build_profile(plugins, profile_cfg, registry, context, where)
+        for j, other in enumerate(profiles_cfg):
+            if j != at:  # never run, but a mistake in it fails now, not when it is turned on
+                build_profile(plugins, other, registry, context, f"schedulingProfiles[{j}]")
     prefix = PrefixTracker(stores.index)
     sessions = AffinityTracker(stores.affinity)
     live = LiveSessions(config.session_affinity.max_sessions, registry=metrics.registry)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from flow_control.request import FlowRequest
 from router.app import build_gateway
 from router.config.model import parse_config
 from router.core.endpoints import EndpointSnapshot
+from router.core.errors import ConfigError
 from router.core.framework import RoutingRequest
 
 
@@ -76,3 +79,31 @@ def test_the_prefill_profiles_scorers_learn_its_picks() -> None:
         gateway.router.picked(request, pick)  # what Disaggregator.prepare does after the pick
         picks.append(pick)
     assert len(set(picks)) == 2, f"every cold prefill went to {picks}"
+
+
+def test_a_bad_entry_of_the_decode_profile_is_named_at_its_own_index() -> None:
+    """Without disaggregation the profile named decode runs: an error in it names its index,
+    not schedulingProfiles[0]."""
+    config = parse_config({
+        "plugins": [{"type": "queue-scorer"}, {"type": "max-score-picker"}],
+        "schedulingProfiles": [
+            {"name": "prefill", "plugins": [{"pluginRef": "queue-scorer"}]},
+            {"name": "decode", "plugins": [{"pluginRef": "max-score-picker", "weight": 2}]},
+        ],
+    })
+    with pytest.raises(ConfigError, match=r"^schedulingProfiles\[1\]\.plugins\[0\]\.weight"):
+        build_gateway(config)
+
+
+def test_a_profile_that_does_not_run_is_checked_too() -> None:
+    """Without disaggregation only the decode profile runs; a typo in the other one still
+    fails at start-up instead of waiting for the day disaggregation is turned on."""
+    config = parse_config({
+        "plugins": [{"type": "queue-scorer"}, {"type": "max-score-picker"}],
+        "schedulingProfiles": [
+            {"name": "prefill", "plugins": [{"pluginRef": "queue-scorerr"}]},
+            {"name": "decode", "plugins": [{"pluginRef": "queue-scorer"}]},
+        ],
+    })
+    with pytest.raises(ConfigError, match=r"schedulingProfiles\[0\]\.plugins\[0\]\.pluginRef"):
+        build_gateway(config)
