@@ -67,6 +67,9 @@ class RoutingRequest:
     ttft_slo_s: float | None = None
     # Told when the request takes an endpoint (its flow-control ticket's ``leased``).
     on_lease: Callable[[], None] | None = None
+    # The prefill step of a disaggregated request (router/scheduling/disagg.py): its pick is
+    # learned by the prefix index, but it neither places the session nor counts as its request.
+    prefill_step: bool = False
     # Filled by the ranking when ``explain`` is set:
     explanation: dict[str, Any] | None = None
     # Unique among the router's requests, unlike a client's x-request-id: what per-request

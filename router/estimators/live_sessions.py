@@ -93,7 +93,7 @@ class LiveSessions:
 
     def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
         session_id = request.session_id
-        if not session_id:
+        if not session_id or request.prefill_step:  # the decode pick places the session
             return
         now = self._clock()
         self.lengths.on_request(session_id, now)

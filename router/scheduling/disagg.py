@@ -181,8 +181,10 @@ class Disaggregator:
             decisions.labels("decode_only").inc()
             return None
         # The request stays unplaced for flow control (whose room is the decode pool's)
-        # until its decode lease: the prefill lease does not tell its ticket.
-        prefill_routing = replace(routing, prefix_hits={}, on_lease=None)
+        # until its decode lease: the prefill lease does not tell its ticket. Nor does its
+        # pick place the session (affinity, live sessions): the session's home is its decode
+        # endpoint, whichever pick a front door records last.
+        prefill_routing = replace(routing, prefix_hits={}, on_lease=None, prefill_step=True)
         try:
             ranked = await self._router.rank(
                 prefill_routing, lambda c: c.id != decode.id, profile=self._profile

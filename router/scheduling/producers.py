@@ -39,5 +39,6 @@ class AffinityTracker:
             request.affinity_endpoint = await self.store.get(request.session_id)
 
     def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
-        if request.session_id:
+        # A prefill step's endpoint is not the session's home: its decode endpoint is.
+        if request.session_id and not request.prefill_step:
             self.store.set(request.session_id, endpoint_id)

@@ -487,3 +487,30 @@ async def test_a_prefill_endpoint_that_left_while_ranked_means_a_plain_decode_re
 
 
 LONG_MESSAGE = {"role": "user", "content": LONG}
+
+
+async def test_a_prefill_step_does_not_place_the_session_nor_count_as_its_request() -> None:
+    """A session's home is its decode endpoint: the prefill pick is learned by the prefix
+    index (both pools' picks are), not by the session's affinity nor its live-session count,
+    whichever pick a front door records last (ext_proc records the decode pick first). One
+    disaggregated request is one request of its session, so the session is not live yet."""
+    endpoints = [
+        {"url": "http://127.0.0.1:1", "role": "prefill", "models": ["m"]},
+        {"url": "http://127.0.0.1:2", "role": "decode", "models": ["m"]},
+    ]
+    gw = build_gateway(parse_config(
+        {"pool": {"endpoints": endpoints}, "disaggregation": {"enabled": True}}
+    ))
+    for state in gw.pool:
+        state.healthy = True
+    disagg = gw.proxy.disagg
+    assert disagg is not None
+    routing = RoutingRequest("r", "m", api="chat", prompt_tokens=5_000, session_id="s")
+    decode = next(c for c in gw.pool.candidates("m") if c.role == "decode")
+    gw.router.picked(routing, decode.id)  # ext_proc's order: the decode pick first
+    chosen = await disagg.choose_prefiller(routing, decode)
+    assert chosen is not None
+    prefill_routing, prefill = chosen
+    gw.router.picked(prefill_routing, prefill.id)
+    assert await gw.stores.affinity.get("s") == decode.id
+    assert gw.metrics.registry.get_sample_value("prefixgate_live_sessions") == 0
