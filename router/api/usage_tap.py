@@ -46,7 +46,7 @@ def find_usage(data: bytes, *, last: bool = True) -> Mapping[str, Any] | None:
         try:
             return _usage_of(orjson.loads(text))
         except orjson.JSONDecodeError:
-            return None
+            pass  # a tail cut at a brace (mid-event, mid-body): read by lines below
     # Only the lines that name a usage are parsed (splitting a 16 KB tail into lines cost
     # more than the rest of this).
     for line in _usage_lines(text, last):

@@ -189,3 +189,26 @@ def test_answers_beyond_the_sampling_rate_are_not_read() -> None:
         tap(body)
         tap.finish()
     assert precise.finished == [2, 3, 0, 1]
+
+
+def test_the_usage_is_found_when_the_kept_tail_starts_at_a_brace() -> None:
+    """The tail of a long answer is cut at any byte: where it happens to start with ``{``
+    (an event's data, a tool's schema), it is a piece of JSON, not a JSON body."""
+    usage = {"prompt_tokens": 900, "prompt_tokens_details": {"cached_tokens": 512}}
+    events = [b'data: {"choices": [{"delta": {"content": "t%d"}}]}\n\n' % i for i in range(900)]
+    events.append(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    # A keep-alive comment of the length that puts the tail's first byte on a brace.
+    pads = [b": " + b"x" * n + b"\n\n" for n in range(64)]
+    pad = next(p for p in pads if b"".join([*events, p])[-UsageTap.TAIL_BYTES] == ord("{"))
+    tracker = Recorder()
+    tap = UsageTap(tracker, "e", RoutingRequest("r", "m"))
+    for event in (*events, pad):
+        tap(event)
+    assert tap.tail().startswith(b"{")
+    tap.finish()
+    assert tracker.seen == [("e", usage)]
+    tools = [{"type": "function", "parameters": {"a": {"b": n}}} for n in range(900)]
+    body = orjson.dumps({"id": "resp_1", "tools": tools, "usage": usage})
+    cuts = [n for n in range(1, 200) if body[-UsageTap.TAIL_BYTES - n] == ord("{")]
+    assert cuts and find_usage(body[-UsageTap.TAIL_BYTES - cuts[0] :]) == usage
