@@ -204,7 +204,8 @@ class PredictionTracker:
             predicted = self._cap(share * actual.prompt_tokens, actual.prompt_tokens)
             self._record("approximate", predicted, actual)
             self._learn_answer(endpoint_id, routing, actual)
-        elif routing.prompt_bytes:
+        elif routing.prompt_bytes and not routing.previous_response_id:
+            # (A follow-up's input is the end of the replica's prompt: the index was not asked.)
             self._record("approximate", 0, actual)
         if self._precise is None:
             return

@@ -31,3 +31,21 @@ def test_the_answers_found_cached_teach_the_answer_share() -> None:
         answered(512)  # the prefix up to the answer, and none of it (a reasoning template)
     assert answers.share("m") < 0.2
     assert tracker.summary["approximate"].count == 42
+
+
+def test_a_follow_up_of_a_stored_response_is_no_prediction_of_the_index() -> None:
+    """A ``previous_response_id`` follow-up's rendered input is the end of the replica's
+    prompt: the index is not asked (the stored response pins it), so the stored history the
+    replica finds cached is no under-prediction of the index."""
+    tracker = PredictionTracker(CollectorRegistry(), block_size=16)
+    follow_up = RoutingRequest(
+        request_id="r", model="m", api="responses", prompt_bytes=400, prompt_tokens=100,
+        block_bytes=256, previous_response_id="resp_1",
+    )
+    usage = {"input_tokens": 9000, "input_tokens_details": {"cached_tokens": 8960}}
+    tracker.observe("home", follow_up, usage)
+    assert tracker.summary["approximate"].count == 0
+    short = RoutingRequest(request_id="s", model="m", prompt_bytes=100, block_bytes=256)
+    tracker.observe("home", short, {"prompt_tokens": 25, "prompt_tokens_details": {
+        "cached_tokens": 0}})
+    assert tracker.summary["approximate"].count == 1, "a prompt shorter than a block: 0 it is"
