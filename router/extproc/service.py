@@ -360,6 +360,8 @@ class Exchange:
         if self._destination is not None:
             endpoint = self._destination.split(",")[0]
             self._gw.metrics.count_request(endpoint, self._status, self._api)
+        elif self._status != "none":  # refused (shed, no endpoint, 4xx): as the gateway does
+            self._gw.metrics.count_request("none", self._status, self._api)
 
 
 class ExtProcService:

@@ -354,3 +354,25 @@ async def test_an_answer_the_pick_served_with_fallbacks_listed_is_remembered_the
         await call.done_writing()
         await eventually(lambda: in_flight(epp) == 0)
     assert epp.gateway.stores.responses.local(answer.json()["id"]) == pick
+
+
+async def test_requests_the_picker_refuses_are_counted_by_status(
+    epp: RunningEpp, envoy: Envoy
+) -> None:
+    """prefixgate_requests counts every answered request, by status, endpoint 'none' when the
+    gateway refused it (the dashboard's requests by status): the picker's refusals too."""
+    _, routed = await envoy.send_request(b"{not json")
+    assert routed.immediate is not None and routed.immediate.status.code == 400
+    await eventually(lambda: refused(epp, "400") == 1, 5)
+
+
+def refused(epp: RunningEpp, status: str) -> float:
+    return sum(
+        sample.value
+        for family in epp.gateway.metrics.registry.collect()
+        if family.name == "prefixgate_requests"
+        for sample in family.samples
+        if sample.name == "prefixgate_requests_total"
+        and sample.labels["endpoint"] == "none"
+        and sample.labels["status"] == status
+    )
