@@ -287,3 +287,33 @@ def test_grafana_dashboard_shows_exported_metrics() -> None:
     assert {"prefixgate_extproc_decisions_total", "prefixgate_requests_total"} <= used
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+# Envoy's defaults when a cluster sets no circuit breakers: 1024 connections, pending requests
+# and requests, 3 concurrent retries.
+ENVOY_DEFAULT_CIRCUIT_LIMIT = 1024
+ENVOY_DEFAULT_MAX_RETRIES = 3
+
+
+def test_envoy_circuit_breakers_do_not_turn_away_what_the_picker_holds() -> None:
+    """Each HTTP request holds one ext_proc stream (one request on the picker's cluster) for its
+    whole life, queued in flow control included, and one request on the model servers' cluster:
+    Envoy's default circuit breakers would answer the 1025th with a 503 of its own (and the
+    picker's stream failing, failure_mode_allow false, with a 500) instead of the picker's 429,
+    and allow only 3 concurrent retries to the destination list's fallback (GIE's standalone
+    Envoy raises them on both clusters)."""
+    data = yaml.safe_load((DEPLOY / "envoy" / "envoy.yaml").read_text())
+    bootstrap = json_format.ParseDict(data, bootstrap_pb2.Bootstrap())
+    clusters = {c.name: c for c in bootstrap.static_resources.clusters}
+    config = prefixgate_config("prefixgate-epp-config")
+    queued = config.flow_control.max_requests
+    for name in ("prefixgate-epp", "model-servers"):
+        thresholds = clusters[name].circuit_breakers.thresholds
+        assert thresholds, f"{name}: Envoy's defaults ({ENVOY_DEFAULT_CIRCUIT_LIMIT})"
+        default = thresholds[0]
+        for field in ("max_connections", "max_pending_requests", "max_requests"):
+            assert default.HasField(field), f"{name}: {field} left at Envoy's default"
+            assert getattr(default, field).value > queued, (name, field)
+    retries = clusters["model-servers"].circuit_breakers.thresholds[0]
+    assert retries.HasField("max_retries")
+    assert retries.max_retries.value > ENVOY_DEFAULT_MAX_RETRIES
