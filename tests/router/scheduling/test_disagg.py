@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from benchmarks.sim.cli import Replica, start_replicas
 from benchmarks.sim.config import SimConfig
-from router.app import build_gateway
+from router.app import Gateway, build_gateway
 from router.config.model import parse_config
 from router.core.endpoints import EndpointSnapshot, Role
 from router.core.errors import ConfigError
@@ -423,9 +423,9 @@ async def test_a_client_leaving_during_prefill_releases_its_leases(
         assert sum(served(replicas)) == 0
 
 
-async def test_a_request_in_its_prefill_step_is_unplaced_until_its_decode_lease() -> None:
-    """Flow control's room is the decode pool's: a request whose prefill runs elsewhere must
-    still count against it, or a burst of long prompts passes at once."""
+def split_gateway() -> Gateway:
+    """A gateway built (not started) over one healthy prefill and one healthy decode endpoint,
+    127.0.0.1:1 and 127.0.0.1:2, serving model ``m``, with disaggregation on."""
     endpoints = [
         {"url": "http://127.0.0.1:1", "role": "prefill", "models": ["m"]},
         {"url": "http://127.0.0.1:2", "role": "decode", "models": ["m"]},
@@ -435,6 +435,13 @@ async def test_a_request_in_its_prefill_step_is_unplaced_until_its_decode_lease(
     ))
     for state in gw.pool:
         state.healthy = True
+    return gw
+
+
+async def test_a_request_in_its_prefill_step_is_unplaced_until_its_decode_lease() -> None:
+    """Flow control's room is the decode pool's: a request whose prefill runs elsewhere must
+    still count against it, or a burst of long prompts passes at once."""
+    gw = split_gateway()
     assert gw.proxy.disagg is not None
     told: list[str] = []
     routing = RoutingRequest("r", "m", api="chat", prompt_tokens=5_000)
@@ -453,15 +460,7 @@ async def test_a_prefill_endpoint_that_left_while_ranked_means_a_plain_decode_re
     """The prefill pool is ranked across awaits (index, affinity, Redis): its pick may leave
     the pool meanwhile (discovery), as a decode pick may (which failover skips). Its lease then
     cannot be taken: the request goes to decode alone rather than failing."""
-    endpoints = [
-        {"url": "http://127.0.0.1:1", "role": "prefill", "models": ["m"]},
-        {"url": "http://127.0.0.1:2", "role": "decode", "models": ["m"]},
-    ]
-    gw = build_gateway(parse_config(
-        {"pool": {"endpoints": endpoints}, "disaggregation": {"enabled": True}}
-    ))
-    for state in gw.pool:
-        state.healthy = True
+    gw = split_gateway()
     disagg = gw.proxy.disagg
     assert disagg is not None
     rank = gw.router.rank
@@ -494,15 +493,7 @@ async def test_a_prefill_step_does_not_place_the_session_nor_count_as_its_reques
     index (both pools' picks are), not by the session's affinity nor its live-session count,
     whichever pick a front door records last (ext_proc records the decode pick first). One
     disaggregated request is one request of its session, so the session is not live yet."""
-    endpoints = [
-        {"url": "http://127.0.0.1:1", "role": "prefill", "models": ["m"]},
-        {"url": "http://127.0.0.1:2", "role": "decode", "models": ["m"]},
-    ]
-    gw = build_gateway(parse_config(
-        {"pool": {"endpoints": endpoints}, "disaggregation": {"enabled": True}}
-    ))
-    for state in gw.pool:
-        state.healthy = True
+    gw = split_gateway()
     disagg = gw.proxy.disagg
     assert disagg is not None
     routing = RoutingRequest("r", "m", api="chat", prompt_tokens=5_000, session_id="s")
