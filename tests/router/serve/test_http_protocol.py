@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -136,15 +136,18 @@ async def test_over_a_socket_kept_alive_answers_are_whole(requests: int) -> None
             writer.close()
 
 
-async def test_over_a_socket_a_client_that_leaves_cancels_the_request_without_a_task() -> None:
+def waiting_app(
+    seen: dict[str, object], waiting: asyncio.Event, ended: asyncio.Event, read_body: bool = False
+) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """An app whose request waits for a first byte that never comes, under a DisconnectWatch:
+    ``seen`` gets its callbacks, its watch task and whether the cancel was the watch's."""
     from router.api.streaming import DISCONNECT_CALLBACKS, DisconnectWatch
-
-    waiting, ended = asyncio.Event(), asyncio.Event()
-    seen: dict[str, object] = {}
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
+        if read_body:
+            await receive()  # the body, as the gateway reads it (reading resumes)
         watch = DisconnectWatch(receive, scope)
         watch.start()
         seen["callbacks"] = scope.get(DISCONNECT_CALLBACKS)
@@ -158,7 +161,13 @@ async def test_over_a_socket_a_client_that_leaves_cancels_the_request_without_a_
         finally:
             watch.stop()
 
-    async with serving(app) as port:
+    return app
+
+
+async def test_over_a_socket_a_client_that_leaves_cancels_the_request_without_a_task() -> None:
+    waiting, ended = asyncio.Event(), asyncio.Event()
+    seen: dict[str, object] = {}
+    async with serving(waiting_app(seen, waiting, ended)) as port:
         _reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
         async with asyncio.timeout(10):
@@ -173,27 +182,9 @@ async def test_over_a_socket_a_client_that_leaves_with_a_pipelined_request_cance
 ) -> None:
     """Two requests in one write: the second waits its turn (uvicorn's pipeline) and is the
     protocol's latest cycle; the client leaving must still cancel the first, the one running."""
-    from router.api.streaming import DisconnectWatch
-
     waiting, ended = asyncio.Event(), asyncio.Event()
     seen: dict[str, object] = {}
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        await receive()  # the body, as the gateway reads it (reading resumes)
-        watch = DisconnectWatch(receive, scope)
-        watch.start()
-        try:
-            waiting.set()
-            await asyncio.Event().wait()  # a request waiting for its first byte
-        except asyncio.CancelledError:
-            seen["absorbed"] = watch.absorb_cancel()
-            ended.set()
-        finally:
-            watch.stop()
-
-    async with serving(app) as port:
+    async with serving(waiting_app(seen, waiting, ended, read_body=True)) as port:
         _reader, writer = await asyncio.open_connection("127.0.0.1", port)
         request = b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"
         writer.write(request + request.replace(b"/a", b"/b"))
