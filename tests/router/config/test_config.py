@@ -102,6 +102,20 @@ def test_unreadable_and_invalid_yaml(tmp_path: Path) -> None:
         load_config(scalar)
 
 
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ({"proxy": {"firstByteTimeoutSeconds": float("inf")}}, r"proxy\.firstByteTimeoutSeconds"),
+        ({"flowControl": {"defaultRequestTTL": float("inf")}}, r"flowControl\.defaultRequestTTL"),
+        ({"sessionAffinity": {"ttlSeconds": float("inf")}}, r"sessionAffinity\.ttlSeconds"),
+    ],
+)
+def test_no_setting_takes_an_infinite_number(section: dict[str, Any], key: str) -> None:
+    """A bound like ``ge=0`` lets infinity through: every number in the config is finite."""
+    with pytest.raises(ConfigError, match=key):
+        parse_config(section)
+
+
 @pytest.mark.parametrize("weight", [float("inf"), float("nan")])
 def test_a_weight_must_be_finite(weight: float) -> None:
     """An infinite weight turns a zero score into NaN (inf * 0) and the sum into nonsense."""
