@@ -116,6 +116,11 @@ def _plugins(state: State, raw: Any) -> None:
 
 def _profiles(state: State, raw: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Native plugins and profiles; a disaggregating handler names prefill and decode."""
+    if raw is None:  # llm-d's default: one profile of every filter, scorer and picker
+        raw = [{"name": "default", "plugins": [
+            {"pluginRef": name} for name in state.types
+            if state.native.get(name, {}).get("type") in _SCHEDULING_TYPES
+        ]}]
     profiles = []
     for j, profile in enumerate(_list(raw, "schedulingProfiles")):
         profiles.append(_profile(state, profile, f"schedulingProfiles[{j}]"))

@@ -63,6 +63,21 @@ def test_single_profile_becomes_the_same_weighted_profile() -> None:
     assert [s.name for s in profile.scorers] == ["prefix-cache-scorer", "q"]
 
 
+def test_without_scheduling_profiles_one_default_profile_holds_every_scheduling_plugin() -> None:
+    """As llm-d's loader does: no ``schedulingProfiles`` means one profile, ``default``, of
+    every filter, scorer and picker the plugins list, in their order, each at weight 1."""
+    config = {key: value for key, value in BASIC.items() if key != "schedulingProfiles"}
+    native = parse_config(config)
+    assert native.scheduling_profiles is not None
+    (profile,) = native.scheduling_profiles
+    assert profile.name == "default"
+    assert [r.plugin_ref for r in profile.plugins] == [
+        "decode-filter", "prefix-cache-scorer", "q", "max-score-picker",
+    ]
+    built = build_gateway(native).scheduler.profile
+    assert [(s.name, s.weight) for s in built.scorers] == [("prefix-cache-scorer", 1.0), ("q", 1.0)]
+
+
 def test_prefixgate_sections_sit_alongside_and_win() -> None:
     config = parse_config({
         **BASIC, "pool": {"endpoints": [{"url": "http://127.0.0.1:8001"}]},
