@@ -59,7 +59,15 @@ def _no_hit_lru(state: State, name: str, p: Params) -> None:
     state.add(name, "no-hit-lru-scorer", {"lruSize": size if size > 0 else 1024})
 
 
+# The prefix-cache-scorer's parameters before llm-d split out its producer (GIE's samples
+# still carry them): the producer's sizing, set on the scorer.
+_SIZING = ("hashBlockSize", "blockSize", "blockSizeTokens", "maxPrefixBlocksToMatch",
+           "maxPrefixTokensToMatch", "lruCapacityPerServer", "autoTune")
+
+
 def _prefix_scorer(state: State, name: str, p: Params) -> None:
+    if any(p.has(key) for key in _SIZING):
+        _index_sizing(state, p)
     producer = p.get("prefixMatchInfoProducerName", str, "")
     if p.get("matchLengthWeight", float, 0.0) > 0:
         state.notes.ignore(f"{p.at('matchLengthWeight')} (prefix-cache-scorer)",
@@ -102,9 +110,16 @@ def _session_affinity(state: State, name: str, p: Params) -> None:
 
 def _approx_producer(state: State, name: str, p: Params) -> None:
     state.producers[name] = "approx-prefix-cache-producer"
+    _index_sizing(state, p)
+    p.done()
+
+
+def _index_sizing(state: State, p: Params) -> None:
+    """The approximate producer's sizing parameters, as ``prefixIndex`` settings."""
     auto = p.get("autoTune", bool, True)
     tokens = p.get("blockSizeTokens", int, 0)
-    chars = p.get("blockSize", int, 0)  # llm-d's deprecated size, in characters; tokens win
+    # llm-d's deprecated size, in characters (hashBlockSize on the older scorer); tokens win.
+    chars = p.get("blockSize", int, 0) or p.get("hashBlockSize", int, 0)
     index = state.section("prefixIndex")
     if tokens > 0:
         index["blockBytes"] = max(16, round(tokens * BYTES_PER_TOKEN))
@@ -126,7 +141,6 @@ def _approx_producer(state: State, name: str, p: Params) -> None:
         state.notes.ignore(f"{p.at('lruCapacityPerServer')} ({p.type})",
                            "with autoTune (llm-d's default) each endpoint's index is sized by "
                            "the KV capacity it reports; set autoTune: false to fix it")
-    p.done()
 
 
 def _burst_producer(state: State, name: str, p: Params) -> None:

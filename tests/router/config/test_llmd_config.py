@@ -78,6 +78,32 @@ def test_without_scheduling_profiles_one_default_profile_holds_every_scheduling_
     assert [(s.name, s.weight) for s in built.scorers] == [("prefix-cache-scorer", 1.0), ("q", 1.0)]
 
 
+def test_the_older_prefix_scorer_with_its_sizing_parameters_sizes_the_prefix_index() -> None:
+    """Before llm-d split out the producer, the scorer carried the index's sizing (as in the
+    Gateway API Inference Extension's samples): read as the producer's parameters are."""
+    config = llmd(
+        [{"type": "prefix-cache-scorer", "parameters": {
+            "hashBlockSize": 64, "maxPrefixBlocksToMatch": 256, "lruCapacityPerServer": 31250,
+        }}, {"type": "max-score-picker"}],
+        [{"pluginRef": "prefix-cache-scorer", "weight": 3}, {"pluginRef": "max-score-picker"}],
+    )
+    native = parse_config(config)
+    index = native.prefix_index
+    assert (index.block_bytes, index.max_blocks_per_request) == (64, 256)
+    assert index.capacity_blocks is None, "sized by each endpoint's KV capacity (autoTune)"
+    assert native.compatibility is not None
+    assert any("lruCapacityPerServer" in note for note in native.compatibility.ignored)
+    fixed = parse_config(llmd(
+        [{"type": "prefix-cache-scorer", "parameters": {
+            "hashBlockSize": 64, "lruCapacityPerServer": 1000, "autoTune": False,
+        }}],
+        [{"pluginRef": "prefix-cache-scorer"}],
+    ))
+    assert fixed.prefix_index.capacity_blocks == 1000
+    with pytest.raises(ConfigError, match=r"plugins\[0\]\.parameters\.hashBlockSizes"):
+        parse_config(llmd([{"type": "prefix-cache-scorer", "parameters": {"hashBlockSizes": 64}}]))
+
+
 def test_prefixgate_sections_sit_alongside_and_win() -> None:
     config = parse_config({
         **BASIC, "pool": {"endpoints": [{"url": "http://127.0.0.1:8001"}]},
