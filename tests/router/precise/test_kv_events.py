@@ -49,6 +49,14 @@ async def wait_for(predicate: Callable[[], bool], seconds: float = 20.0) -> None
             await asyncio.sleep(0.01)
 
 
+async def resync(pub: KVEventPublisher, index: PreciseIndex) -> None:
+    """Publish AllBlocksCleared until the endpoint is trusted: a state known from scratch."""
+    async with asyncio.timeout(5):
+        while not index.trusted(EID):
+            pub.publish([AllBlocksCleared()])
+            await asyncio.sleep(0.02)
+
+
 # -- decoding -------------------------------------------------------------------------------
 
 
@@ -242,10 +250,7 @@ async def test_reconnect_after_the_publisher_restarts() -> None:
             restarted = KVEventPublisher("127.0.0.1", port, "kv@t@m")
             await wait_for(lambda: sub.connected)
             # A restarted replica's cache is empty and its seq starts again at 0.
-            async with asyncio.timeout(5):
-                while not index.trusted(EID):
-                    restarted.publish([AllBlocksCleared()])
-                    await asyncio.sleep(0.02)
+            await resync(restarted, index)
             store(restarted, [99], None, 0)
             await wait_for(lambda: index.engine_hashes(EID) == {99})
     finally:
@@ -374,10 +379,7 @@ async def test_a_connection_that_dies_without_closing_is_detected_and_replaced()
     manager.start()
     try:
         sub = sub_of(manager)
-        async with asyncio.timeout(5):
-            while not index.trusted(EID):
-                pub.publish([AllBlocksCleared()])
-                await asyncio.sleep(0.02)
+        await resync(pub, index)
         proxy.kill_open_connections()
         # Keep publishing: only a new connection can carry these.
         async with asyncio.timeout(10):
@@ -406,10 +408,7 @@ async def test_a_failed_subscriber_is_reported_untrusted_until_it_resyncs() -> N
 
     try:
         sub = sub_of(manager)
-        async with asyncio.timeout(5):
-            while not index.trusted(EID):
-                pub.publish([AllBlocksCleared()])
-                await asyncio.sleep(0.02)
+        await resync(pub, index)
         assert gauge() == 1
 
         async def fail(frames: object) -> None:
