@@ -47,7 +47,8 @@ class IndexSizer:
         self._threshold = threshold
         # The model each endpoint serves: configured, else the last one answered there, else
         # (an endpoint that has answered nothing yet) the last model answered anywhere.
-        self._models: dict[str, str] = dict(models or {})
+        self._configured: dict[str, str] = dict(models or {})
+        self._models: dict[str, str] = dict(self._configured)
         self._last_model: str | None = None
         self._kv_tokens: dict[str, int] = {}
         self._applied: dict[str, float] = {}  # per endpoint, the ratio its capacity is at
@@ -81,7 +82,8 @@ class IndexSizer:
     def count(self, endpoint_id: str, model: str, prompt_bytes: int, tokens: int) -> None:
         """A prompt of ``prompt_bytes`` rendered bytes was ``tokens`` tokens on the endpoint
         (its answer's usage, or router/index/token_counts.py)."""
-        self._models[endpoint_id] = self._last_model = model
+        self._last_model = model
+        self._models[endpoint_id] = self._configured.get(endpoint_id, model)
         if not self.density.observe(model, prompt_bytes, tokens):
             return
         ratio = self.density.ratio(model)

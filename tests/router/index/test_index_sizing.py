@@ -89,3 +89,18 @@ async def test_a_departed_endpoint_is_forgotten() -> None:
     assert sizer.capacity_blocks("e1") is None
     name = "prefixgate_prefix_index_capacity_blocks"
     assert registry.get_sample_value(name, {"endpoint": "e1"}) is None
+
+
+def test_a_configured_model_keeps_its_ratio_when_another_model_answers_there() -> None:
+    # An endpoint configured with one model also serves what its /v1/models lists (a LoRA
+    # adapter): the configured model's ratio sizes it (docs/prefix-index.md), so an answer of
+    # the adapter, still at the prior, does not shrink its index.
+    index = Recording()
+    sizer = IndexSizer(index, TokenDensity(min_samples=4), BLOCK_BYTES, models={"e1": "m"})
+    sizer.kv_capacity("e1", KV_TOKENS)
+    _answer(sizer, "e1", 9.0, 10)
+    sized = index.capacity("e1")
+    assert abs(sized - KV_TOKENS * 9 // BLOCK_BYTES) <= 2
+    sizer.count("e1", "m-lora", 10_000, 2_500)
+    assert index.capacity("e1") == sized
+    assert sizer.capacity_blocks("e1") == sized
