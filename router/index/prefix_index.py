@@ -320,6 +320,7 @@ class InMemoryPrefixIndex:
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
         self.forget_now(endpoint_id)
+        self._capacity.pop(endpoint_id, None)  # gone: set again from its scrape if it is back
 
     async def clear_endpoint(self, endpoint_id: str) -> None:
         self.forget_now(endpoint_id)  # its capacity stays: the engine is the same size

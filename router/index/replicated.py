@@ -230,7 +230,7 @@ class ReplicatedPrefixIndex:
             self._replicator.put(("r", endpoint_id, pack_hashes(hashes)))
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
-        self.local.forget_now(endpoint_id)
+        await self.local.forget_endpoint(endpoint_id)
         now = self._clock()
         self._forgotten = {
             e: t for e, t in self._forgotten.items() if now - t < FORGOTTEN_FOR_S

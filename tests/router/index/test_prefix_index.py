@@ -180,3 +180,16 @@ def test_an_eviction_behind_many_superseded_entries_rebuilds_the_queue_first() -
     # The least recently touched went, as without the rebuild: b's tail.
     assert index.match_now(b, ["a"]) == {"a": 400}
     assert index.match_now(a, ["a"]) == {"a": 1500}
+
+
+async def test_a_departed_endpoint_leaves_no_capacity_behind() -> None:
+    index = InMemoryPrefixIndex(default_capacity=100)
+    for i in range(3):
+        index.set_capacity(f"gone{i}", 7)
+        index.record(f"gone{i}", [1, 2])
+        await index.forget_endpoint(f"gone{i}")
+        assert index.capacity(f"gone{i}") == 100
+    # A restart empties the cache of an engine of the same size: its capacity stays.
+    index.set_capacity("restarted", 7)
+    await index.clear_endpoint("restarted")
+    assert index.capacity("restarted") == 7
