@@ -152,13 +152,18 @@ class RedisPrefixIndex:
         self._queue.put(op, self.local.capacity(endpoint_id))
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
-        self.local.forget_now(endpoint_id)
-        self._queue.discard_if(lambda op: op[1] == endpoint_id)
-        self._queue.put(("forget", endpoint_id, b""), 0)
+        await self.local.forget_endpoint(endpoint_id)
+        self._purge(endpoint_id)
 
     async def clear_endpoint(self, endpoint_id: str) -> None:
-        # What it held is gone for every gateway alike, and records after the forget add anew.
-        await self.forget_endpoint(endpoint_id)
+        # What it held is gone for every gateway alike, and records after the purge add anew;
+        # its capacity stays (the same engine).
+        await self.local.clear_endpoint(endpoint_id)
+        self._purge(endpoint_id)
+
+    def _purge(self, endpoint_id: str) -> None:
+        self._queue.discard_if(lambda op: op[1] == endpoint_id)
+        self._queue.put(("forget", endpoint_id, b""), 0)
 
     def room(self, endpoint_id: str) -> int:
         # The local view, no round trip: it fills with this gateway's share of the traffic, so

@@ -643,3 +643,17 @@ async def test_a_purge_already_done_is_not_run_again_after_the_records_that_foll
     assert await client.zcard(writer._lru_prefix + "10.0.0.6:8000") == 0
     reader = await remote_view(make_index, writer)
     assert await reader.match([1001, 1002, 1003], ["10.0.0.5:8000"]) == {"10.0.0.5:8000": 3}
+
+
+async def test_a_departed_endpoint_leaves_no_capacity_behind_a_restarted_one_keeps_it(
+    make_index: Factory,
+) -> None:
+    """As the in-memory index: an endpoint that left the pool is forgotten with its size (a pod
+    back under its id is sized by its next scrape); a restarted engine keeps its size."""
+    index = make_index(default_capacity=100)
+    index.set_capacity("left", 7)
+    index.set_capacity("restarted", 9)
+    await index.forget_endpoint("left")
+    await index.clear_endpoint("restarted")
+    await index.flush()
+    assert (index.local.capacity("left"), index.local.capacity("restarted")) == (100, 9)
