@@ -229,6 +229,10 @@ class DroppingQueueHandler(logging.Handler):
         return [pop() for _ in range(len(self._queued))]
 
 
+# How long a stop waits for a write in progress.
+STOP_TIMEOUT_S = 5.0
+
+
 class BatchWriter:
     """The writer thread: every ``interval`` seconds it formats the records waiting in
     ``source`` with ``sink``'s formatter and writes them to ``sink``'s stream in one call."""
@@ -238,10 +242,12 @@ class BatchWriter:
         source: DroppingQueueHandler,
         sink: logging.StreamHandler[TextIO],
         interval: float = FLUSH_INTERVAL_S,
+        stop_timeout: float = STOP_TIMEOUT_S,
     ) -> None:
         self._source = source
         self._sink = sink
         self._interval = interval
+        self._stop_timeout = stop_timeout
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prefixgate-log", daemon=True)
 
@@ -249,10 +255,12 @@ class BatchWriter:
         self._thread.start()
 
     def stop(self) -> None:
-        """Write what is left and end the thread."""
+        """Write what is left and end the thread; a sink that blocks (a stalled stderr pipe)
+        past the stop timeout keeps what is left, rather than holding the process's exit."""
         self._stopping.set()
-        self._thread.join()
-        self.flush()
+        self._thread.join(self._stop_timeout)
+        if not self._thread.is_alive():
+            self.flush()
 
     def _run(self) -> None:
         while not self._stopping.wait(self._interval):

@@ -4,6 +4,7 @@ import contextlib
 import io
 import itertools
 import logging
+import threading
 from collections.abc import Iterator
 from typing import TextIO, cast
 
@@ -187,3 +188,31 @@ def test_another_handler_or_a_filter_gets_the_line_through_logging(
     [record] = [r for r in caplog.records if r.name == ACCESS_LOGGER]
     assert record.__dict__["fields"]["request_id"] == "rid-1" and through_logging is record
     assert seen == ["rid-2"]
+
+
+def test_a_stop_does_not_wait_for_good_on_a_sink_that_blocks() -> None:
+    """A stalled stderr pipe blocks the writer thread's write: a stop gives up on what is left
+    after its timeout rather than holding the process's exit."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Stalled(io.StringIO):
+        def write(self, text: str) -> int:
+            entered.set()
+            release.wait(30)  # bounded: released below either way
+            return len(text)
+
+    sink = logging.StreamHandler(cast(TextIO, Stalled()))
+    sink.setFormatter(TextFormatter())
+    queue = DroppingQueueHandler(capacity=10)
+    queue.put(logging.LogRecord("other", logging.INFO, __file__, 1, "stuck", None, None))
+    writer = BatchWriter(queue, sink, interval=0.001, stop_timeout=0.05)
+    writer.start()
+    assert entered.wait(10), "the writer thread never wrote"
+    stopper = threading.Thread(target=writer.stop)
+    stopper.start()
+    stopper.join(10)
+    try:
+        assert not stopper.is_alive(), "stop() waited on the blocked sink"
+    finally:
+        release.set()
+        stopper.join(10)
