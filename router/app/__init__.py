@@ -291,11 +291,18 @@ def create_app(config: GatewayConfig, registry: PluginRegistry | None = None) ->
 
     @asynccontextmanager
     async def lifespan(app: GatewayApp) -> AsyncIterator[None]:
-        async with gateway_running(gateway):
+        async with AsyncExitStack() as stack:
+            try:
+                await stack.enter_async_context(gateway_running(gateway))
+            except Exception as exc:
+                # uvicorn logs it and exits 3: kept for the server to report (router.serve).
+                app.state.startup_error = exc
+                raise
             yield
 
     app = GatewayApp(title="prefixgate", version=__version__, lifespan=lifespan)
     app.state.gateway = gateway
+    app.state.startup_error = None
     stored = StoredResponses(
         config, gateway.pool, gateway.stores.candidates(gateway.pool), gateway.stores.responses,
         gateway.proxy,

@@ -22,10 +22,12 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 from uvicorn.config import LOGGING_CONFIG
 
+from router.api.asgi import GatewayApp
 from router.api.logs import LogFormat, configure_logging
 from router.api.streaming import ServerSend
 from router.app import Gateway, create_app
 from router.config.model import GatewayConfig
+from router.core.errors import ConfigError
 from router.core.heap import freeze_startup_heap
 from router.serve.http_protocol import GatewayHttpProtocol
 
@@ -104,6 +106,19 @@ def set_drain_timeout(config: uvicorn.Config, drain_timeout: float) -> None:
     config.timeout_graceful_shutdown = drain_timeout  # type: ignore[assignment]
 
 
+def run_server(server: GatewayServer, app: GatewayApp, sock: socket.socket) -> None:
+    """Serve until stopped. uvicorn exits 3 when the lifespan fails to start; a configuration
+    error found there (Kubernetes discovery outside a cluster) is raised as itself instead, so
+    that the CLI reports it in one line with exit 2 and a worker exits 2, not in a crash loop."""
+    try:
+        server.run(sockets=[sock])
+    except SystemExit:
+        error = app.state.startup_error
+        if isinstance(error, ConfigError):
+            raise error from None
+        raise
+
+
 def serve(
     config: GatewayConfig, log_level: str = "info", log_format: LogFormat | None = None
 ) -> None:
@@ -117,7 +132,7 @@ def serve(
         set_drain_timeout(ucfg, server_cfg.drain_timeout_seconds)
         sock = bind_socket(server_cfg.host, server_cfg.port)
         freeze_startup_heap()
-        GatewayServer(ucfg, app.state.gateway).run(sockets=[sock])
+        run_server(GatewayServer(ucfg, app.state.gateway), app, sock)
     finally:
         stop_logging()
 
@@ -153,6 +168,12 @@ class _InProcessServer(GatewayServer):
     def capture_signals(self) -> Generator[None, None, None]:
         yield
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().startup(sockets)
+        except SystemExit:  # uvicorn's exit on a failed lifespan: not the host process's
+            self.should_exit = True
+
 
 @contextlib.asynccontextmanager
 async def running_gateway(
@@ -172,7 +193,9 @@ async def running_gateway(
             while not server.started:
                 if task.done():
                     task.result()
-                    raise RuntimeError("gateway exited during start-up")
+                    raise RuntimeError("gateway exited during start-up") from (
+                        app.state.startup_error
+                    )
                 await asyncio.sleep(0.01)
         yield RunningGateway(
             f"http://{config.server.host}:{port}", port, app.state.gateway, server

@@ -31,7 +31,13 @@ from router.api.logs import LogFormat, configure_logging
 from router.app import Gateway, create_app
 from router.config.model import GatewayConfig
 from router.core.heap import freeze_startup_heap
-from router.serve.server import GatewayServer, bind_socket, set_drain_timeout, uvicorn_config
+from router.serve.server import (
+    GatewayServer,
+    bind_socket,
+    run_server,
+    set_drain_timeout,
+    uvicorn_config,
+)
 from router.serve.worker_metrics import FleetMetrics
 
 log = logging.getLogger("prefixgate.worker")
@@ -111,7 +117,7 @@ def run_worker(
         sock = bind_socket(server_cfg.host, server_cfg.port, reuse_port=True)
         freeze_startup_heap()
         log.info("worker %d of %d serving (pid %d)", slot.index, slot.count, os.getpid())
-        WorkerServer(ucfg, gateway, fleet).run(sockets=[sock])
+        run_server(WorkerServer(ucfg, gateway, fleet), app, sock)
     finally:
         stop_logging()
         if os.getppid() != parent:  # the supervisor was killed: nobody else will clean up

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +62,17 @@ def test_workers_flag_overrides_the_config_key(tmp_path: Path) -> None:
     assert _serve_config(args).server.workers == 4
     args = build_parser().parse_args(["serve", "--backend", "http://127.0.0.1:9"])
     assert _serve_config(args).server.workers == 1, "one process unless asked"
+
+
+def test_a_config_error_found_at_start_up_exits_2_with_its_message(tmp_path: Path) -> None:
+    """Kubernetes discovery outside a cluster fails in the lifespan, after the gateway was
+    built: ``serve`` reports it as every other configuration error (exit 2, one line)."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text("server: {port: 0}\ndiscovery: {inferencePool: pool}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(path)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "prefixgate: discovery.apiServer: not set" in done.stderr

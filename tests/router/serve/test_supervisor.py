@@ -337,3 +337,27 @@ def test_workers_config_takes_the_port_and_the_private_redis() -> None:
     )
     assert shared_config(mine, "unix:///run/r.sock", 1).prefix_index.timeout_ms == 7
     assert shared_config(mine, None, 1).prefix_index.backend == "memory"
+
+
+@pytest.mark.slow
+def test_a_config_error_found_at_start_up_in_the_workers_exits_2_without_restarts(
+    tmp_path: Path,
+) -> None:
+    """Kubernetes discovery outside a cluster is a configuration error found in the lifespan
+    (not while building the gateway): it stops the gateway with exit 2 as well, not after a
+    crash loop of restarts."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server for the private Redis")
+    path = tmp_path / "gateway.yaml"
+    path.write_text(
+        "server: {port: 0, workers: 2}\n"
+        "discovery: {inferencePool: pool, initialSyncTimeoutSeconds: 0}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(path)],
+        capture_output=True, text=True, timeout=BOUND_S * 2, env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "prefixgate: discovery.apiServer: not set" in done.stderr
+    assert "restarting" not in done.stderr, "not restarted in a loop"
