@@ -134,7 +134,7 @@ class EndpointSubscriber:
 
     # -- trust ----------------------------------------------------------------------------
 
-    def _distrust(self, reason: str, stale: bool = False) -> None:
+    def distrust(self, reason: str, stale: bool = False) -> None:
         if self._index.trusted(self.endpoint_id):
             log.warning("kv events %s: untrusted (%s)", self.endpoint_id, reason)
         self._index.set_trusted(self.endpoint_id, False, reason, stale)
@@ -168,7 +168,7 @@ class EndpointSubscriber:
                 self._expect = None
                 self._problem("silent")
                 self._need_batch = True
-                self._distrust("silent publisher", stale=True)
+                self.distrust("silent publisher", stale=True)
         if self.connected:
             self._maybe_trust(now)
         self._metrics.entries.labels(self.endpoint_id).set(self._index.entries(self.endpoint_id))
@@ -226,12 +226,12 @@ class EndpointSubscriber:
     def _start_resync(self, seq: int) -> None:
         self._index.cleared(self.endpoint_id)
         self._resync_until = self._clock() + self._settings.events.resync_seconds
-        self._distrust(f"sequence gap before {seq}; resyncing")
+        self.distrust(f"sequence gap before {seq}; resyncing")
 
     async def _recover(self, start: int, until: int) -> bool:
         """Replay ``start .. until - 1`` from the publisher; True when all of it arrived."""
         self._problem("gap")
-        self._distrust(f"sequence gap {start}..{until - 1}")
+        self.distrust(f"sequence gap {start}..{until - 1}")
         if self.source.replay_address is None:
             return False
         dealer = self._ctx.socket(zmq.DEALER)
@@ -267,7 +267,7 @@ class EndpointSubscriber:
             self.connected = False
             self._need_batch = True
             self._problem("disconnected")
-            self._distrust("publisher disconnected", stale=True)
+            self.distrust("publisher disconnected", stale=True)
 
     # -- the loop -------------------------------------------------------------------------
 

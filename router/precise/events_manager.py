@@ -90,8 +90,7 @@ class KVEventsManager:
                 sub.connected = False
                 sub.last_seq = None
                 self.index.cleared(sub.endpoint_id)
-                self.index.set_trusted(sub.endpoint_id, False, "subscriber restarted")
-                self._metrics.trusted.labels(sub.endpoint_id).set(0)
+                sub.distrust("subscriber restarted")  # the index and its gauge alike
                 await asyncio.sleep(1.0)
 
     def expect_events(self, endpoint_id: str, since: float) -> None:
