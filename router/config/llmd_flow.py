@@ -19,13 +19,11 @@ def _program_aware(state: State, name: str, p: Params) -> None:
     strategy = p.get("strategy", str, "las")
     if strategy != "las":
         raise ConfigError(f"{p.at('strategy')}: only 'las' (least attained service) exists here")
-    params = {
-        "serviceWeight": p.get("lasWeightService", float, 0.8),
-        "headWaitWeight": p.get("lasWeightHeadWait", float, 0.2),
-        "halfLifeSeconds": p.get("lasHalfLifeSeconds", float, 60.0),
-    }
-    for key, value in zip(("lasWeightService", "lasWeightHeadWait", "lasHalfLifeSeconds"),
-                          params.values(), strict=True):
+    params: dict[str, float] = {}
+    for key, native, default in (("lasWeightService", "serviceWeight", 0.8),
+                                 ("lasWeightHeadWait", "headWaitWeight", 0.2),
+                                 ("lasHalfLifeSeconds", "halfLifeSeconds", 60.0)):
+        value = params[native] = p.get(key, float, default)
         if not value >= 0:  # checked here, as llm-d does, even if no band names the policy
             raise ConfigError(f"{p.at(key)}: must be >= 0, got {value!r}")
     p.ignore("idle programs are forgotten by count (programAware.maxPrograms), not by age",
