@@ -48,6 +48,9 @@ class _Session:
     tokens: int
     last_seen: float
     requests: int
+    # The last request placed (RoutingRequest.serial; 0: unknown): picked again, it is that
+    # request's retry on another endpoint, not the session coming back.
+    serial: int = 0
 
 
 class LiveSessions:
@@ -96,19 +99,24 @@ class LiveSessions:
         if not session_id or request.prefill_step:  # the decode pick places the session
             return
         now = self._clock()
-        self.lengths.on_request(session_id, now)
         session = self._sessions.get(session_id)
+        # Failover picks a request again on its next endpoint: the session moves with it.
+        retry = session is not None and request.serial != 0 and session.serial == request.serial
+        if not retry:
+            self.lengths.on_request(session_id, now)
         if session is None:
             session = self._sessions[session_id] = _Session(endpoint_id, 0, now, 0)
             while len(self._sessions) > self._max:
                 self._retire(self._sessions.popitem(last=False)[0])
         else:
             self._sessions.move_to_end(session_id)
-            self._learn_gap(now - session.last_seen)
+            if not retry:
+                self._learn_gap(now - session.last_seen)
             self._retire(session_id)
         session.endpoint_id, session.tokens = endpoint_id, request.prompt_tokens
-        session.last_seen = now
-        session.requests += 1
+        session.last_seen, session.serial = now, request.serial
+        if not retry:
+            session.requests += 1
         if session.requests >= 2:
             self._live[session_id] = session
             self._tokens[endpoint_id] = self._tokens.get(endpoint_id, 0) + session.tokens

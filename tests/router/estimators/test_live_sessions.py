@@ -111,3 +111,51 @@ def test_a_restarted_endpoint_holds_no_live_context_until_its_sessions_come_back
     clock.now += 1.0
     live.on_pick(req("s", 3_000), "a")  # back on the new engine: counted again
     assert live.live_tokens("a") == 3_000
+
+
+def test_a_retried_request_moves_its_session_but_is_not_its_second_request() -> None:
+    # Failover picks the same request again on the next endpoint (router/api/failover.py):
+    # that is where the session's context now is, not the session coming back. Counted as a
+    # second request, a single-turn session became live and the retry's delay (a first-byte
+    # timeout) was learned as the sessions' pace.
+    clock = ManualClock(100.0)
+    live = LiveSessions(clock=clock)
+    pace = live.typical_gap
+    request = RoutingRequest(request_id="r", model="m", session_id="s", prompt_tokens=4_000,
+                             serial=7)
+    live.on_pick(request, "a")
+    clock.now += 30.0  # the first endpoint never answered
+    live.on_pick(request, "b")
+    assert (live.live_tokens("a"), live.live_tokens("b")) == (0, 0)
+    assert live.typical_gap == pace
+    clock.now += 2.0
+    back = RoutingRequest(request_id="r2", model="m", session_id="s", prompt_tokens=5_000,
+                          serial=8)
+    live.on_pick(back, "b")  # its real second request: live where the retry left it
+    assert (live.live_tokens("a"), live.live_tokens("b")) == (0, 5_000)
+    assert live.typical_gap == pytest.approx(2.0)  # from the retry, its last activity
+    # Single-turn sessions, each retried once, are sessions of one request.
+    for n in range(100):
+        single = RoutingRequest(request_id="r", model="m", session_id=f"one{n}", serial=100 + n)
+        live.on_pick(single, "a")
+        live.on_pick(single, "b")
+    clock.now += 1_000.0
+    assert live.live_tokens("a") == 0  # every session ended
+    assert live.lengths.later_requests < 0.5  # 1.2 with each retry counted as a request
+
+
+def test_a_retried_live_sessions_context_follows_it() -> None:
+    clock = ManualClock(100.0)
+    live = LiveSessions(clock=clock)
+    for serial in (1, 2):
+        clock.now += 1.0
+        live.on_pick(RoutingRequest(request_id="r", model="m", session_id="s",
+                                    prompt_tokens=1_000 * serial, serial=serial), "a")
+    retried = RoutingRequest(request_id="r", model="m", session_id="s", prompt_tokens=3_000,
+                             serial=3)
+    clock.now += 1.0
+    live.on_pick(retried, "a")
+    clock.now += 5.0
+    live.on_pick(retried, "b")
+    assert (live.live_tokens("a"), live.live_tokens("b")) == (0, 3_000)
+    assert live.typical_gap == pytest.approx(1.0)
