@@ -72,7 +72,14 @@ class _Speed:
     sy: float = 0.0
     last_sample: float = 0.0
 
-    def add(self, counts: tuple[float, ...], y: float, decay: float, now: float) -> None:
+    def add(
+        self, counts: tuple[float, ...], y: float, decay: float, now: float, half_life_s: float
+    ) -> None:
+        # The past also fades with the time since the last sample, as _factor discounts it
+        # while no sample comes: else the first sample after a quiet spell brought the
+        # evidence of long ago back at full weight.
+        if self.w > 0:
+            decay *= 0.5 ** (max(0.0, now - self.last_sample) / half_life_s)
         self.w, self.sy = self.w * decay + 1.0, self.sy * decay + y
         self.sx = [s * decay + v for s, v in zip(self.sx, counts, strict=True)]
         self.last_sample = now
@@ -239,8 +246,9 @@ class Calibrator:
         own = self._price(endpoint_id, fleet)
         y = self._clipped(own.predict(*counts), seconds)
         speed = self._speeds.setdefault(endpoint_id, _Speed())
+        now = self._clock()
         for sums in (speed, self._all):
-            sums.add(counts, y, p.endpoint_decay, self._clock())
+            sums.add(counts, y, p.endpoint_decay, now, p.stale_half_life_s)
         self._prices.pop(endpoint_id, None)
 
     def _clipped(self, predicted: float, seconds: float) -> float:

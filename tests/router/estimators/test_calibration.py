@@ -315,3 +315,28 @@ def test_the_fit_is_solved_when_read_at_most_every_interval_or_batch_of_samples(
     for _ in range(REFIT_SAMPLES):  # a whole batch of samples: solved without waiting
         calibrator.observe("a", 1000, 5.0)
     assert calibrator.fleet_cost() != second
+
+
+def test_evidence_faded_while_an_endpoint_was_quiet_stays_faded_at_its_next_sample() -> None:
+    # A replica slow for a while (a stall, a cold start) is priced out; while it gets no
+    # traffic its old samples fade and it is priced like its peers again. Its next first
+    # byte, at the fleet's speed, brought all that old evidence back at full weight: priced
+    # out again by samples ten minutes old, it never got the traffic to unlearn them.
+    clock = ManualClock()
+    calibrator = Calibrator(clock=clock)
+    rng = random.Random(12)
+
+    def first_byte(endpoint: str, slowness: float) -> None:
+        tokens = rng.uniform(200, 6_000)
+        calibrator.observe(endpoint, tokens, slowness * (0.03 + 0.0002 * tokens))
+
+    for _ in range(200):
+        clock.now += 0.05
+        for endpoint in ("b", "c", "d"):
+            first_byte(endpoint, 1.0)
+        first_byte("x", 8.0)
+    assert calibrator.factor("x") > 3.0
+    clock.now += 600.0
+    assert calibrator.factor("x") == pytest.approx(1.0, abs=0.01)
+    first_byte("x", 1.0)
+    assert calibrator.factor("x") < 1.1
