@@ -30,6 +30,8 @@ class SessionHashScorer:
         self._epsilon = epsilon
 
     def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
+        if not endpoints:
+            return []
         if request.session_id:
             key = request.session_id.encode()
         elif request.block_hashes:

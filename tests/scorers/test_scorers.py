@@ -115,3 +115,11 @@ def test_session_hash_with_bounded_loads_spreads_few_sessions_evenly() -> None:
         )
         load[endpoints[scores.index(1.0)]] += 1
     assert max(load.values()) <= 2
+
+
+def test_session_hash_scores_no_candidates_as_every_other_scorer_does() -> None:
+    """No candidates, no scores: a session's request must not raise (IndexError) where
+    every other scorer answers an empty list."""
+    scorer = SessionHashScorer()
+    assert scorer.score(req(session_id="s"), []) == []
+    assert scorer.score(req(block_hashes=(7,)), []) == []
