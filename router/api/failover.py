@@ -1,9 +1,10 @@
 """Failover: one request's attempts at the ranked endpoints, in order, until one answers.
 
 A connect error, a timeout or a 5xx before the first byte moves on to the next endpoint
-(bounded by ``proxy.maxAttempts``); a 4xx is the client's and is the answer. The last
-attempt's 5xx is the answer too. Connect errors, timeouts and 5xx (never 4xx) count towards
-the endpoint's outlier ejection.
+(bounded by ``proxy.maxAttempts``, counting the attempts sent: an endpoint down, ejected or
+gone since the ranking is skipped); a 4xx is the client's and is the answer. The last
+attempt's 5xx is the answer too, as is a 5xx with no endpoint left to try. Connect errors,
+timeouts and 5xx (never 4xx) count towards the endpoint's outlier ejection.
 
 The first attempt's pick is recorded before it is sent, so that the next requests of a burst
 already see it (a failed attempt's record stays); a retry's is recorded once its endpoint has
@@ -68,14 +69,26 @@ class Failover:
 
         ``ranked_earlier``: ``ranked`` is from before an await (a prefill step)."""
         last_error: BaseException | None = None
-        attempts = ranked[: self._max_attempts]
-        for n, endpoint in enumerate(attempts):
+        # A 5xx, held while no other endpoint is tried: the answer should none be.
+        refused: Answered | None = None
+        sent = 0
+        for n, endpoint in enumerate(ranked):
+            if sent == self._max_attempts:
+                break
             if n or ranked_earlier:  # the lease reads the endpoint's queue as it is now
-                endpoint = self._router.current(routing.model, endpoint.id) or endpoint
+                now = self._router.current(routing.model, endpoint.id)
+                if now is None:
+                    continue  # down, ejected or gone since it was ranked: no attempt
+                endpoint = now
             try:
                 lease = self._router.lease(routing, endpoint)
             except KeyError:
                 continue  # the endpoint left the pool since it was ranked
+            if refused is not None:
+                refused.lease.release()
+                refused.attempt.reply.close()
+                refused = None
+            sent += 1
             ex.attempts += 1
             if ex.attempts > 1:
                 self._metrics.retries.inc()
@@ -96,11 +109,11 @@ class Failover:
                     self._router.picked(routing, endpoint.id)
             else:
                 self.failed(lease, endpoint.id, "5xx")
-                if n + 1 < len(attempts):
-                    lease.release()
-                    attempt.reply.close()
-                    continue
+                refused = Answered(attempt, endpoint, lease)
+                continue
             return Answered(attempt, endpoint, lease)
+        if refused is not None:  # no endpoint left to try: the last attempt's 5xx is the answer
+            return refused
         if isinstance(last_error, TimeoutError):
             raise UpstreamTimeoutError("no endpoint answered within the first-byte timeout")
         reason = type(last_error).__name__ if last_error is not None else "none left"

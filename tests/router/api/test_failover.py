@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -159,3 +159,85 @@ async def test_a_client_gone_before_the_first_byte_is_no_failure_of_the_endpoint
     assert failures() == 0
     await failover(gw, request(gw), {a: ConnectionResetError("reset"), b: 200})
     assert failures() == 1  # what a failure of the endpoint's counts as
+
+
+C = "http://127.0.0.1:11"
+
+
+def three_endpoints(max_attempts: int = 3) -> tuple[Gateway, tuple[str, str, str]]:
+    endpoints = [{"url": url, "models": ["m"]} for url in (A, B, C)]
+    gw = gateway(max_attempts, pool={"endpoints": endpoints})
+    a, b, c = (s.endpoint.id for s in gw.pool)
+    return gw, (a, b, c)
+
+
+async def test_a_retry_skips_an_endpoint_found_down_since_the_ranking() -> None:
+    """The first attempt's failure leaves time for the health check (or outlier ejection) to
+    take the next ranked endpoint out: the retry goes to one still serving, not to it."""
+    gw, (a, b, c) = three_endpoints()
+    sent: list[str] = []
+
+    async def send(endpoint: EndpointSnapshot) -> Attempt:
+        sent.append(endpoint.id)
+        if endpoint.id == a:
+            state = gw.pool.get(b)
+            assert state is not None
+            state.healthy = False  # its health probe failed meanwhile
+            raise ConnectionRefusedError("refused")
+        return Attempt(Reply(200), b"{}")  # type: ignore[arg-type]
+
+    answered = await gw.proxy.failover.first_answer(
+        request(gw), ranked(gw, a, b, c), send, Exchange("chat", "r", 0.0)
+    )
+    answered.lease.release()
+    assert (sent, answered.endpoint.id) == ([a, c], c)
+
+
+async def test_max_attempts_counts_the_attempts_sent() -> None:
+    """An endpoint gone from the pool since the ranking is not tried, and takes no attempt."""
+    gw, (a, b, c) = three_endpoints(max_attempts=2)
+    routing, candidates = request(gw), ranked(gw, a, b, c)
+    gw.pool.remove(b)
+    sent, send = upstreams({a: ConnectionRefusedError("refused"), c: 200})
+    answered = await gw.proxy.failover.first_answer(
+        routing, candidates, send, Exchange("chat", "r", 0.0)
+    )
+    answered.lease.release()
+    assert (sent, answered.endpoint.id) == ([a, c], c)
+
+
+async def test_a_5xx_is_the_answer_when_no_endpoint_is_left_to_retry_on() -> None:
+    """The next ranked endpoint left the pool: the 5xx already in is the client's answer (its
+    status and body), not a 502 saying no endpoint could be reached."""
+    gw = gateway()
+    a, b = ids(gw)
+    routing, candidates = request(gw), ranked(gw, a, b)
+    gw.pool.remove(b)
+    sent, send = upstreams({a: 503})
+    answered = await gw.proxy.failover.first_answer(
+        routing, candidates, send, Exchange("chat", "r", 0.0)
+    )
+    reply = cast(Reply, answered.attempt.reply)
+    assert (sent, answered.endpoint.id, reply.status, reply.closed) == ([a], a, 503, False)
+    state = gw.pool.get(a)
+    assert state is not None and state.in_flight == 1, "the answer's lease is still held"
+    answered.lease.release()
+    assert state.in_flight == 0
+
+
+async def test_a_5xx_moved_on_from_is_closed_and_its_lease_released() -> None:
+    gw = gateway()
+    a, b = ids(gw)
+    replies: dict[str, Reply] = {}
+
+    async def send(endpoint: EndpointSnapshot) -> Attempt:
+        reply = replies[endpoint.id] = Reply(503 if endpoint.id == a else 200)
+        return Attempt(reply, b"{}")  # type: ignore[arg-type]
+
+    answered = await gw.proxy.failover.first_answer(
+        request(gw), ranked(gw, a, b), send, Exchange("chat", "r", 0.0)
+    )
+    state = gw.pool.get(a)
+    assert state is not None and state.in_flight == 0 and replies[a].closed
+    assert answered.endpoint.id == b and not replies[b].closed
+    answered.lease.release()
