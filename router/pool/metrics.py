@@ -14,6 +14,8 @@ _FIRST_BYTE_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0
 )
 _GATEWAY_DELAY_BUCKETS = (*_DECISION_BUCKETS, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# The endpoint label of requests answered without one (none was picked or reached).
+NO_ENDPOINT = "none"
 _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -136,7 +138,7 @@ class GatewayMetrics:
     def render(self) -> bytes:
         # Per-endpoint gauges are refreshed at scrape time: cheaper than on every request.
         # An endpoint that has left the pool leaves them too (a pod gone would read healthy
-        # for good, and churn would pile up labels).
+        # for good, and churn would pile up labels), and its counters with them.
         present = {state.endpoint.id for state in self._pool}
         for gone in self._labelled - present:
             for gauge in (
@@ -144,6 +146,7 @@ class GatewayMetrics:
             ):
                 gauge.remove(gone)
         self._labelled = present
+        self._forget_counters(present)
         for state in self._pool:
             eid = state.endpoint.id
             self.in_flight.labels(eid).set(state.in_flight)
@@ -153,3 +156,26 @@ class GatewayMetrics:
             slots = state.slots
             self.slot_limit.labels(eid).set(slots.limit if slots.live(self._pool.clock()) else 0)
         return generate_latest(self.registry)
+
+    def _forget_counters(self, present: set[str]) -> None:
+        """Drop the counter series of endpoints no longer in the pool (those of requests
+        still draining there too, counted after an earlier render): pods come back under
+        new addresses, so they would pile up for the gateway's lifetime. One that returns
+        starts at 0 again, a reset that rate() reads as one."""
+        keep = present | {NO_ENDPOINT}
+        for key in [k for k in self._request_children if k[0] not in keep]:
+            del self._request_children[key]
+            self.requests.remove(key[0], str(key[1]), key[2])
+        per_endpoint = (
+            (self.stream_errors, ("endpoint",)),
+            (self.upstream_failures, ("endpoint", "kind")),
+        )
+        for counter, names in per_endpoint:
+            gone = {
+                tuple(sample.labels[name] for name in names)
+                for family in counter.collect()
+                for sample in family.samples
+                if sample.labels["endpoint"] not in keep
+            }
+            for labels in gone:
+                counter.remove(*labels)
