@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import orjson
 
 from router.core.endpoints import EndpointPool, EndpointState, EngineMetrics, RemoteLoad
-from router.upstream.client import UPSTREAM_ERRORS, UpstreamClient
+from router.upstream.client import UPSTREAM_ERRORS, ResponseTooLargeError, UpstreamClient
 
 log = logging.getLogger("prefixgate.scraper")
 
@@ -35,6 +35,10 @@ _WANTED = {
     "vllm:gpu_cache_usage_perc": "kv_usage_deprecated",
     "vllm:prefix_cache_hits_total": "prefix_hits",
     "vllm:prefix_cache_queries_total": "prefix_queries",
+    # Their names before vLLM 0.9.2 (exported along with the current ones until 0.11), the
+    # releases whose KV use is read from the deprecated name above.
+    "vllm:gpu_prefix_cache_hits_total": "prefix_hits_deprecated",
+    "vllm:gpu_prefix_cache_queries_total": "prefix_queries_deprecated",
 }
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 # A metrics page or model list bigger than this is not read (a failed poll).
@@ -72,7 +76,7 @@ def parse_vllm_metrics(text: str, scraped_at: float) -> EngineMetrics:
             continue
         values[field] = values.get(field, 0.0) + value
         counts[field] = counts.get(field, 0) + 1
-    kv_field = "kv_usage" if "kv_usage" in values else "kv_usage_deprecated"
+    kv_field = _current_or_deprecated(values, "kv_usage")
     kv_usage = values.get(kv_field, 0.0) / max(1, counts.get(kv_field, 0))
     return EngineMetrics(
         waiting=values.get("waiting", 0.0),
@@ -80,10 +84,16 @@ def parse_vllm_metrics(text: str, scraped_at: float) -> EngineMetrics:
         kv_usage=min(1.0, max(0.0, kv_usage)),
         block_size=_int_label(labels_of_config, "block_size"),
         num_gpu_blocks=_int_label(labels_of_config, "num_gpu_blocks"),
-        prefix_hits=values.get("prefix_hits", 0.0),
-        prefix_queries=values.get("prefix_queries", 0.0),
+        prefix_hits=values.get(_current_or_deprecated(values, "prefix_hits"), 0.0),
+        prefix_queries=values.get(_current_or_deprecated(values, "prefix_queries"), 0.0),
         scraped_at=scraped_at,
     )
+
+
+def _current_or_deprecated(values: dict[str, float], field: str) -> str:
+    """The field under its current name if the page has it, else its deprecated one's (never
+    both summed: a release exporting both counts the same thing twice)."""
+    return field if field in values else f"{field}_deprecated"
 
 
 def _int_label(labels: dict[str, str], key: str) -> int | None:
@@ -92,7 +102,7 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
         return None
     try:
         return int(float(raw))
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or an infinite one
         return None
 
 
@@ -177,15 +187,16 @@ class EndpointMonitor:
     async def _run(self, state: EndpointState) -> None:
         next_health = self._clock() + self._settings.health_interval
         failing = False
+        health_ok = True  # the last health check's answer
         while True:
             try:
                 if self._clock() >= next_health:
                     next_health = self._clock() + self._settings.health_interval
-                    await self._health(state)
+                    health_ok = await self._health(state)
                 if self._pool.ejection_expired(state):
                     await self._probe_ejected(state)
                 if state.healthy:
-                    await self._scrape(state)
+                    await self._scrape(state, health_ok)
                 if self._on_scrape is not None:
                     self._on_scrape()
                 failing = False
@@ -214,8 +225,10 @@ class EndpointMonitor:
             ok = False
         return ok
 
-    async def _health(self, state: EndpointState) -> None:
-        self._mark(state, await self._probe(state))
+    async def _health(self, state: EndpointState) -> bool:
+        ok = await self._probe(state)
+        self._mark(state, ok)
+        return ok
 
     async def _probe_ejected(self, state: EndpointState) -> None:
         """An ejected endpoint's time is up: back in only if it answers its health check."""
@@ -236,7 +249,8 @@ class EndpointMonitor:
         except (orjson.JSONDecodeError, AttributeError, TypeError):
             log.warning("endpoint %s: unreadable /v1/models", state.endpoint.id)
 
-    async def _scrape(self, state: EndpointState) -> None:
+    async def _scrape(self, state: EndpointState, health_ok: bool = True) -> None:
+        """Read the endpoint's metrics; ``health_ok``: its last health check passed."""
         url = state.endpoint.url
         in_flight, decoding = self._counts(state)
         try:
@@ -245,6 +259,11 @@ class EndpointMonitor:
             # A replica busy enough to answer /metrics late is not a dead one: its metrics go
             # stale, and its health checks decide (a timeout counted here took a serving
             # replica out after three scrape intervals).
+            return
+        except ResponseTooLargeError:
+            # Answered, at more than MAX_PAGE_BYTES: stale metrics too, not a dead replica
+            # (the error is a ConnectionError, which the next clause would count as one).
+            log.debug("endpoint %s: /metrics over %d bytes", state.endpoint.id, MAX_PAGE_BYTES)
             return
         except UPSTREAM_ERRORS:
             self._mark(state, False)  # refused or reset: gone, noticed well before a health check
@@ -263,7 +282,10 @@ class EndpointMonitor:
             m.running, m.waiting, m.kv_usage, min(decoding, decoding_after),
             self._pool.clock(), max_gap_s=2.5 * self._settings.scrape_interval,
         )
-        state.consecutive_failures = 0
+        if health_ok:
+            # Clears the failed scrapes only: a page served while /health fails (vLLM's API
+            # server whose engine died answers 503 there, 200 here) passes no health check.
+            state.consecutive_failures = 0
         capacity_changed = (m.block_size, m.num_gpu_blocks) != (
             previous.block_size,
             previous.num_gpu_blocks,

@@ -18,6 +18,7 @@ from router.index.affinity import InMemoryAffinityStore
 from router.index.prefix_index import InMemoryPrefixIndex
 from router.index.redis_state import SharedInFlight
 from router.index.stores import Stores
+from router.pool import scraper
 from router.pool.scraper import EndpointMonitor, MonitorSettings, parse_vllm_metrics
 from router.serve.server import running_gateway
 from router.upstream.client import UpstreamClient
@@ -312,9 +313,10 @@ async def test_requests_waiting_behind_a_prefill_teach_no_slot_limit() -> None:
 
 
 @contextlib.asynccontextmanager
-async def counting_replica(queries: list[float]) -> AsyncIterator[str]:
+async def counting_replica(queries: list[float], health: int = 200) -> AsyncIterator[str]:
     """A replica whose /metrics reads ``queries[0]`` as vLLM's prefix-cache query count (a
-    test sets it back to play a restarted engine), and whose /v1/models lists model ``m``."""
+    test sets it back to play a restarted engine), whose /v1/models lists model ``m`` and
+    whose /health answers ``health``."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
@@ -327,7 +329,10 @@ async def counting_replica(queries: list[float]) -> AsyncIterator[str]:
                     body = page.encode()
                 else:
                     body = b""
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+                status = health if head.startswith(b"GET /health") else 200
+                writer.write(
+                    b"HTTP/1.1 %d X\r\ncontent-length: %d\r\n\r\n" % (status, len(body)) + body
+                )
                 await writer.drain()
         writer.close()
 
@@ -397,3 +402,75 @@ async def test_the_gateway_forgets_a_restarted_replicas_prefixes() -> None:
         async with asyncio.timeout(20):
             while index.match_now([1, 2, 3], [state.endpoint.id])[state.endpoint.id]:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
+
+
+def test_parse_reads_the_prefix_counters_of_older_vllm() -> None:
+    """vLLM before 0.9.2 named them vllm:gpu_prefix_cache_* (the same releases whose KV use
+    is read from the deprecated gpu_cache_usage_perc): without them a restart goes unseen."""
+    old_vllm = (
+        'vllm:gpu_cache_usage_perc{model_name="a",engine="0"} 0.4\n'
+        'vllm:gpu_prefix_cache_queries_total{model_name="a",engine="0"} 400.0\n'
+        'vllm:gpu_prefix_cache_hits_total{model_name="a",engine="0"} 120.0\n'
+    )
+    m = parse_vllm_metrics(old_vllm, 0)
+    assert (m.prefix_hits, m.prefix_queries) == (120.0, 400.0)
+    both = old_vllm + (  # 0.9.2 to 0.10 export both names, with the same counts
+        'vllm:prefix_cache_queries_total{model_name="a",engine="0"} 400.0\n'
+        'vllm:prefix_cache_hits_total{model_name="a",engine="0"} 120.0\n'
+    )
+    m = parse_vllm_metrics(both, 0)
+    assert (m.prefix_hits, m.prefix_queries) == (120.0, 400.0), "counted once"
+
+
+def test_parse_survives_a_cache_config_label_that_is_not_a_finite_number() -> None:
+    page = (
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="inf"} 1.0\n'
+        'vllm:num_requests_waiting{model_name="a"} 2\n'
+    )
+    m = parse_vllm_metrics(page, 0)
+    assert (m.block_size, m.num_gpu_blocks, m.waiting) == (16, None, 2.0)
+
+
+async def test_a_metrics_page_too_big_to_read_leaves_the_replica_healthy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The replica answered: its metrics go stale (like a slow page), they do not take it
+    out as a refused connection does."""
+    monkeypatch.setattr(scraper, "MAX_PAGE_BYTES", 16)  # the page is longer
+    async with counting_replica([400.0]) as url, monitor_client() as http:
+        pool = EndpointPool([Endpoint.from_url(url)])
+        (state,) = pool
+        state.healthy = True
+        monitor = EndpointMonitor(pool, http, MonitorSettings(unhealthy_threshold=2))
+        for _ in range(3):
+            await monitor._scrape(state)
+        assert state.healthy and state.consecutive_failures == 0
+        assert state.metrics.scraped_at == 0.0, "nothing was read"
+
+
+async def test_a_replica_failing_its_health_checks_goes_unhealthy_though_its_metrics_answer(
+) -> None:
+    """vLLM whose engine died: /health answers 503, /metrics (the API server's) still 200. A
+    scrape that answers is no passed health check: it must not reset the failures."""
+    steps: asyncio.Queue[None] = asyncio.Queue()
+    ticks = iter(range(1_000_000))
+    # Every monitoring step is due a health check: each reading of the clock is a second on.
+    settings = MonitorSettings(scrape_interval=0.0, health_interval=1.0, unhealthy_threshold=2)
+    async with counting_replica([400.0], health=503) as url, monitor_client() as http:
+        pool = EndpointPool([Endpoint.from_url(url)])
+        (state,) = pool
+        state.healthy = True
+        state.models.add("m")
+        monitor = EndpointMonitor(
+            pool, http, settings, clock=lambda: float(next(ticks)),
+            on_scrape=lambda: steps.put_nowait(None),
+        )
+        monitor.start()
+        try:
+            async with asyncio.timeout(20):
+                for _ in range(4):  # four health checks failed, each followed by a scrape
+                    await steps.get()
+        finally:
+            await monitor.stop()
+        assert state.metrics.scraped_at > 0, "its metrics were read"
+        assert not state.healthy
