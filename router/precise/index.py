@@ -8,7 +8,9 @@ request's tokens, adapter and salt, so a lookup walks keys, never engine hashes.
 
 Per endpoint the index keeps ``engine hash -> key`` (to apply ``BlockRemoved``) and a count of
 engine hashes per key (two engine hashes can share a key: a vLLM that does not publish extra
-keys stores a salted block under the key of the unsalted one). Holder bitmasks per key make the
+keys stores a salted block under the key of the unsalted one), and how many blocks an engine
+hash is cached in (vLLM does not de-duplicate: each copy is stored and removed with an event of
+its own, and the hash is held until its last copy goes). Holder bitmasks per key make the
 chain walk a few integer operations per block, as in the approximate index.
 
 Speculative entries: right after a pick, the request's keys are marked as held by the chosen
@@ -45,6 +47,8 @@ MAX_ADAPTERS = 4096
 class _Endpoint:
     bit: int
     to_key: dict[EngineHash, int] = field(default_factory=dict)
+    # Copies of an engine hash beyond the first: vLLM may cache one hash in several blocks.
+    copies: dict[EngineHash, int] = field(default_factory=dict)
     key_refs: dict[int, int] = field(default_factory=dict)
     recent: OrderedDict[EngineHash, int] = field(default_factory=OrderedDict)
     spec_until: dict[int, float] = field(default_factory=dict)
@@ -208,8 +212,12 @@ class PreciseIndex:
     def _add(self, ep: _Endpoint, engine_hash: EngineHash, key: int) -> None:
         old = ep.to_key.get(engine_hash)
         if old == key:
+            # Another block cached under the same hash (vLLM does not de-duplicate): it takes
+            # a BlockRemoved of each copy to drop the hash.
+            ep.copies[engine_hash] = ep.copies.get(engine_hash, 0) + 1
             return
         if old is not None:
+            ep.copies.pop(engine_hash, None)
             self._unref(ep, old)
         ep.to_key[engine_hash] = key
         ep.recent.pop(engine_hash, None)
@@ -233,6 +241,14 @@ class PreciseIndex:
     def removed(self, endpoint_id: str, block_hashes: Iterable[EngineHash]) -> None:
         ep = self._ep(endpoint_id)
         for engine_hash in block_hashes:
+            copies = ep.copies.get(engine_hash, 0)
+            if copies:  # another copy of the block is still cached
+                if copies > 1:
+                    ep.copies[engine_hash] = copies - 1
+                else:
+                    del ep.copies[engine_hash]
+                self.stats.removed += 1
+                continue
             key = ep.to_key.pop(engine_hash, None)
             if key is None:
                 self.stats.unknown_removals += 1
@@ -258,6 +274,7 @@ class PreciseIndex:
             else:
                 self._holders.pop(key, None)
         ep.to_key.clear()
+        ep.copies.clear()
         ep.key_refs.clear()
         ep.recent.clear()
         self.stats.cleared += 1
@@ -274,6 +291,7 @@ class PreciseIndex:
     def _trim(self, endpoint_id: str, ep: _Endpoint) -> None:
         while len(ep.to_key) > ep.capacity:
             engine_hash = next(iter(ep.to_key))
+            ep.copies.pop(engine_hash, None)
             self._unref(ep, ep.to_key.pop(engine_hash))
             self.stats.overflow += 1
 

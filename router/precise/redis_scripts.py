@@ -139,8 +139,12 @@ for x = 9, #ARGV, 3 do
     for i = 1, #hs / 8 do
       local h, k = sub(hs, i * 8 - 7, i * 8), sub(ks, i * 8 - 7, i * 8)
       local old = redis.call('HGET', map, h)
-      if old ~= k then
-        if old then unref(old) end
+      if old == k then
+        -- Another block cached under the hash (vLLM does not de-duplicate): it takes a
+        -- removal of each copy to drop it. Counted in refs under 'c' .. h (9 bytes: no key).
+        redis.call('HINCRBY', refs, 'c' .. h, 1)
+      else
+        if old then unref(old); redis.call('HDEL', refs, 'c' .. h) end
         redis.call('HSET', map, h, k)
         ref(k)
       end
@@ -148,8 +152,13 @@ for x = 9, #ARGV, 3 do
   elseif kind == 'R' then
     for i = 1, #hs / 8 do
       local h = sub(hs, i * 8 - 7, i * 8)
-      local k = redis.call('HGET', map, h)
-      if k then redis.call('HDEL', map, h); unref(k) end
+      local copies = tonumber(redis.call('HGET', refs, 'c' .. h) or '0')
+      if copies > 1 then redis.call('HINCRBY', refs, 'c' .. h, -1)
+      elseif copies == 1 then redis.call('HDEL', refs, 'c' .. h)
+      else
+        local k = redis.call('HGET', map, h)
+        if k then redis.call('HDEL', map, h); unref(k) end
+      end
     end
   else
     clear(holders, slots, garbage, map, refs, ep, ttl)

@@ -181,3 +181,26 @@ def test_trust_flags() -> None:
 def test_invalid_arguments() -> None:
     with pytest.raises(ValueError):
         PreciseIndex(0)
+
+
+def test_a_block_stored_twice_stays_until_both_copies_are_removed() -> None:
+    # vLLM does not de-duplicate cached blocks: two physical blocks may be cached under one
+    # hash (one BlockStored each), and evicting one emits a BlockRemoved while the other copy
+    # still serves prefix hits.
+    index = PreciseIndex(BS)
+    toks = tokens(8)
+    keys = block_keys(toks, BS)
+    stored_chain(index, "a", toks, [1, 2])
+    assert index.stored("a", [2], 1, toks[BS:], BS)  # a second copy of block 2
+    index.removed("a", [2])  # one copy evicted
+    assert index.match(keys, ["a"]) == {"a": 2}
+    index.removed("a", [2])  # the last copy
+    assert index.match(keys, ["a"]) == {"a": 1}
+    assert index.stats.unknown_removals == 0
+    # A clear forgets the copies too.
+    stored_chain(index, "a", toks, [1, 2])
+    index.stored("a", [2], 1, toks[BS:], BS)
+    index.cleared("a")
+    stored_chain(index, "a", toks, [1, 2])
+    index.removed("a", [2])
+    assert index.match(keys, ["a"]) == {"a": 1}

@@ -107,6 +107,30 @@ async def test_batches_apply_once_whichever_replica_delivers_first(
             await client.aclose()
 
 
+async def test_a_block_stored_twice_stays_until_both_copies_are_removed(
+    redis_url: str, redis_namespace: str
+) -> None:
+    # vLLM does not de-duplicate cached blocks: one hash may be cached in two blocks (a
+    # BlockStored each), and evicting one emits a BlockRemoved while the other still hits.
+    chain = toks(8)
+    keys = block_keys(chain, BS)
+    async with replicas(redis_url, redis_namespace, 2) as (r, reader):
+        r.deliver(A, 0, 1.0, Stored([1, 2], None, chain, BS))
+        r.deliver(A, 1, 2.0, Stored([2], 1, chain[4:], BS))  # a second copy of block 2
+        r.deliver(A, 2, 3.0, Removed([2]))
+        await r.shared.flush()
+        assert (await reader.lookup(keys, A))[A] == RemoteMatch(True, 2, 0)
+        r.deliver(A, 3, 4.0, Removed([2]))  # the last copy
+        await r.shared.flush()
+        assert (await reader.lookup(keys, A))[A] == RemoteMatch(True, 1, 0)
+        # A clear forgets the copies too.
+        r.deliver(A, 4, 5.0, Stored([2], 1, chain[4:], BS), Stored([2], 1, chain[4:], BS))
+        r.deliver(A, 5, 6.0, Cleared(), Stored([1, 2], None, chain, BS), Removed([2]))
+        await r.shared.flush()
+        assert (await reader.lookup(keys, A))[A] == RemoteMatch(True, 1, 0)
+        assert r.local.match(keys, [A]) == {A: 1}
+
+
 class FixedTokenizer:
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
