@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jinja2 import nodes
+
 from router.precise.segments import SegmentMemo, probe_equivalence, split_pattern
 from router.precise.tokenizers import EncodeText, LocalTokenizer, PiecewiseChat, RenderChat
 
@@ -69,10 +71,12 @@ def huggingface_tokenizer(
     env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
     template = env.from_string(template_text)
     specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
+    openai_format = _loops_over_content(env.parse(template_text))
 
     def render(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None) -> str:
+        prepared = [_as_vllm_message(m, openai_format) for m in messages]
         return template.render(
-            messages=messages, tools=tools, add_generation_prompt=True, **specials
+            messages=prepared, tools=tools, add_generation_prompt=True, **specials
         )
 
     def whole(text: str) -> list[int]:
@@ -132,3 +136,123 @@ def _token_text(value: Any) -> str:
     if isinstance(value, dict):  # AddedToken serialised as {"content": ...}
         value = value.get("content")
     return value if isinstance(value, str) else ""
+
+
+# vLLM's chat preprocessing (vllm/entrypoints/chat_utils.py): the template sees the messages as
+# vLLM rebuilds them, not as the client sent them, and a different render is other tokens.
+
+
+def _loops_over_content(ast: nodes.Template) -> bool:
+    """Whether the template iterates over a message's ``content`` (vLLM's "openai" content
+    format) rather than reading it as a string (its "string" format): vLLM's detection."""
+    messages = [name for _, name in _assigned_from(ast, "messages")]
+    message_names = []
+    for loop in ast.find_all(nodes.For):
+        if any(_reads(loop.iter, name) for name in messages) and isinstance(
+            loop.target, nodes.Name
+        ):
+            message_names.append(loop.target.name)
+    return any(
+        _reads(loop.iter, name, "content")
+        for loop in ast.find_all(nodes.For)
+        for name in message_names
+    )
+
+
+def _assigned_from(ast: nodes.Template, varname: str) -> list[tuple[nodes.Node, str]]:
+    found: list[tuple[nodes.Node, str]] = [(ast, varname)]
+    pending = [varname]
+    while pending:
+        name = pending.pop(0)
+        for assign in ast.find_all(nodes.Assign):
+            if _reads(assign.node, name) and isinstance(assign.target, nodes.Name):
+                found.append((assign, assign.target.name))
+                if assign.target.name != name and len(found) < 64:
+                    pending.append(assign.target.name)
+    return found
+
+
+def _reads(node: nodes.Node, varname: str, key: str | None = None) -> bool:
+    """``varname`` (or its ``key``), possibly filtered, tested or sliced."""
+    if isinstance(node, nodes.Filter):
+        return node.node is not None and _reads(node.node, varname, key)
+    if isinstance(node, nodes.Test):
+        return _reads(node.node, varname, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _reads(node.node, varname, key)
+    if key is None:
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == varname
+    if isinstance(node, nodes.Getitem):
+        return (
+            _reads(node.node, varname)
+            and isinstance(node.arg, nodes.Const)
+            and node.arg.value == key
+        )
+    if isinstance(node, nodes.Getattr):
+        return _reads(node.node, varname) and node.attr == key
+    return False
+
+
+def _part_text(part: Any) -> str | None:
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, Mapping):
+        return None
+    kind = part.get("type")
+    text = part.get("text")
+    if not isinstance(text, str) and isinstance(kind, str):
+        text = part.get(kind)  # {"type": "refusal", "refusal": ...}
+    return text if isinstance(text, str) else None
+
+
+def _as_vllm_message(message: Mapping[str, Any], openai_format: bool) -> Mapping[str, Any]:
+    """The message as vLLM hands it to the template: text parts joined by newlines (or a string
+    made one text part, for a template that loops over content), tool call arguments parsed
+    into objects; the request's own message is not modified."""
+    if not isinstance(message, Mapping):
+        return message
+    content = message.get("content")
+    parts = [] if content is None else [content] if isinstance(content, str) else content
+    if not isinstance(parts, list):
+        return message
+    texts = [t for t in map(_part_text, parts) if t is not None]
+    role = message.get("role")
+    out: dict[str, Any] = {
+        "role": role,
+        "content": [{"type": "text", "text": t} for t in texts] if openai_format
+        else "\n".join(texts),
+    }
+    if role == "assistant":
+        calls = message.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            out["tool_calls"] = [_as_vllm_call(c) for c in calls]
+        elif calls is not None and not isinstance(calls, list):
+            out["tool_calls"] = calls
+        reasoning = message.get("reasoning") or message.get("reasoning_content")
+        if reasoning is not None:
+            out["reasoning"] = out["reasoning_content"] = reasoning
+    elif role == "tool" and "tool_call_id" in message:
+        out["tool_call_id"] = message["tool_call_id"]
+    if isinstance(message.get("name"), str):
+        out["name"] = message["name"]
+    if role == "developer":
+        out["tools"] = message.get("tools")
+    return out
+
+
+def _as_vllm_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping):
+        return call
+    arguments = function.get("arguments")
+    parsed: Any = arguments
+    if not arguments:
+        parsed = {}
+    elif isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = {}
+    if not isinstance(parsed, Mapping):
+        parsed = {}
+    return {**call, "function": {**function, "arguments": parsed}}

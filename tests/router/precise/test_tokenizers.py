@@ -142,6 +142,43 @@ async def test_huggingface_tokenizer_applies_the_chat_template(tmp_path: Path) -
         await tok.aclose()
 
 
+async def test_huggingface_tokenizer_prepares_messages_as_vllm_does(tmp_path: Path) -> None:
+    """vLLM hands the template its own form of the messages: text parts joined by newlines for
+    a template that reads ``content`` as a string (a string as one text part for one that loops
+    over it), and tool call arguments as objects, not the JSON text the client sent."""
+    from tokenizers import Tokenizer
+
+    path = _tiny_tokenizer(tmp_path)
+    raw = Tokenizer.from_file(str(path))
+
+    def ids(text: str) -> list[int]:
+        return list(raw.encode(text, add_special_tokens=False).ids)
+
+    tok = huggingface_tokenizer(path)  # reads m['content'] as a string
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": parts}]}
+    got = await tok.tokenize(chat_input(payload), [])
+    assert list(got or ()) == ids("<s><|im_start|> user hello\nthere <|im_start|> assistant")
+    looping = tmp_path / "looping.jinja"
+    looping.write_text(
+        "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }} {% endfor %}"
+        "{% endfor %}"
+    )
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]}
+    got = await huggingface_tokenizer(path, looping).tokenize(chat_input(payload), [])
+    assert list(got or ()) == ids("hello there ")
+    calls = tmp_path / "calls.jinja"
+    calls.write_text(
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{{ c.function.arguments | tojson }} {% endfor %}{% endfor %}"
+    )
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
+    payload = {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [call]}]}
+    got = await huggingface_tokenizer(path, calls).tokenize(chat_input(payload), [])
+    assert list(got or ()) == ids('{"a": 1} ')
+    assert call["function"]["arguments"] == '{"a":1}'  # the request body is left as it was
+
+
 def test_huggingface_tokenizer_needs_a_template(tmp_path: Path) -> None:
     path = _tiny_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text("{}")
