@@ -10,7 +10,9 @@ conversion and :func:`render_messages` renders the result with
 so a conversation hashes to the same blocks whichever of the two APIs carries it, and a session
 growing turn by turn hashes to a growing chain. What vLLM drops, the rendering drops too:
 ``cache_control`` markers (Claude Code moves them every turn, which would break the chain at the
-marker), thinking blocks, and Claude Code's per-request billing header in ``system``.
+marker) and Claude Code's per-request billing header in ``system``. Thinking blocks become the
+assistant's ``reasoning``, as vLLM's conversion makes them (the chat template renders it, so
+precise routing tokenizes it), but the rendering leaves them out.
 
 Errors on this endpoint take Anthropic's shape, ``{"type": "error", "error": {"type",
 "message"}}``; a request shed by flow control is answered ``529 overloaded_error`` (Anthropic's
@@ -204,7 +206,9 @@ def _tool_result(block: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
 
 
 def _tool_call(block: Mapping[str, Any]) -> dict[str, Any]:
-    arguments = orjson.dumps(block.get("input") or {}, option=orjson.OPT_SORT_KEYS).decode()
+    # In the client's key order, as vLLM's json.dumps writes them: the chat template renders
+    # the arguments in their order, so sorted ones would not tokenize as the engine's prompt.
+    arguments = orjson.dumps(block.get("input") or {}).decode()
     name = block.get("name")
     function = {"name": name if isinstance(name, str) else "", "arguments": arguments}
     return {"id": str(block.get("id") or ""), "type": "function", "function": function}
@@ -213,10 +217,13 @@ def _tool_call(block: Mapping[str, Any]) -> dict[str, Any]:
 def _convert(role: str, blocks: list[Mapping[str, Any]], out: list[dict[str, Any]]) -> None:
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
+    reasoning: list[str] = []
     for block in blocks:
         kind = block.get("type")
         if kind == "text" and isinstance(block.get("text"), str) and block["text"]:
             parts.append({"type": "text", "text": block["text"]})
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            reasoning.append(block["thinking"])
         elif kind == "image" and block.get("source"):
             parts.append({"type": "image_url", "image_url": {"url": _image_url(block["source"])}})
         elif kind == "tool_use":
@@ -226,6 +233,8 @@ def _convert(role: str, blocks: list[Mapping[str, Any]], out: list[dict[str, Any
         elif kind == "tool_result":
             parts.append({"type": "text", "text": f"Tool result: {block.get('content') or ''}"})
     message: dict[str, Any] = {"role": role}
+    if reasoning:  # as vLLM: the template's to render (the index's rendering leaves it out)
+        message["reasoning"] = "".join(reasoning)
     if calls:
         message["tool_calls"] = calls
     if parts:

@@ -16,7 +16,7 @@ from benchmarks.sim.tokenizer import Tokenizer
 from router.app import build_gateway
 from router.core.errors import BadRequestError, SaturatedError, UpstreamError
 from router.core.hashing import block_hashes
-from router.protocol.anthropic import error_response, stream_error_event
+from router.protocol.anthropic import error_response, stream_error_event, to_chat
 from router.protocol.parsing import ParsedRequest, parse_request
 from tests.gateways import MODEL, gateway_config
 
@@ -155,6 +155,67 @@ def test_a_growing_session_hashes_to_a_growing_chain() -> None:
                 ],
             }
         )
+
+
+def test_tool_use_arguments_keep_the_clients_key_order() -> None:
+    """vLLM writes a tool_use block's input as the call's arguments with ``json.dumps(input)``,
+    in the client's key order, and parses them back into a dict for the chat template, which
+    renders them in that order (Qwen3-Coder's iterates ``arguments|items``); a replica's
+    /tokenize parses the arguments precise routing sends it alike. Sorted, they tokenize apart
+    from the engine's prompt from the first Edit or TodoWrite call on, and so do the block keys
+    precise routing looks up."""
+    edit = {"file_path": "a.py", "old_string": "x = 1", "new_string": "x = 2"}
+    todos = {"todos": [{"content": "fix", "status": "pending", "activeForm": "fixing"}]}
+    body = messages_body(
+        [
+            {"role": "user", "content": "fix it"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "t1", "name": "TodoWrite", "input": todos},
+                    {"type": "tool_use", "id": "t2", "name": "Edit", "input": edit},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "ok"},
+                    {"type": "tool_result", "tool_use_id": "t2", "content": "ok"},
+                ],
+            },
+        ]
+    )
+    messages, _ = to_chat(body)
+    calls = messages[1]["tool_calls"]
+    sent = [orjson.dumps(orjson.loads(c["function"]["arguments"])) for c in calls]
+    assert sent == [orjson.dumps(todos), orjson.dumps(edit)]
+
+
+def test_thinking_reaches_the_chat_request_as_the_assistants_reasoning() -> None:
+    """vLLM carries an assistant's thinking blocks into the chat request as its ``reasoning``
+    (reasoning models' templates render it in a tool loop, the turns after the last user
+    query), so the chat request precise routing tokenizes must carry it too, or it tokenizes
+    apart from the engine's prompt at the first such answer. The rendering the approximate
+    index hashes still leaves thinking out."""
+    call = {"type": "tool_use", "id": "t1", "name": "search", "input": {"input": "x"}}
+    thinking = [
+        {"type": "thinking", "thinking": "first look ", "signature": "s1"},
+        {"type": "redacted_thinking", "data": "opaque"},
+        {"type": "thinking", "thinking": "for x", "signature": "s2"},
+    ]
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "ok"}
+    history = [
+        {"role": "user", "content": "find x"},
+        {"role": "assistant", "content": [*thinking, call]},
+        {"role": "user", "content": [result]},
+    ]
+    messages, _ = to_chat(messages_body(history))
+    assert messages[1]["reasoning"] == "first look for x"
+    assert messages[1]["tool_calls"][0]["id"] == "t1" and "content" not in messages[1]
+    without = copy.deepcopy(history)
+    without[1]["content"] = [call]
+    assert "reasoning" not in to_chat(messages_body(without))[0][1]
+    assert parsed(messages_body(history)).rendered == parsed(messages_body(without)).rendered
 
 
 @pytest.mark.parametrize(
