@@ -109,6 +109,16 @@ def _content(value: Any) -> Any:
     return _parts(value) if isinstance(value, list) else value
 
 
+def _reasoning_text(item: Mapping[str, Any]) -> str:
+    """A reasoning item's text as vLLM takes it: its content's first part, else its summary's."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list) and parts:
+            text = parts[0].get("text") if isinstance(parts[0], Mapping) else None
+            return text if isinstance(text, str) else ""
+    return ""
+
+
 def _assistant(out: list[dict[str, Any]]) -> dict[str, Any] | None:
     last = out[-1] if out else None
     return last if last is not None and last.get("role") == "assistant" else None
@@ -145,8 +155,13 @@ def _item(item: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
             }
         )
     elif kind == "reasoning":
+        # As vLLM: the assistant's reasoning, which the chat template renders (the rendering
+        # leaves it out); a second one in a row is not carried.
+        text = _reasoning_text(item)
         if prev is None:
-            out.append({"role": "assistant", "content": None})
+            out.append({"role": "assistant", "content": None, "reasoning": text})
+        elif prev.get("reasoning") is None:
+            prev["reasoning"] = text
     else:
         # Item kinds vLLM does not convert still render deterministically, in order.
         out.append(

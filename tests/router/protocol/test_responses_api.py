@@ -17,7 +17,7 @@ from router.core.errors import BadRequestError, ResponseNotFoundError, ResponseU
 from router.core.hashing import block_hashes
 from router.index.response_store import ResponseIdTap, ResponseRoutes
 from router.protocol.parsing import ParsedRequest, parse_request
-from router.protocol.responses_api import FAILED, OPENING, TOKEN, answer_begun
+from router.protocol.responses_api import FAILED, OPENING, TOKEN, answer_begun, to_chat
 from tests.gateways import MODEL, gateway_config
 
 DESTINATION = "x-gateway-destination-endpoint"
@@ -121,6 +121,34 @@ def test_full_history_resent_each_turn_hashes_to_a_growing_chain() -> None:
             {"type": "function_call", "call_id": f"c{turn}", "name": "search", "arguments": "{}"}
         )
         items.append({"type": "function_call_output", "call_id": f"c{turn}", "output": "ok"})
+
+
+def test_reasoning_reaches_the_chat_request_as_the_assistants_reasoning() -> None:
+    """vLLM makes a reasoning item the assistant's ``reasoning`` (its content's text, else its
+    summary's), which reasoning models' templates render in a tool loop: the chat request
+    precise routing tokenizes must carry it too. The rendering still leaves it out."""
+    summary = [{"type": "summary_text", "text": "look it up"}]
+    items: list[dict[str, Any]] = [
+        {"role": "user", "content": "find x"},
+        {"type": "reasoning", "id": "rs_1", "summary": summary},
+        {"type": "function_call", "call_id": "c1", "name": "search", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        {
+            "type": "reasoning",
+            "id": "rs_2",
+            "summary": summary,
+            "content": [{"type": "reasoning_text", "text": "x is found"}],
+        },
+        {"role": "assistant", "content": [{"type": "output_text", "text": "found"}]},
+        {"role": "user", "content": "thanks"},
+    ]
+    body = {"model": MODEL, "input": items}
+    messages, _ = to_chat(body)
+    assert [m.get("reasoning") for m in messages] == [None, "look it up", None, "x is found", None]
+    assert messages[3]["content"] == [{"type": "text", "text": "found"}]
+    bare = [{k: v for k, v in i.items() if k not in ("summary", "content")}
+            if i.get("type") == "reasoning" else i for i in items]
+    assert parsed(body).rendered == parsed({**body, "input": bare}).rendered
 
 
 @pytest.mark.parametrize(
