@@ -196,6 +196,12 @@ def coalesced(batch: list[Op]) -> list[Op]:
 # ignored: each runs its own discovery, so one that has not yet seen the pod leave may still
 # pick it, and its record, applied here, would bring back entries nothing forgets again.
 FORGOTTEN_FOR_S = 30.0
+# A chain this process published for an endpoint less than this long ago is not published again:
+# the other processes hold it already, and all a copy would change there is its recency, which
+# orders their evictions and can lag by this much. A fleet's shared system prompt with short
+# questions (under a block) records the same chain on every request.
+RESEND_AFTER_S = 1.0
+MAX_SENT = 65_536  # chains remembered as published; past it the oldest are forgotten
 
 
 class ReplicatedPrefixIndex:
@@ -209,6 +215,8 @@ class ReplicatedPrefixIndex:
         self._replicator = replicator
         self._clock = clock
         self._forgotten: dict[str, float] = {}  # endpoint -> when this process forgot it
+        # (endpoint, the chain's last hash) -> when published; oldest first
+        self._sent: dict[tuple[str, int], float] = {}
         replicator.on("r", self._apply_record)
 
     def _apply_record(self, endpoint_id: str, blob: bytes) -> None:
@@ -227,10 +235,28 @@ class ReplicatedPrefixIndex:
         if hashes:
             self._forgotten.pop(endpoint_id, None)  # picked here: back in this pool
             self.local.record(endpoint_id, hashes)
-            self._replicator.put(("r", endpoint_id, pack_hashes(hashes)))
+            if self._first_in_a_while(endpoint_id, hashes[-1]):
+                self._replicator.put(("r", endpoint_id, pack_hashes(hashes)))
+
+    def _first_in_a_while(self, endpoint_id: str, last: int) -> bool:
+        """Whether the chain ending in ``last`` was not published for ``endpoint_id`` in the
+        last :data:`RESEND_AFTER_S` (chained hashes: the last one names the whole chain)."""
+        now, key, sent = self._clock(), (endpoint_id, last), self._sent
+        published = sent.get(key)
+        if published is not None and now - published < RESEND_AFTER_S:
+            return False
+        sent.pop(key, None)
+        while sent:  # the stale, oldest first (each entry leaves once: amortised O(1))
+            oldest, at = next(iter(sent.items()))
+            if len(sent) < MAX_SENT and now - at < RESEND_AFTER_S:
+                break
+            del sent[oldest]
+        sent[key] = now
+        return True
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
         await self.local.forget_endpoint(endpoint_id)
+        self._sent.clear()  # rare: a pod at that address again publishes its chains at once
         now = self._clock()
         self._forgotten = {
             e: t for e, t in self._forgotten.items() if now - t < FORGOTTEN_FOR_S
@@ -241,6 +267,7 @@ class ReplicatedPrefixIndex:
         # Unlike a departed endpoint's, the other processes' records made after this are not
         # held back: each process sees the restart in its own scrapes and clears its copy.
         self.local.forget_now(endpoint_id)
+        self._sent.clear()
 
     def set_capacity(self, endpoint_id: str, blocks: int) -> None:
         self.local.set_capacity(endpoint_id, blocks)

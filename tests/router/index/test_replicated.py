@@ -19,6 +19,8 @@ from router.index.redis_index import pack_hashes
 from router.index.redis_link import RedisMetrics, key_tag
 from router.index.replicated import (
     FORGOTTEN_FOR_S,
+    MAX_SENT,
+    RESEND_AFTER_S,
     ReplicatedAffinityStore,
     ReplicatedPrefixIndex,
     Replicator,
@@ -209,6 +211,62 @@ async def test_a_burst_on_one_prefix_is_published_once_a_linger(
         assert keys == [("r", "e1:8000"), ("r", "e2:8000")]
     finally:
         lingered.set()
+        await replicator.aclose()
+
+
+def _queued(replicator: Replicator) -> list[tuple[str, str]]:
+    queued = [(kind, key) for kind, key, _ in replicator._pending]
+    replicator._pending.clear()
+    return queued
+
+
+async def test_a_chain_published_a_moment_ago_is_not_published_again(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """A shared system prompt with short questions records one chain on every request: the
+    other processes hold it after the first publish."""
+    clock = ManualClock()
+    replicator = Replicator(redis_url, redis_namespace, RedisMetrics(CollectorRegistry()))
+    index = ReplicatedPrefixIndex(InMemoryPrefixIndex(1000), replicator, clock=clock)
+    try:
+        for _ in range(5):
+            index.record("e1:8000", [1, 2, 3])
+        index.record("e2:8000", [1, 2, 3])  # another endpoint: news
+        index.record("e1:8000", [1, 2, 3, 4])  # the chain grew: news
+        index.record("e1:8000", [1, 2])  # a shorter chain ends elsewhere: news
+        e1, e2 = ("r", "e1:8000"), ("r", "e2:8000")
+        assert _queued(replicator) == [e1, e2, e1, e1]
+        assert index.local.entries("e1:8000") == 4  # every record counts here all the same
+        clock.now += RESEND_AFTER_S - 0.01
+        index.record("e1:8000", [1, 2, 3])
+        assert _queued(replicator) == []
+        clock.now += 0.01  # the others' recency of it is now a window old: sent again
+        index.record("e1:8000", [1, 2, 3])
+        assert _queued(replicator) == [("r", "e1:8000")]
+        await index.clear_endpoint("e1:8000")  # restarted: the others clear it too
+        index.record("e1:8000", [1, 2, 3])
+        assert _queued(replicator) == [("r", "e1:8000")]
+    finally:
+        await replicator.aclose()
+
+
+async def test_the_chains_remembered_as_published_are_bounded(
+    redis_url: str, redis_namespace: str
+) -> None:
+    clock = ManualClock()
+    replicator = Replicator(redis_url, redis_namespace, RedisMetrics(CollectorRegistry()))
+    index = ReplicatedPrefixIndex(InMemoryPrefixIndex(1000), replicator, clock=clock)
+    try:
+        for n in range(MAX_SENT + 10):
+            index.record("e1:8000", [n])
+        assert len(index._sent) == MAX_SENT
+        replicator._pending.clear()
+        index.record("e1:8000", [0])  # the oldest went first: published again
+        assert _queued(replicator) == [("r", "e1:8000")]
+        clock.now += RESEND_AFTER_S
+        index.record("e1:8000", [-1])  # the stale leave with the next publish
+        assert len(index._sent) == 1
+    finally:
         await replicator.aclose()
 
 
