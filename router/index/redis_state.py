@@ -148,7 +148,7 @@ for k = 3, #KEYS do
   for i = 1, #kv, 2 do totals[kv[i]] = (totals[kv[i]] or 0) + tonumber(kv[i + 1]) end
 end
 for k, v in pairs(totals) do out[#out + 1] = k; out[#out + 1] = v end
-return out
+return {redis.call('ZRANGE', KEYS[1], 0, -1), out}
 """
 )
 
@@ -210,6 +210,7 @@ class SharedInFlight:
             timeout_ms=timeout_ms, breaker=breaker, cluster=cluster,
         )
         self._remote: dict[str, int] = {}
+        self._others: list[str] = []  # the other gateways' keys, as the last sync read them
         self._read_at = -float("inf")
         self._task: asyncio.Task[None] | None = None
 
@@ -239,22 +240,30 @@ class SharedInFlight:
         return dict(self._live())
 
     async def sync_once(self) -> bool:
-        """Publish our counts and read the others' (the gateways, then one script: it is
-        given their keys); False on failure."""
+        """Publish our counts and read the others' in one script, given the keys of the
+        gateways the last sync saw (and again with a gateway that joined since); False on
+        failure."""
         args: list[Any] = [self.gateway_id, max(1, int(self._expiry * 1000))]
         for endpoint_id, count in self._counts().items():
             if count > 0:
                 args += [endpoint_id, int(count)]
-        own = self._prefix + self.gateway_id
-        try:
-            members = await self._link.call(
-                "inflight_sync", lambda c: c.zrange(self._members_key, 0, -1)
-            )
-            others = [self._prefix + as_text(m) for m in members]
-            keys = [self._members_key, own, *(k for k in others if k != own)]
-            flat = await self._link.call(
+        gid = self.gateway_id
+
+        async def publish_and_read() -> tuple[list[str], list[Any]]:
+            keys = [self._members_key, self._prefix + gid, *self._others]
+            members, flat = await self._link.call(
                 "inflight_sync", lambda c: eval_script(c, _INFLIGHT, keys, args)
             )
+            return [self._prefix + as_text(m) for m in members if as_text(m) != gid], flat
+
+        try:
+            # The others' keys are those of the last sync, and the script names the gateways
+            # now: one round trip, and a second only when a gateway joined since.
+            others, flat = await publish_and_read()
+            if not set(others) <= set(self._others):
+                self._others = others
+                others, flat = await publish_and_read()
+            self._others = others
         except Unavailable as exc:
             self._link.metrics.fallbacks.labels("inflight_sync", exc.reason).inc()
             return False

@@ -291,3 +291,32 @@ async def test_the_in_flight_script_touches_only_the_keys_it_is_given(
         assert await shared.sync_once()
     assert a.remote_counts() == {"e1": 2, "e2": 1}
     assert b.remote_counts() == {"e1": 3}
+
+
+async def test_a_sync_is_one_round_trip_while_no_gateway_joins(
+    redis_url: str, redis_namespace: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every worker of every gateway syncs some 13 times a second: each round trip is
+    redis-py's CPU, whatever the load."""
+    a = inflight(redis_url, redis_namespace, closing, {"e1": 3}, gateway_id="a")
+    b = inflight(redis_url, redis_namespace, closing, {"e1": 2}, gateway_id="b")
+    for shared in (a, b, a):
+        assert await shared.sync_once()
+    calls = 0
+    real_call = a._link.call
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return await real_call(*args, **kwargs)
+
+    monkeypatch.setattr(a._link, "call", counted)
+    assert await a.sync_once()
+    assert (calls, a.remote_counts()) == (1, {"e1": 2})
+    c = inflight(redis_url, redis_namespace, closing, {"e1": 4}, gateway_id="c")
+    assert await c.sync_once()
+    assert await a.sync_once()  # c joined: read again with c's key
+    assert (calls, a.remote_counts()) == (3, {"e1": 6})
+    await c.aclose()  # c leaves: its key read as nothing, no second call
+    assert await a.sync_once()
+    assert (calls, a.remote_counts()) == (4, {"e1": 2})
