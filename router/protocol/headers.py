@@ -25,9 +25,10 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # The routing headers only the gateway (or the endpoint picker) sets, besides the destination:
 # a client's own would be an SSRF hole. Every spelling llm-d's routing sidecar reads
 # (prefiller, KV-cache source, encoders, data-parallel rank: each names a host the decoder
-# would reach), and the picker protocol's subset hint and served endpoint.
+# would reach), and the picker protocol's subset hint, fallback and served endpoint.
 ROUTING_HEADERS = (
     "x-gateway-destination-endpoint-subset", "x-gateway-destination-endpoint-served",
+    "x-gateway-destination-endpoint-fallback",
     "x-prefiller-host-port", "x-prefiller-url", "x-decoder-host-port",
     "x-llm-d-prefiller-host-port", "x-kv-cache-source-host-port",
     "x-llm-d-kv-cache-source-host-port", "x-encoder-hosts-ports", "x-llm-d-encoder-hosts-ports",

@@ -226,6 +226,7 @@ async def test_routing_headers_never_reach_nor_steer_upstream() -> None:
             steer = {
                 "x-gateway-destination-endpoint": canary.address,
                 "x-gateway-destination-endpoint-subset": canary.address,
+                "x-gateway-destination-endpoint-fallback": canary.address,
                 "x-prefiller-host-port": canary.address,
                 "x-prefiller-url": f"http://{canary.address}",
                 "x-llm-d-prefiller-host-port": canary.address,

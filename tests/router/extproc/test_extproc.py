@@ -308,6 +308,7 @@ async def test_a_clients_sidecar_routing_headers_are_stripped(envoy: Envoy, mode
         "x-llm-d-prefiller-host-port": "169.254.169.254:80",
         "x-prefiller-host-port": "169.254.169.254:80",
         "x-gateway-destination-endpoint-served": "10.0.0.9:8000",
+        "x-gateway-destination-endpoint-fallback": "10.0.0.9:8000",
     }
     call, routed = await envoy.send_request(chat_body("hi"), mode=mode, headers=hostile)
     removed = set(routed.removed_headers)
