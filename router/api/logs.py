@@ -24,10 +24,12 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, TextIO
 
 import orjson
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from router.protocol.exchange import Exchange, ExchangeFields
 
@@ -227,6 +229,25 @@ class DroppingQueueHandler(logging.Handler):
         pop = self._queued.popleft
         # Only this thread pops: the length read is a floor of what can be taken.
         return [pop() for _ in range(len(self._queued))]
+
+
+class LogDrops(Collector):
+    """``prefixgate_log_lines_dropped_total``: the lines (access lines included) dropped
+    because the writer thread fell behind, read at scrape time from the root logger's queue
+    (whichever :func:`configure_logging` installed)."""
+
+    def __init__(self, logger: logging.Logger | None = None) -> None:
+        self._logger = logger or logging.getLogger()
+
+    def collect(self) -> Iterator[Metric]:
+        dropped = sum(
+            h.dropped for h in self._logger.handlers if isinstance(h, DroppingQueueHandler)
+        )
+        yield CounterMetricFamily(
+            "prefixgate_log_lines_dropped",
+            "Log and access lines dropped because the log writer fell behind.",
+            value=dropped,
+        )
 
 
 # How long a stop waits for a write in progress.

@@ -21,6 +21,7 @@ from flow_control.controller import FlowController
 from router import __version__
 from router.api.asgi import GatewayApp
 from router.api.count_tokens import TokenCounting
+from router.api.logs import LogDrops
 from router.api.loop_lag import LoopLagMonitor
 from router.api.prediction import ANSWERS_READ_BURST, ANSWERS_READ_PER_S, PredictionTracker
 from router.api.proxy import Proxy
@@ -213,6 +214,7 @@ def build_gateway(
     environ = os.environ if environ is None else environ
     pool = _build_pool(config)
     metrics = GatewayMetrics(pool)
+    metrics.registry.register(LogDrops())
     keys = build_upstream_keys(config.pool, environ)
     upstream = UpstreamClient(config.proxy.max_connections, config.proxy.connect_timeout_seconds)
     probe = make_probe(upstream, keys.headers, config.responses.probe_timeout_seconds)

@@ -95,6 +95,7 @@ async def test_models_health_ready_metrics(gateway: RunningGateway) -> None:
         "prefixgate_prefix_match_ratio_bucket",
         "prefixgate_live_session_horizon_seconds",
         "prefixgate_event_loop_lag_seconds_bucket",
+        "prefixgate_log_lines_dropped_total",
     ):
         assert name in text
     # One request answered: counted once by each part of its time to first byte.

@@ -10,6 +10,7 @@ from typing import TextIO, cast
 
 import orjson
 import pytest
+from prometheus_client import CollectorRegistry
 
 from router.api.logs import (
     ACCESS_LOGGER,
@@ -17,6 +18,7 @@ from router.api.logs import (
     BatchWriter,
     DroppingQueueHandler,
     JsonFormatter,
+    LogDrops,
     LogFormat,
     TextFormatter,
     Words,
@@ -216,3 +218,18 @@ def test_a_stop_does_not_wait_for_good_on_a_sink_that_blocks() -> None:
     finally:
         release.set()
         stopper.join(10)
+
+
+def test_dropped_lines_are_exported_as_a_counter() -> None:
+    logger = logging.getLogger("prefixgate.test-drops")
+    queue = DroppingQueueHandler(capacity=2)
+    logger.addHandler(queue)
+    registry = CollectorRegistry()
+    registry.register(LogDrops(logger))
+    try:
+        assert registry.get_sample_value("prefixgate_log_lines_dropped_total") == 0
+        for n in range(5):
+            logger.warning("line %d", n)
+        assert registry.get_sample_value("prefixgate_log_lines_dropped_total") == 3
+    finally:
+        logger.removeHandler(queue)
