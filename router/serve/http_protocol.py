@@ -81,13 +81,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             cycle.transport = HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
             callbacks: set[Callable[[], None]] = set()
             cycle.scope[DISCONNECT_CALLBACKS] = callbacks  # type: ignore[literal-required]
-            if self.expect_100_continue:
-                cycle.on_response = functools.partial(self._after_expected_body, cycle)
+            cycle.on_response = functools.partial(self._after_response, cycle)
 
-    def _after_expected_body(self, cycle: RequestResponseCycle) -> None:
-        """An ``Expect: 100-continue`` request answered before its body came in (refused on
-        its Content-Length, say, with no 100 sent): whether the client sends that body now or
-        its next request, the parser cannot tell them apart, so the connection closes."""
+    def _after_response(self, cycle: RequestResponseCycle) -> None:
+        """A request answered before its body came in (a 413 on its Content-Length, a 408 on
+        a slow body) closes the connection. After ``Expect: 100-continue`` with no 100 sent,
+        the parser could not tell that body from the client's next request; otherwise the
+        connection would wait, for as long as the client likes, for a body nobody reads."""
         if cycle.more_body:
             cycle.transport.close()
         self.on_response_complete()

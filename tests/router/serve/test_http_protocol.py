@@ -226,3 +226,29 @@ async def test_over_a_socket_a_refused_expect_100_continue_body_does_not_swallow
             assert rest == b"" or rest.startswith(b"HTTP/1.1 200")
         finally:
             writer.close()
+
+
+async def test_over_a_socket_a_request_answered_before_its_body_ends_closes_the_connection(
+) -> None:
+    """A 408 on a slow body (or a 413 on a long one) is the answer: the rest of the body is
+    read by nobody, and a connection kept for it is held for as long as the client likes."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()  # the first part only, then give up on the rest
+        await send({"type": "http.response.start", "status": 408,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async with serving(app) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"POST /slow HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\n{\"a\"")
+            async with asyncio.timeout(5):
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 408")
+                assert await reader.readexactly(2) == b"{}"
+                assert await reader.read(1 << 16) == b""  # closed: no wait for the rest
+        finally:
+            writer.close()
