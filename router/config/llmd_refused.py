@@ -57,7 +57,8 @@ REFUSED: dict[str, str] = {
     "p2p-source-producer": _EXPERIMENTAL,
     "multicluster-approx-prefix-cache-producer": _MULTICLUSTER,
     # Admission and request control.
-    "latency-slo-admitter": "SLO-aware admission is not available yet; remove it",
+    "latency-slo-admitter": "remove it: SLO-aware admission is built in (an objective's "
+                            "ttftSloMs or the x-llm-d-slo-ttft-ms header)",
     "probabilistic-admitter": "flowControl (queues, priorities, shedding of sheddable "
                               "requests) instead",
     "request-attribute-reporter": _EXPERIMENTAL,
