@@ -276,7 +276,10 @@ class WorkloadClient:
         started: float,
     ) -> str | None:
         answer: str | None = None
-        if record.status == 200 and stream.error is None and stream.first is not None:
+        # A transport or parse error after the first token (a stream cut mid-answer) fails
+        # the request too: its answer never completed.
+        answered = record.error is None and stream.error is None
+        if record.status == 200 and answered and stream.first is not None:
             record.ok = True
             record.ttft = stream.first - started
             usage = stream.usage or {}

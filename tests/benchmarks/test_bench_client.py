@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import orjson
 import pytest
 
-from benchmarks.bench.client import WorkloadClient, _consume, _Stream
-from benchmarks.workloads import build_workload
+from benchmarks.bench.client import RequestRecord, WorkloadClient, _consume, _Stream
+from benchmarks.bench.conversation import new_state
+from benchmarks.workloads import Conversation, Step, Workload, build_workload
 
 
 def _data(event: object) -> bytes:
@@ -48,3 +50,38 @@ def test_open_loop_arrivals_are_seeded_poisson_in_wall_seconds() -> None:
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 40, rel=0.25)
     closed = WorkloadClient(["http://x"], build_workload("shared-prefix", "tiny"), speed=10.0)
     assert set(closed._arrivals()) == {0.0}
+
+
+async def test_a_stream_cut_after_its_first_token_is_an_error_not_an_answer() -> None:
+    # A 200 whose chunked body stops mid-answer (the connection dropped): the first token
+    # came, but the answer never completed. It must count as an error, not as answered.
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass
+        body = _data({"choices": [{"delta": {"content": "half"}}]}) + b"\n"
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n"
+                     + f"{len(body):x}\r\n".encode() + body + b"\r\n")
+        await writer.drain()
+        writer.close()  # no terminating chunk, no [DONE]
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    workload = Workload("one", (Conversation("s", "system", (Step("hi", 4),)),), 1)
+    async with server:
+        run = await WorkloadClient([f"http://127.0.0.1:{port}"], workload).run()
+    (record,) = run.records
+    assert record.error is not None and "ClientPayloadError" in record.error
+    assert not record.ok and record.ttft is None
+    assert run.errors == 1
+
+
+def test_a_transport_error_after_the_first_token_fails_the_request() -> None:
+    conv = Conversation("s", "system", (Step("hi", 4),))
+    client = WorkloadClient(["http://127.0.0.1:1"], Workload("one", (conv,), 1))
+    state = new_state(client._tok, conv)
+    state.add("user", "hi")
+    record = RequestRecord("main", 0.0, 200, False, error="ClientPayloadError: cut")
+    stream = _Stream(answer=["half"], first=1.0, last=1.0, chunks=1)
+    assert client._finish(record, stream, state, state.prompt(), 0.5) is None
+    assert not record.ok and record.ttft is None and client._run.errors == 1
