@@ -7,7 +7,7 @@ ranked; a failed or skipped target is listed in the world's table. *Unranked* ta
 ablation, or a second copy of a scheduler that measures the runs' own spread) get their ratio to
 the best of the others but never set the best themselves: a variant of the default that wins by
 the luck of its run would otherwise count as the default's loss. Requests a run did not
-answer before its deadline count as waiting the whole run.
+answer before its deadline, or answered with an error, count as waiting the whole run.
 
 *Reuse captured* is the replicas' prefix-cache hits over the tokens one infinitely large cache
 would have served (the client's reuse ledger, which tokenizes and cuts blocks as the replicas
@@ -81,11 +81,13 @@ def ranked(results: Sequence[TargetResult]) -> list[TargetResult]:
 
 def ttft(r: TargetResult) -> Summary:
     """The TTFT figures ranked: a run cut by its deadline counts each request it did not
-    answer as waiting the whole run (simulated), so a target cannot gain by stalling."""
+    answer as waiting the whole run (simulated), so a target cannot gain by stalling; a
+    request answered with an error counts the same, so it cannot gain by failing either."""
     assert r.ttft is not None
-    if not r.incomplete:
+    unanswered = r.incomplete + r.errors
+    if not unanswered:
         return r.ttft
-    return Summary.of([*r.ttft_samples, *[r.wall_s * r.speed] * r.incomplete])
+    return Summary.of([*r.ttft_samples, *[r.wall_s * r.speed] * unanswered])
 
 
 def reuse_captured(r: TargetResult) -> float:

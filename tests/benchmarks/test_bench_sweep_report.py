@@ -99,3 +99,16 @@ def test_unranked_targets_are_rated_against_the_others_but_never_the_best() -> N
     assert gaps["copy"][0][1] == pytest.approx(-12.5)  # above the best of the others
     rows = world_table(worlds[0][1], {"copy"})
     assert any(r.startswith("| x |") and "| 1.00 |" in r for r in rows)
+
+
+def test_errored_requests_count_as_waiting_the_whole_run_too() -> None:
+    # 8 answered at 0.1 s and 2 answered with an error (shed, or a cut stream): leaving those
+    # two out of the percentiles would rank a failing target as the fast one.
+    failing = result("failing", 1.0)
+    failing.ttft_samples, failing.errors, failing.wall_s, failing.speed = [0.1] * 8, 2, 20.0, 3.0
+    assert ttft(failing).n == 10 and ttft(failing).mean == pytest.approx((0.8 + 120) / 10)
+    steady = result("steady", 1.0)
+    steady.ttft = Summary(p50=0.2, p90=0.2, p99=0.2, mean=0.2, n=10)
+    stats = {s.target: s for s in target_stats([(0, [failing, steady])],
+                                                ["failing", "steady"])["p90"]}
+    assert stats["steady"].ratios == [(0, 1.0)] and stats["failing"].ratios[0][1] > 50
