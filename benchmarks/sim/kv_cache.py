@@ -17,9 +17,13 @@
   ``preempted_queries``/``preempted_hits``, which /metrics does not export. Counted there, a
   re-admission that finds its own blocks again would report reuse no workload offers.
 - ``usage`` is the fraction of blocks held by running requests (vLLM's kv_cache_usage_perc).
+- As in vLLM, cached blocks are not de-duplicated: a block recomputed while a copy is cached
+  (the last block of a repeated prompt, say) is cached too, and its hash stays findable until
+  its last copy is evicted.
 - With events enabled, the cache records vLLM's KV events as they happen: ``BlockStored`` when
-  full blocks become findable, ``BlockRemoved`` when a cached block is evicted for reuse, and
-  ``AllBlocksCleared`` on a reset; the engine publishes them once per step (``take_events``).
+  full blocks are cached (each copy), ``BlockRemoved`` when a cached block is evicted for reuse
+  (each copy), and ``AllBlocksCleared`` on a reset; the engine publishes them once per step
+  (``take_events``).
 """
 
 from __future__ import annotations
@@ -69,7 +73,9 @@ class KVCache:
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[int, int] = {}
+        # hash -> the blocks holding it, oldest first: as vLLM, copies are not de-duplicated
+        # (block tables stay append-only), and a hash is findable until its last copy goes.
+        self._cached: dict[int, dict[int, None]] = {}
         self.queries = 0
         self.hits = 0
         self.preempted_queries = 0
@@ -125,10 +131,10 @@ class KVCache:
         found: list[int] = []
         cached = self._cached
         for i in range(limit):
-            block = cached.get(hashes[i])
-            if block is None:
+            copies = cached.get(hashes[i])
+            if not copies:
                 break
-            found.append(block)
+            found.append(next(iter(copies)))
         return found
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -174,10 +180,12 @@ class KVCache:
         block, _ = self._free.popitem(last=False)
         old = self._hash[block]
         if old is not None:
-            if self._cached.get(old) == block:
+            copies = self._cached[old]
+            del copies[block]
+            if not copies:
                 del self._cached[old]
-                if self._events is not None:
-                    self._removed(old)
+            if self._events is not None:
+                self._removed(old)  # one per copy, as vLLM
             self._hash[block] = None
         self._ref[block] = 1
         return block
@@ -201,13 +209,12 @@ class KVCache:
             block = blocks[i]
             fresh = False
             if self._hash[block] is None:
+                # A second copy of a cached block (a recomputed last prompt block, or two
+                # requests computing the same prefix at once) is cached too, as in vLLM.
                 block_hash = hashes[i]
-                # A second copy of a cached block (two requests computed the same prefix at
-                # once) stays anonymous; the first copy is the one lookups find.
-                if block_hash not in self._cached:
-                    self._cached[block_hash] = block
-                    self._hash[block] = block_hash
-                    fresh = True
+                self._cached.setdefault(block_hash, {})[block] = None
+                self._hash[block] = block_hash
+                fresh = True
             if self._events is None:
                 continue
             if fresh and run < 0:
@@ -239,7 +246,7 @@ class KVCache:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks whose hash is currently findable by a lookup."""
+        """Distinct block hashes currently findable by a lookup (copies count once)."""
         return len(self._cached)
 
     def cached_hashes(self) -> list[int]:

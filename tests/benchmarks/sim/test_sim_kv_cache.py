@@ -105,3 +105,25 @@ def test_reset_refuses_while_blocks_are_held() -> None:
     kv.free(held[0])
     assert kv.reset() is True
     assert kv.cached_hashes() == [] and kv.num_cached_blocks == 0
+
+
+def test_a_recomputed_copy_of_a_cached_block_stays_findable_after_the_first_is_evicted() -> None:
+    # vLLM does not de-duplicate cached blocks: a request that recomputes a block already
+    # cached (here the last block of a repeated 8-token prompt, since the hit is capped at 7
+    # tokens) caches its own copy too, and lookups find the hash until its last copy goes.
+    kv = KVCache(8, BS)
+    prompt = list(range(8))
+    first = run_to_completion(kv, prompt)
+    second = run_to_completion(kv, prompt)
+    assert second[0] == first[0] and second[1] != first[1]
+    assert kv.block_hash(second[1]) == kv.block_hash(first[1]) is not None
+    # Evict up to and including the first copy of the second block (the older one in LRU).
+    taken = []
+    while kv.block_hash(first[1]) is not None:
+        block = kv.allocate_block()
+        assert block is not None
+        taken.append(block)
+    assert second[1] not in taken and kv.block_hash(second[1]) is not None
+    kv.free(taken)
+    assert kv.lookup(hashes([*prompt, 99]), 9) == [first[0], second[1]]
+    assert kv.num_cached_blocks == 2

@@ -224,3 +224,25 @@ async def test_replicas_publish_their_cache_on_consecutive_ports() -> None:
 def test_config_rejects_unknown_encoding() -> None:
     with pytest.raises(ValueError):
         SimConfig(kv_events_encoding="json")
+
+
+def test_each_copy_of_a_block_is_stored_and_removed_as_vllm_does() -> None:
+    # A repeated 8-token prompt recomputes its last block (the hit is capped at 7 tokens) and
+    # vLLM caches that copy too: a BlockStored for it, and a BlockRemoved per evicted copy.
+    kv = KVCache(3, BS)
+    kv.enable_events()
+    prompt = list(range(8))
+    hashes = fill(kv, prompt)
+    kv.take_events()
+    fill(kv, prompt)
+    assert kv.take_events() == [
+        BlockStored(hashes[1:2], hashes[0], prompt[4:8], BS, extra_keys=[None])
+    ]
+    copies: dict[int, int] = {}
+    for _ in range(3):
+        assert kv.allocate_block() is not None
+    for event in kv.take_events():
+        assert isinstance(event, BlockRemoved)
+        for h in event.block_hashes:
+            copies[h] = copies.get(h, 0) + 1
+    assert copies == {hashes[0]: 1, hashes[1]: 2}
