@@ -156,8 +156,10 @@ class Runner:
         if any(getattr(t, "needs_kv_events", False) for t in targets):
             events = free_port_range(2 * s.replicas, first=base + s.replicas)
             s.kv_events_offset, s.kv_replay_offset = events - base, events + s.replicas - base
-        sims = [Process(n, cmd, s.out / "logs" / f"{n}.log") for n, cmd in sim_processes(s, base)]
+        sims: list[Process] = []
         try:
+            for name, cmd in sim_processes(s, base):  # those started are stopped if one fails
+                sims.append(Process(name, cmd, s.out / "logs" / f"{name}.log"))
             probes = [http_ok(f"{u}/health") for u in self.replicas]
             await wait_ready(sims, probes, SIM_READY_TIMEOUT_S)
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:

@@ -226,3 +226,31 @@ def test_cli_runs_replicas_and_reuse_ledger_at_one_density(tmp_path: Path) -> No
     assert result["status"] == "ok" and result["errors"] == 0
     assert data["settings"]["bytes_per_token"] == 9.0
     assert 0.8 <= result["captured"] <= 1.0
+
+
+async def test_replicas_started_are_stopped_when_a_later_one_cannot_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks.bench import runner
+
+    started: list[str] = []
+    stopped: list[str] = []
+
+    class Child:
+        def __init__(self, name: str, args: Sequence[str], log_path: Path) -> None:
+            if started:
+                raise OSError("no more processes")
+            self.name = name
+            started.append(name)
+
+        async def stop(self) -> None:
+            stopped.append(self.name)
+
+    monkeypatch.setattr(runner, "Process", Child)
+    fast, slow = ["--itl-ms", "10"], ["--itl-ms", "30"]
+    settings = BenchSettings(out=tmp_path, replicas=2, replica_sim_args=[fast, slow],
+                             plots=False, progress=False)
+    workload = build_workload("agentic", "tiny", sessions=1, turns=1)
+    with pytest.raises(OSError, match="no more processes"):
+        await Runner(settings, workload).run([])
+    assert started == stopped == ["sim"]
