@@ -83,6 +83,10 @@ class FlowController:
         # Of those, the ones whose request has not taken an endpoint yet (Ticket.leased): no
         # endpoint's in-flight count shows them.
         self._unplaced: dict[str, int] = {}
+        # Where those may land: their model's candidates when the last was issued. Models
+        # share endpoints (a base model and its adapters), so one model's unplaced tickets
+        # take room in another's pool too.
+        self._placing: dict[str, list[EndpointSnapshot]] = {}
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._stopped = False
@@ -135,7 +139,7 @@ class FlowController:
         band = self._band_for(request.priority)
         ahead = self._room.max_priority(model)
         if not saturated and (ahead is None or ahead < request.priority):
-            return self._issue(request, band, 0.0, "fast")
+            return self._issue(request, band, 0.0, "fast", snapshots)
         if saturated and request.priority < 0:
             raise self._shed("sheddable", f"pool for model {model!r} is saturated")
         if self._stopped:
@@ -144,7 +148,13 @@ class FlowController:
         if self._wakeup is not None:
             self._wakeup.set()
         if not saturated:
-            self._dispatch_model(model)  # work of equal priority is ahead: policy order decides
+            self._dispatch([model])  # work of equal priority is ahead: policy order decides
+            if item.queued and request.priority < 0:
+                # The work ahead took the room: the pool is saturated now, so shed it as at
+                # the door rather than let it wait out its TTL.
+                self._room.unlink(item, rotate=False)
+                item.future.cancel()
+                raise self._shed("sheddable", f"pool for model {model!r} is saturated")
         return await self._room.wait(item)
 
     def _band_for(self, priority: int) -> BandState:
@@ -155,7 +165,15 @@ class FlowController:
     def _saturated(self, model: str, snapshots: list[EndpointSnapshot]) -> bool:
         # Counted, not inferred from in_flight: that one also holds other gateways' requests,
         # and not those of endpoints that have left the candidates while their streams go on.
-        pending = self._unplaced.get(model, 0)
+        # Another model's unplaced tickets count too when its pool overlaps this one: they
+        # may take the room here as well.
+        unplaced = self._unplaced
+        pending = unplaced.get(model, 0)
+        if len(unplaced) > (model in unplaced):
+            ids = {s.id for s in snapshots}
+            for other, count in unplaced.items():
+                if other != model and any(s.id in ids for s in self._placing.get(other, ())):
+                    pending += count
         saturated = self._detector.saturated(snapshots, pending)
         self._metrics.set_saturated(model, saturated)
         return saturated
@@ -165,34 +183,43 @@ class FlowController:
         return SaturatedError(message, retry_after=self.config.retry_after_seconds)
 
     def _issue(
-        self, request: FlowRequest, band: BandState, waited: float, path: Literal["fast", "queued"]
+        self,
+        request: FlowRequest,
+        band: BandState,
+        waited: float,
+        path: Literal["fast", "queued"],
+        snapshots: list[EndpointSnapshot],
     ) -> Ticket:
         model = request.model
         self._issued[model] = self._issued.get(model, 0) + 1
         self._unplaced[model] = self._unplaced.get(model, 0) + 1
+        self._placing[model] = snapshots
         self._resolver.boost.served(request.session_id)
         band.wait.observe(waited)
         (band.fast if path == "fast" else band.queued).inc()
         return Ticket(request, waited, self._on_release, self._on_leased)
 
     def _on_leased(self, ticket: Ticket) -> None:
-        _decrement(self._unplaced, ticket.request.model)
+        self._placed(ticket.request.model)
+
+    def _placed(self, model: str) -> None:
+        _decrement(self._unplaced, model)
+        if model not in self._unplaced:
+            self._placing.pop(model, None)
 
     def _on_release(self, ticket: Ticket) -> None:
         request = ticket.request
         _decrement(self._issued, request.model)
         if not ticket.was_leased:
-            _decrement(self._unplaced, request.model)
+            self._placed(request.model)
         # A turn that just ended is what makes its session live for the next one.
         self._resolver.boost.served(request.session_id)
         queues = self._room.queues
         if queues:
             # Models share endpoints (a base model and its adapters), so the room freed may be
-            # another model's too: its own queue first, then theirs.
-            others = [model for model in queues if model != request.model]
+            # another model's too: every model's queue, in turn (see _dispatch).
             try:
-                for model in (request.model, *others):
-                    self._dispatch_model(model)
+                self._dispatch(list(queues))
             except Exception:  # a release must never fail the request that ends; tick retries
                 log.exception("flow control dispatch on release failed")
 
@@ -231,34 +258,55 @@ class FlowController:
         """Expire what is past its TTL, then dispatch every model's queue while its pool is
         not saturated. Returns the number dispatched (the tick calls this; so can tests)."""
         self.expire()
-        return sum(self._dispatch_model(model) for model in list(self._room.queues))
+        return self._dispatch(list(self._room.queues))
 
-    def _dispatch_model(self, model: str) -> int:
+    def _dispatch(self, models: list[str]) -> int:
+        """Dispatch the queues of ``models`` while their pools have room, one request at a
+        time: the highest priority queued among them first, and models of equal priority in
+        turn (round-robin, as the flows of a level). Models share endpoints (a base model and
+        its adapters), so a place freed there goes to the most urgent request waiting for it,
+        whichever its model, and no model's queue waits for another's to empty."""
+        queues = self._room.queues
+        open_models = [model for model in models if model in queues]
         dispatched = 0
-        queue = self._room.queues.get(model)
-        while queue is not None:
-            snapshots = self._candidates(model)
-            # An empty pool keeps its queue: endpoints may come back before the TTL ends.
-            if not snapshots or self._saturated(model, snapshots):
-                break
-            level = queue.top()
-            item = level.band.policy.select(level.flows).head()
-            now = self._clock()
-            # A head cancelled (its task has not run yet) or expired leaves unserved: its flow
-            # is not charged, nor does its turn pass.
-            cancelled, expired = item.future.done(), item.deadline <= now
-            self._room.unlink(item, rotate=not (cancelled or expired))
-            queue = self._room.queues.get(model)
-            if cancelled:
-                self._metrics.rejections.labels("cancelled").inc()
-                continue
-            if expired:
-                self._room.fail(item, "ttl-expired")
-                continue
-            waited = max(0.0, now - item.enqueued_at)
-            item.future.set_result(self._issue(item.request, level.band, waited, "queued"))
-            dispatched += 1
+        while open_models:
+            model = max(open_models, key=lambda m: max(queues[m].levels))
+            outcome = self._dispatch_one(model)
+            dispatched += outcome or 0
+            if outcome is None or model not in queues:
+                open_models.remove(model)
+            elif outcome:
+                open_models.remove(model)  # its turn has passed: last among its equals,
+                open_models.append(model)
+                queues[model] = queues.pop(model)  # in later rounds too
         return dispatched
+
+    def _dispatch_one(self, model: str) -> int | None:
+        """Dispatch the head of ``model``'s queue: 1, or 0 when that head had been cancelled
+        or had expired; None when the pool has no room (dispatching more takes none back)."""
+        queue = self._room.queues[model]
+        snapshots = self._candidates(model)
+        # An empty pool keeps its queue: endpoints may come back before the TTL ends.
+        if not snapshots or self._saturated(model, snapshots):
+            return None
+        level = queue.top()
+        item = level.band.policy.select(level.flows).head()
+        now = self._clock()
+        # A head cancelled (its task has not run yet) or expired leaves unserved: its flow
+        # is not charged, nor does its turn pass.
+        cancelled, expired = item.future.done(), item.deadline <= now
+        self._room.unlink(item, rotate=not (cancelled or expired))
+        if cancelled:
+            self._metrics.rejections.labels("cancelled").inc()
+            return 0
+        if expired:
+            self._room.fail(item, "ttl-expired")
+            return 0
+        waited = max(0.0, now - item.enqueued_at)
+        item.future.set_result(
+            self._issue(item.request, level.band, waited, "queued", snapshots)
+        )
+        return 1
 
     def expire(self) -> int:
         """Reject queued requests whose TTL has passed; returns how many."""

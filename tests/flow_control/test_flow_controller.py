@@ -534,3 +534,104 @@ async def test_a_release_dispatches_another_models_queue_on_the_same_endpoint() 
     assert other.done(), "room freed on the shared endpoint, yet the other model's queue waits"
     other.result().release()
 
+
+
+def _shared(limit: int = 1) -> tuple[FlowController, EndpointPool]:
+    """One endpoint serving two models (a base model and its adapter, say), whose learned
+    limit is ``limit``; no tick, so only releases, first bytes and pokes dispatch."""
+    clock = Clock()
+    pool = EndpointPool(clock=clock)
+    pool.add(Endpoint.from_url("http://a:8000", models=["m", "n"])).healthy = True
+    ctl = FlowController(
+        FlowControlConfig.model_validate(
+            {"saturationDetector": {"concurrencyLimit": {"initialLimit": limit}},
+             "dispatchIntervalSeconds": 5}
+        ),
+        pool.candidates, clock=clock, registry=CollectorRegistry(),
+    )
+    return ctl, pool
+
+
+async def test_models_sharing_an_endpoint_share_its_room() -> None:
+    """A ticket of one model not placed yet takes the shared endpoint's one place: a request
+    of the other model must wait for it, not be let through into the same place."""
+    ctl, _ = _shared()
+    first = run_now(ctl.admit(FlowRequest(model="m", session_id="first")))
+    other = asyncio.create_task(ctl.admit(FlowRequest(model="n", session_id="other")))
+    await settle()
+    assert not other.done(), "two requests let through for the one place on the endpoint"
+    first.release()
+    await settle()
+    assert other.done()
+    other.result().release()
+    assert ctl.outstanding("m") == ctl.outstanding("n") == 0 and not ctl._unplaced
+
+
+@pytest.mark.parametrize("freed_by", ["release", "first-byte"])
+async def test_a_place_freed_on_a_shared_endpoint_goes_to_the_highest_priority(
+    freed_by: str,
+) -> None:
+    """One place frees on an endpoint two models share: the higher priority waiting for it
+    goes, whichever model it asked for and whichever model's queue was made first, and only
+    it (the lower one does not slip into the same place)."""
+    ctl, pool = _shared()
+    held = run_now(ctl.admit(FlowRequest(model="m", session_id="held")))
+    held.leased()
+    lease = pool.lease("a:8000", 100)  # waiting for its first byte: the limit of one is reached
+    low = asyncio.create_task(ctl.admit(FlowRequest(model="m", priority=0, session_id="low")))
+    await settle()
+    high = asyncio.create_task(ctl.admit(FlowRequest(model="n", priority=5, session_id="high")))
+    await settle()
+    assert ctl.queued == 2
+    if freed_by == "release":
+        lease.release()
+        held.release()  # m's ticket: its own queue would be dispatched first
+    else:
+        lease.first_byte()
+        ctl.poke()  # what the first byte's callback does; m's queue was made first
+    await settle()
+    assert high.done() and not low.done()
+    high.result().release()
+    await settle()
+    assert low.done()
+    low.result().release()
+    if freed_by == "first-byte":
+        lease.release()
+        held.release()
+    assert ctl.queued == 0 and not ctl._issued and not ctl._unplaced
+
+
+async def test_a_sheddable_request_is_shed_when_the_work_ahead_takes_the_room() -> None:
+    """Room appeared between two ticks, with work of higher priority queued: a sheddable
+    newcomer is not shed at the door, but once that work has taken the room the pool is
+    saturated, and it must be shed then, not wait out its TTL in the queue."""
+    ctl, pool, _, registry = make(slots=1)
+    pool.overloaded = True
+    first = asyncio.create_task(ctl.admit(req("first")))
+    await settle()
+    pool.overloaded = False  # capacity for one appeared between two ticks
+    shed = asyncio.create_task(ctl.admit(req("shed", priority=-1)))
+    await settle()
+    assert first.done()
+    assert shed.done(), "a sheddable request waits in the queue of a saturated pool"
+    with pytest.raises(SaturatedError) as info:
+        shed.result()
+    assert info.value.headers()["x-gateway-request-dropped-reason"] == "rejected-saturated"
+    assert sample(registry, "prefixgate_flow_rejections_total", reason="sheddable") == 1
+    assert ctl.queued == 0 and ctl.active_flows() == 0
+    first.result().release()
+    assert ctl.outstanding("m") == 0
+
+
+async def test_models_sharing_endpoints_take_turns_at_equal_priority() -> None:
+    """Two models on the same endpoints (FakePool serves any model), one place: a freed place
+    goes to one request only, and the models' queues take turns rather than the one that
+    released (or was queued first) keeping the place while the other's waits for it to
+    empty."""
+    ctl, _, _, _ = make(slots=1)
+    held = run_now(ctl.admit(req("held")))
+    tasks = await queue_all(
+        ctl, [req("m1"), req("m2"), req("m3"), FlowRequest(model="n", session_id="n1")]
+    )
+    assert await serve_one_by_one(held, tasks) == ["m1", "n1", "m2", "m3"]
+    assert not ctl._unplaced and not ctl._placing
