@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from flow_control.request import FlowRequest, Ticket
@@ -90,9 +91,6 @@ class BandState:
     count: int = 0
     bytes: int = 0
 
-    def fits(self, size: int) -> bool:
-        return self.count < self.limits.max_requests and self.bytes + size <= self.limits.max_bytes
-
 
 @dataclass(slots=True, eq=False)
 class Level:
@@ -116,7 +114,10 @@ class ModelQueue:
 
 
 def pick_victim(
-    queues: Iterable[ModelQueue], newcomer: FlowRequest, band: BandState | None
+    queues: Iterable[ModelQueue],
+    newcomer: FlowRequest,
+    band: BandState | None,
+    chosen: Sequence[QueueItem] = (),
 ) -> QueueItem | None:
     """The queued request to push out so that ``newcomer`` fits in full queues, or None when
     the newcomer is the one to refuse.
@@ -125,9 +126,13 @@ def pick_victim(
     priority below the newcomer's, or at the newcomer's own priority when that flow is longer
     than the newcomer's would be (so a tenant flooding the queues cannot lock a light one
     out, and a full queue never turns a higher priority away for a lower one). ``band``
-    limits the search to one band (when that band is what is full). Runs only when a limit
-    is hit, so a scan over the queued flows is fine.
+    limits the search to one band (when that band is what is full). ``chosen``: victims
+    already picked for the same newcomer, counted as gone (each is the newest left of its
+    flow). Runs only when a limit is hit, so a scan over the queued flows is fine.
     """
+    gone: dict[FlowQueue, int] = {}
+    for item in chosen:
+        gone[item.flow] = gone.get(item.flow, 0) + 1
     own = 0
     found: tuple[int, int] | None = None  # (priority, -length): lowest priority, then longest
     victim: FlowQueue | None = None
@@ -136,13 +141,16 @@ def pick_victim(
             if level.priority > newcomer.priority or (band is not None and level.band is not band):
                 continue
             for flow in level.flows.values():
+                length = len(flow) - gone.get(flow, 0)
                 if flow.priority == newcomer.priority and flow.fairness_id == newcomer.fairness_id:
-                    own = max(own, len(flow))
-                key = (level.priority, -len(flow))
+                    own = max(own, length)
+                if not length:
+                    continue
+                key = (level.priority, -length)
                 if found is None or key < found:
                     found, victim = key, flow
     if found is None or victim is None:
         return None
-    if found[0] == newcomer.priority and len(victim) <= own + 1:
+    if found[0] == newcomer.priority and -found[1] <= own + 1:
         return None  # evicting would only swap who holds more
-    return next(reversed(victim.items.values()))
+    return next(islice(reversed(victim.items.values()), gone.get(victim, 0), None))

@@ -82,15 +82,19 @@ class WaitingRoom:
 
     def _make_room(self, request: FlowRequest, band: BandState, size: int) -> None:
         """Push out queued requests (see ``pick_victim``) until ``request`` fits, or shed it."""
-        cfg = self._config
+        cfg, limits = self._config, band.limits
+        too_big = size > limits.max_bytes or size > cfg.max_bytes
+        # Chosen first, pushed out only once they are known to make room: pushing out some
+        # and then refusing the newcomer anyway would drop them for nothing.
+        victims: list[QueueItem] = []
+        count, nbytes, band_count, band_bytes = self.count, self.bytes, band.count, band.bytes
         while True:
-            band_full = not band.fits(size)
-            global_full = self.count >= cfg.max_requests or self.bytes + size > cfg.max_bytes
+            band_full = band_count >= limits.max_requests or band_bytes + size > limits.max_bytes
+            global_full = count >= cfg.max_requests or nbytes + size > cfg.max_bytes
             if not band_full and not global_full:
-                return
-            too_big = size > band.limits.max_bytes or size > cfg.max_bytes
+                break
             victim = None if too_big else pick_victim(
-                self.queues.values(), request, band if band_full else None
+                self.queues.values(), request, band if band_full else None, victims
             )
             if victim is None:
                 full = f"queue of band {band.name!r} is" if band_full else "queues are"
@@ -98,6 +102,12 @@ class WaitingRoom:
                 raise SaturatedError(
                     f"flow control {full} full", retry_after=cfg.retry_after_seconds
                 )
+            victims.append(victim)
+            freed = max(0, victim.request.size)
+            count, nbytes = count - 1, nbytes - freed
+            if victim.level.band is band:
+                band_count, band_bytes = band_count - 1, band_bytes - freed
+        for victim in victims:
             self.unlink(victim, rotate=False)
             self.fail(victim, "evicted")
 

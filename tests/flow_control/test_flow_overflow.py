@@ -83,6 +83,22 @@ async def test_bytes_limits_push_out_as_many_as_needed() -> None:
     assert await serve_one_by_one(held, [a[0], b]) == ["a0", "b"]
 
 
+async def test_nobody_is_pushed_out_for_a_newcomer_that_is_refused_anyway() -> None:
+    """Pushing out the low-priority request frees too few bytes, and the rest could only
+    come from a flow no longer than the newcomer's would be: the newcomer is refused, and
+    the request it would have pushed out keeps its place."""
+    ctl, _, _, registry = make({"maxBytes": 100})
+    held = run_now(ctl.admit(req("held")))
+    low, mid = await queue_all(ctl, [req("low", "L", size=30), req("x", "X", priority=5, size=60)])
+    with pytest.raises(SaturatedError):
+        await ctl.admit(req("new", "Y", priority=5, size=90))
+    await settle()
+    assert not low.done(), "pushed out for a newcomer that was refused anyway"
+    assert ctl.queued == 2 and ctl.queued_bytes == 90
+    assert sample(registry, "prefixgate_flow_rejections_total", reason="evicted") == 0
+    assert await serve_one_by_one(held, [low, mid]) == ["x", "low"]
+
+
 async def test_a_request_larger_than_a_limit_never_pushes_anyone_out() -> None:
     ctl, _, _, _ = make({"maxBytes": 100})
     held = run_now(ctl.admit(req("held")))
