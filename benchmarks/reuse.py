@@ -2,8 +2,9 @@
 
 For each request, in arrival order, the reusable tokens are the leading full blocks of its
 prompt that an earlier request's prompt or prompt + answer already contained (same session or a
-shared prefix), capped like vLLM at ``prompt_tokens - 1``. A router's captured share is then
-``cached tokens reported by the replicas / reusable tokens``.
+shared prefix), capped like vLLM at ``prompt_tokens - 1``; of an answer, its last token does not
+count (a replica samples it but never feeds it back, so never computes it). A router's captured
+share is then ``cached tokens reported by the replicas / reusable tokens``.
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ class ReuseTracker:
         return run * self.block_size
 
     def observe(self, prompt_ids: Sequence[int], output_ids: Sequence[int] = ()) -> int:
-        """Count a request's prompt and its reusable part, then remember prompt and answer."""
+        """Count a request's prompt and its reusable part, then remember prompt and answer
+        (but the answer's last token: sampled, never fed back, it is never computed)."""
         reusable = self.reusable(prompt_ids)
         self.prompt_tokens += len(prompt_ids)
         self.reusable_tokens += reusable
-        self._seen.update(_chain([*prompt_ids, *output_ids], self.block_size))
+        self._seen.update(_chain([*prompt_ids, *output_ids[:-1]], self.block_size))
         return reusable
 
     @property

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import xxhash
 
 from benchmarks.sim.tokenizer import Tokenizer, render_chat
-from benchmarks.workloads import Conversation, Message, Step, Workload, words
+from benchmarks.workloads import Conversation, Message, Step, Workload
 
 BLOCK_SIZE = 16
 
@@ -77,7 +77,7 @@ class ReuseLedger:
         return reusable
 
     def answered(self, chain: Sequence[int]) -> None:
-        """Remember the blocks of a prompt plus its answer (generated tokens are cached too)."""
+        """Remember the blocks of a prompt plus its answer (``ConversationState.answer_chain``)."""
         self._seen.update(chain)
 
     @property
@@ -144,8 +144,10 @@ class ConversationState:
         return Prompt(list(self.messages), ids, chain)
 
     def answer_chain(self, prompt: Prompt, answer_ids: Sequence[int]) -> list[int]:
+        """The blocks a replica caches of a prompt and its answer: all but the answer's last
+        token, which it samples but never feeds back, so never computes (as vLLM)."""
         chain = list(prompt.chain)
-        extend_chain(chain, [*prompt.ids, *answer_ids], self.block_size)
+        extend_chain(chain, [*prompt.ids, *answer_ids[:-1]], self.block_size)
         return chain
 
     def fork(self) -> ConversationState:
@@ -172,10 +174,11 @@ def _walk(
         state.add("user", step.content)
         prompt = state.prompt()
         ledger.sent(len(prompt.ids), prompt.chain)
-        # A stand-in answer of the right length: only its size matters for reuse.
-        answer = words(rng, step.max_tokens)
-        ledger.answered(state.answer_chain(prompt, tok.encode(answer)))
-        state.add("assistant", answer)
+        # A stand-in answer as a replica gives it, ``max_tokens`` tokens at its density: only
+        # its size matters for reuse.
+        answer_ids = tok.generate(step.max_tokens, rng.randrange(1 << 32), chat=True)
+        ledger.answered(state.answer_chain(prompt, answer_ids))
+        state.add("assistant", tok.decode(answer_ids))
         for agent in step.burst:
             _walk(state.fork(), agent.steps, ledger, tok, rng)
 

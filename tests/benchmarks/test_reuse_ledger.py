@@ -12,9 +12,12 @@ import random
 import pytest
 
 from benchmarks.bench.conversation import ConversationState, ReuseLedger, estimate_reuse
+from benchmarks.sim.config import SimConfig
+from benchmarks.sim.engine import Engine
 from benchmarks.sim.kv_cache import KVCache, extend_block_hashes
+from benchmarks.sim.request import SimRequest
 from benchmarks.sim.tokenizer import Tokenizer
-from benchmarks.workloads import Workload, build_workload, shared_prefix, words
+from benchmarks.workloads import Workload, build_workload, shared_prefix
 
 BIG = 1 << 16  # blocks: nothing is ever evicted
 
@@ -25,11 +28,28 @@ def _hashes(ids: list[int], block_size: int) -> list[int]:
     return out
 
 
+def _replica(block_size: int, density: float | None) -> Engine:
+    """One simulated replica with an infinite cache, answering at once (cache accounting as
+    its engine does it: the answers it samples, the blocks it computes of them)."""
+    config = SimConfig(
+        zero_latency=True, block_size=block_size, num_gpu_blocks=BIG, bytes_per_token=density
+    )
+    return Engine(config, tokenizer=Tokenizer(density))
+
+
+def _ask(replica: Engine, ids: list[int], max_tokens: int) -> SimRequest:
+    plan = replica.tokenizer.generate(max_tokens, len(ids), chat=True)
+    req = SimRequest(f"r{replica.stats.requests_succeeded}", ids, max_tokens, plan)
+    replica.add_request(req)
+    assert req.done and len(req.output) == max_tokens
+    return req
+
+
 def _replay(workload: Workload, block_size: int, density: float) -> tuple[ReuseLedger, KVCache]:
     """Send order, one replica with an infinite cache: the ledger beside the simulator's."""
-    tok = Tokenizer(density)
-    ledger, kv = ReuseLedger(block_size), KVCache(BIG, block_size)
-    rng = random.Random(0)
+    replica = _replica(block_size, density)
+    tok = replica.tokenizer
+    ledger = ReuseLedger(block_size)
     for conv in workload.conversations:
         state = ConversationState(tok, conv.system, conv.tools, block_size)
         for step in conv.steps:
@@ -39,22 +59,11 @@ def _replay(workload: Workload, block_size: int, density: float) -> tuple[ReuseL
             ids = tok.encode_chat(prompt.messages, list(conv.tools) or None)
             assert ids == prompt.ids
             reusable = ledger.sent(len(ids), prompt.chain)
-            admitted = kv.admit(_hashes(ids, block_size), len(ids))
-            assert admitted is not None
-            blocks, cached = admitted
-            assert cached == reusable
-            answer = words(rng, step.max_tokens)
-            full = [*ids, *tok.encode(answer)]
-            hashes = _hashes(full, block_size)
-            while len(blocks) < len(hashes):
-                block = kv.allocate_block()
-                assert block is not None
-                blocks.append(block)
-            kv.cache_blocks(blocks, hashes, 0, len(hashes))
-            kv.free(blocks)
-            ledger.answered(state.answer_chain(prompt, tok.encode(answer)))
-            state.add("assistant", answer)
-    return ledger, kv
+            req = _ask(replica, ids, step.max_tokens)
+            assert req.num_cached_tokens == reusable
+            ledger.answered(state.answer_chain(prompt, req.output))
+            state.add("assistant", tok.decode(req.output))
+    return ledger, replica.kv
 
 
 @pytest.mark.parametrize(("block_size", "density"), [(16, 2.6), (32, 5.8), (64, 7.4)])
@@ -76,6 +85,43 @@ def test_the_estimate_is_at_the_replicas_block_size(block_size: int) -> None:
     assert estimate.reusable_tokens == ledger.reusable_tokens == kv.hits
     assert estimate.reusable_tokens % block_size == 0
     assert estimate.distinct_tokens == kv.num_cached_blocks * block_size
+
+
+@pytest.mark.parametrize("density", [2.6, 8.0])
+def test_the_estimate_answers_as_many_tokens_as_the_replicas(density: float) -> None:
+    # A replica answers ``max_tokens`` tokens at its density, whatever that is; the estimate's
+    # prompts grow by its answers, so its stand-ins must be as long (one-token words of four
+    # bytes come to 4 / density times too many tokens).
+    wl = build_workload("chat", "tiny", seed=3)
+    ledger, kv = _replay(wl, 16, density)
+    estimate = estimate_reuse(wl, 16, density)
+    assert estimate.prompt_tokens == ledger.prompt_tokens == kv.queries
+    assert estimate.max_prompt_tokens == ledger.max_prompt_tokens
+    assert estimate.reusable_tokens == kv.hits
+
+
+@pytest.mark.parametrize(("block_size", "density"), [(16, None), (32, 5.8)])
+def test_an_answers_last_token_is_never_cached(block_size: int, density: float | None) -> None:
+    # A replica samples its last answer token but never feeds it back, so it never computes
+    # (nor caches) it: when prompt + answer ends on a block boundary, that block is missed by
+    # the next turn, and the ledger must not count it.
+    replica = _replica(block_size, density)
+    tok = replica.tokenizer
+    ledger = ReuseLedger(block_size)
+    state = ConversationState(tok, "you help " * 40, (), block_size)
+    state.add("user", "a first question")
+    first = state.prompt()
+    answer_len = block_size - len(first.ids) % block_size + block_size
+    ledger.sent(len(first.ids), first.chain)
+    answer = _ask(replica, first.ids, answer_len).output
+    assert (len(first.ids) + len(answer)) % block_size == 0
+    ledger.answered(state.answer_chain(first, answer))
+    state.add("assistant", tok.decode(answer))
+    state.add("user", "and a second one, a little longer")
+    second = state.prompt()
+    reusable = ledger.sent(len(second.ids), second.chain)
+    assert reusable == _ask(replica, second.ids, 4).num_cached_tokens
+    assert reusable == len(first.ids) + len(answer) - block_size
 
 
 def test_admission_order_does_not_change_what_an_infinite_cache_hits() -> None:
