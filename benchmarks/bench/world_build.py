@@ -185,7 +185,7 @@ def _trace(world: World, c: _Costs, wall_s: float, rows: Sequence[TraceRow]) -> 
     n = max(4, math.floor(wall_s * REQUESTS_PER_WALL_S))
     p = TraceParams(**world.params, requests=n, seed=world.seed)
     for _ in range(12):
-        wl = trace_workload(rows, p)
+        wl = trace_workload(rows, replace(p, time_scale=1.0))  # the span in trace seconds
         assert wl.arrivals is not None
         span = max(wl.arrivals[-1], 1e-3)
         work = sum(_conv_work(conv, c)[0] for conv in wl.conversations) / 1000

@@ -65,3 +65,23 @@ def test_a_trace_world_needs_the_trace() -> None:
     world = next(w for w in draw_worlds(40, seed=0, trace_rows=10) if w.workload == "trace")
     with pytest.raises(ValueError, match="--trace"):
         build_world(world, 1.0, [])
+
+
+def test_a_shrunk_trace_window_still_offers_the_drawn_load() -> None:
+    """Each pass sizes the window's time scale from its span in trace seconds: a span taken
+    at the last pass's scale divided the new scale by the old."""
+    from benchmarks.bench import world_build as wb
+    from benchmarks.bench.worlds import World
+
+    rows = [TraceRow(i * 100.0, 4096, 256, (0, 10_000 + i, *range(100 + 8 * i, 106 + 8 * i)))
+            for i in range(400)]
+    world = World(index=0, seed=1, replicas=2, prefill_mode="batched",
+                  max_num_batched_tokens=2048, cost_per_token=4.0, cost_per_request=4.0,
+                  itl_ms=10.0, slow=(1.0, 1.0), max_num_seqs=64, block_size=16,
+                  bytes_per_token=4.0, kv_factor=1.0, workload="trace", load=0.2,
+                  params={"start": 0, "block_tokens": 64, "max_output": 32, "keep": 1})
+    c = wb._Costs.of(world, 1.0)
+    wl = wb._trace(world, c, wb.WALL_TARGET_S, rows)
+    assert wl.arrivals is not None and len(wl.conversations) < 75  # shrunk
+    work = sum(wb._conv_work(conv, c)[0] for conv in wl.conversations) / 1000
+    assert work / (world.replicas * wl.arrivals[-1]) == pytest.approx(world.load, rel=0.05)
