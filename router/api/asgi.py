@@ -24,6 +24,8 @@ from router.core.errors import GatewayError
 
 JSON = "application/json"
 Handler = Callable[[Request], Awaitable[Response]]
+# A gateway error as an API's clients expect it (OpenAI's shape, or Anthropic's on /v1/messages).
+ErrorRenderer = Callable[[GatewayError], Response]
 
 
 def error_response(error: GatewayError) -> Response:
@@ -31,9 +33,9 @@ def error_response(error: GatewayError) -> Response:
     return Response(error.body(), error.status_code, dict(error.headers()), media_type=JSON)
 
 
-def internal_error() -> Response:
-    # A bug, not the client's fault: it still gets an OpenAI-shaped error.
-    return error_response(GatewayError("internal error in the gateway"))
+def internal_error(render: ErrorRenderer = error_response) -> Response:
+    # A bug, not the client's fault: it still gets an error in its API's shape.
+    return render(GatewayError("internal error in the gateway"))
 
 
 class GatewayApp(FastAPI):
@@ -41,33 +43,38 @@ class GatewayApp(FastAPI):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._hot: dict[str, Handler] = {}
+        self._hot: dict[str, tuple[Handler, ErrorRenderer]] = {}
 
-    def hot_route(self, path: str, handler: Handler, **route: Any) -> None:
-        """Serve ``POST path`` with ``handler`` outside the framework's stack; ``route`` goes
-        to FastAPI's own registration (the schema, other methods)."""
-        self._hot[path] = handler
+    def hot_route(
+        self, path: str, handler: Handler, errors: ErrorRenderer = error_response, **route: Any
+    ) -> None:
+        """Serve ``POST path`` with ``handler`` outside the framework's stack, its errors
+        rendered by ``errors``; ``route`` goes to FastAPI's own registration (the schema,
+        other methods)."""
+        self._hot[path] = (handler, errors)
         self.add_api_route(path, handler, methods=["POST"], **route)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
-            handler = self._hot.get(scope["path"])
-            if handler is not None:
+            hot = self._hot.get(scope["path"])
+            if hot is not None:
                 scope["app"] = self
-                await _serve(handler, scope, receive, send)
+                await _serve(*hot, scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
 
 
-async def _serve(handler: Handler, scope: Scope, receive: Receive, send: Send) -> None:
+async def _serve(
+    handler: Handler, errors: ErrorRenderer, scope: Scope, receive: Receive, send: Send
+) -> None:
     """What the framework's exception handlers do, for a handler that returns a Response:
     a GatewayError is answered with its own body; anything else with a 500 in the same shape,
     then re-raised so the server logs the traceback (as Starlette's error middleware does)."""
     try:
         response = await handler(Request(scope, receive))
     except GatewayError as exc:
-        response = error_response(exc)
+        response = errors(exc)
     except Exception:
-        await internal_error()(scope, receive, send)
+        await internal_error(errors)(scope, receive, send)
         raise
     await response(scope, receive, send)

@@ -6,14 +6,17 @@ stack), the stored responses of the Responses API, operations (/v1/models, /heal
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 
 import orjson
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from starlette.routing import Match
+from starlette.types import Scope
 
-from router.api.asgi import JSON, GatewayApp, error_response, internal_error
+from router.api.asgi import JSON, ErrorRenderer, GatewayApp, error_response, internal_error
 from router.api.count_tokens import PATH as COUNT_TOKENS_PATH
 from router.api.count_tokens import TokenCounting
 from router.api.proxy import Proxy
@@ -23,6 +26,9 @@ from router.core.errors import BadRequestError, GatewayError
 from router.pool.metrics import GatewayMetrics
 from router.protocol import anthropic
 from router.protocol.openapi import openapi_extra
+
+# Anthropic's route: its clients read errors in Anthropic's shape only.
+MESSAGES = "/v1/messages"
 
 
 def add_routes(
@@ -42,27 +48,48 @@ def add_routes(
 
 
 def add_error_handlers(app: GatewayApp) -> None:
-    """Every error leaves as an OpenAI-shaped body (the Messages route re-shapes its own)."""
+    """Every error leaves as an OpenAI-shaped body, or Anthropic-shaped under /v1/messages."""
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> Response:
-        return error_response(exc)
+        return _shape(request)(exc)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         error = GatewayError(str(exc.detail))
         error.status_code = exc.status_code
         error.error_type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-        return error_response(error)
+        response = _shape(request)(error)
+        if exc.headers:
+            response.headers.update(exc.headers)
+        if exc.status_code == 405:  # Starlette's Allow names one route's methods
+            response.headers["allow"] = ", ".join(_allowed_methods(app, request.scope))
+        return response
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception) -> Response:
         # The server's error middleware logs the traceback after this response.
-        return internal_error()
+        return internal_error(_shape(request))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(BadRequestError(str(exc.errors())))
+        return _shape(request)(BadRequestError(str(exc.errors())))
+
+
+def _shape(request: Request) -> ErrorRenderer:
+    """Anthropic's error shape for its clients' paths (docs/agent-apis.md), else OpenAI's."""
+    path: str = request.scope["path"]
+    anthropics = path == MESSAGES or path.startswith(MESSAGES + "/")
+    return anthropic.error_response if anthropics else error_response
+
+
+def _allowed_methods(app: GatewayApp, scope: Scope) -> list[str]:
+    """Every method some route takes at the request's path (a 405 must list them all)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if route.matches(scope)[0] is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 def add_inference_routes(app: GatewayApp, proxy: Proxy) -> None:
@@ -75,10 +102,8 @@ def add_inference_routes(app: GatewayApp, proxy: Proxy) -> None:
         return await proxy.handle(request, "completions")
 
     async def messages(request: Request) -> Response:
-        try:
-            return await proxy.handle(request, "messages")
-        except GatewayError as exc:  # this endpoint's clients expect Anthropic's error shape
-            return anthropic.error_response(exc)
+        # This endpoint's clients expect Anthropic's error shape.
+        return await proxy.handle(request, "messages", anthropic.error_response)
 
     async def responses(request: Request) -> Response:
         return await proxy.handle(request, "responses")
@@ -87,7 +112,7 @@ def add_inference_routes(app: GatewayApp, proxy: Proxy) -> None:
     app.hot_route(
         "/v1/completions", completions, openapi_extra=openapi_extra("completions")
     )
-    app.hot_route("/v1/messages", messages)
+    app.hot_route(MESSAGES, messages, errors=anthropic.error_response)
     app.hot_route("/v1/responses", responses)
 
 
@@ -146,3 +171,11 @@ def add_operations_routes(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(gateway_metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # HEAD wherever GET (RFC 9110 9.1; load balancers probe with it): left out of the schema,
+    # where it would only repeat the GET operations.
+    gets: list[tuple[str, Callable[..., Awaitable[Response]]]] = [
+        ("/v1/models", models), ("/health", health), ("/ready", ready), ("/metrics", metrics)
+    ]
+    for path, endpoint in gets:
+        app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
