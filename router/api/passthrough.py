@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from router.api.proxy import Proxy
-from router.api.streaming import DisconnectWatch, UpstreamResponse
+from router.api.streaming import DisconnectWatch, ErrorEvent, UpstreamResponse, sse_error_event
 from router.core.endpoints import EndpointPool
 from router.core.errors import UpstreamError, UpstreamTimeoutError
 from router.protocol.headers import response_headers
@@ -30,9 +30,12 @@ async def pass_through(
     request_id: str,
     what: str,
     idle_timeout: float,
+    *,
+    error_event: ErrorEvent = sse_error_event,
 ) -> Response:
     """Send the request to ``url`` on ``endpoint_id`` (still in the pool: the caller has not
-    awaited since it chose it) and relay the answer; ``what`` names the endpoint in errors."""
+    awaited since it chose it) and relay the answer; ``what`` names the endpoint in errors,
+    ``error_event`` renders a failure mid-stream (in the API's own event shape)."""
     if request.url.query:
         url += "?" + request.url.query
     # Watched from before it is sent, as on the inference routes: a client that leaves while
@@ -64,4 +67,5 @@ async def pass_through(
         idle_timeout=idle_timeout,
         deadlines=proxy.deadlines,
         on_finish=lambda outcome: None,
+        error_event=error_event,
     )

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from flow_control.request import Ticket
+from router.api.asgi import ErrorRenderer, error_response
 from router.api.attempt import Attempt, open_attempt
 from router.api.deadlines import Deadlines
 from router.api.failover import Answered, Failover
@@ -46,6 +47,7 @@ from router.protocol import anthropic, responses_api
 from router.protocol.auth import Authenticator, TenantHeaders, UpstreamKeys
 from router.protocol.exchange import Exchange
 from router.protocol.headers import (
+    REQUEST_ID_HEADER,
     ForwardedHeaders,
     RequestHeaders,
     RequestIds,
@@ -125,7 +127,11 @@ class Proxy:
             self.deadlines,
         )
 
-    async def handle(self, request: Request, api: Api) -> Response:
+    async def handle(
+        self, request: Request, api: Api, render: ErrorRenderer = error_response
+    ) -> Response:
+        """The answer to ``request``; a refusal rendered by ``render`` (the API's error shape),
+        with the request's id as every answer has."""
         headers = RequestHeaders(request.scope["headers"])
         ex = Exchange(api, request_id_of(headers, self._ids), time.perf_counter())
         self.active += 1
@@ -138,7 +144,9 @@ class Proxy:
                 ex.outcome = "client_disconnect"
                 self._metrics.client_disconnects.inc()
             self._finish(ex)
-            raise
+            refusal = render(exc)
+            refusal.headers[REQUEST_ID_HEADER] = ex.request_id
+            return refusal
         except BaseException:
             ex.status, ex.outcome = 500, "crashed"
             self._finish(ex)

@@ -12,12 +12,15 @@ from collections.abc import Callable, Mapping
 from starlette.requests import Request
 from starlette.responses import Response
 
+from router.api.asgi import error_response
 from router.api.passthrough import pass_through
 from router.api.proxy import Proxy
 from router.config.model import GatewayConfig
 from router.core.endpoints import EndpointPool, EndpointSnapshot
+from router.core.errors import GatewayError
 from router.index.response_store import Probe, ResponseRoutes
-from router.protocol.headers import request_id_of
+from router.protocol import responses_api
+from router.protocol.headers import REQUEST_ID_HEADER, request_id_of
 from router.upstream.client import UPSTREAM_ERRORS, UpstreamClient
 
 Candidates = Callable[[str], list[EndpointSnapshot]]
@@ -70,6 +73,17 @@ class StoredResponses:
         self._proxy = proxy
 
     async def handle(self, request: Request, response_id: str, suffix: str = "") -> Response:
+        request_id = request_id_of(request.headers)
+        try:
+            return await self._forward(request, response_id, suffix, request_id)
+        except GatewayError as exc:  # returned with the request's id, as every answer is
+            refusal = error_response(exc)
+            refusal.headers[REQUEST_ID_HEADER] = request_id
+            return refusal
+
+    async def _forward(
+        self, request: Request, response_id: str, suffix: str, request_id: str
+    ) -> Response:
         proxy = self._proxy
         tenant = proxy.auth.authenticate(request.headers) if proxy.auth is not None else None
         body = await proxy.read_body(request) if request.method == "POST" else b""
@@ -77,11 +91,11 @@ class StoredResponses:
         endpoint_id = await self._routes.resolve(response_id, self._pool, healthy)
         endpoint = next(c for c in healthy if c.id == endpoint_id)
         url = f"{endpoint.url}/v1/responses/{response_id}{suffix}"
-        request_id = request_id_of(request.headers)
         upstream_headers = proxy.upstream_headers(request, request_id, tenant, endpoint_id)
         response = await pass_through(
             proxy, self._pool, request, endpoint_id, url, upstream_headers, body, request_id,
             "the endpoint holding the response", self._config.proxy.idle_timeout_seconds,
+            error_event=responses_api.stream_error_event,
         )
         if request.method == "DELETE" and response.status_code == 200:
             self._routes.forget(response_id)

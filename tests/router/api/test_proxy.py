@@ -98,3 +98,31 @@ async def test_an_error_reply_is_no_first_token_to_learn_from() -> None:
             assert gw.gateway.flow.outstanding(MODEL) == 0
             assert dict(limits.items()) == {}, "an error reply grew the learned limit"
             assert learned == []
+
+
+async def test_a_request_the_gateway_refuses_still_carries_its_request_id() -> None:
+    """Every answer returns the request's ``x-request-id`` (docs/reliability.md), a refusal
+    too: it is the id the access log records the refusal under, the one a client quotes."""
+    async with echo_upstream() as echo:
+        config = gateway_config([echo.url])
+        async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+            unknown = await http.post(
+                "/v1/chat/completions", json={**_chat("hi"), "model": "nope"},
+                headers={"x-request-id": "req-unknown-model"},
+            )
+            malformed = await http.post(
+                "/v1/messages", content=b"{oops", headers={"x-request-id": "req-messages"}
+            )
+            stored = await http.get(
+                "/v1/responses/resp_nowhere", headers={"x-request-id": "req-stored"}
+            )
+            generated = await http.post("/v1/completions", content=b"[1, 2]")
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "model_not_found"
+    assert unknown.headers.get("x-request-id") == "req-unknown-model"
+    assert malformed.status_code == 400 and malformed.json()["type"] == "error", "Anthropic's"
+    assert malformed.headers.get("x-request-id") == "req-messages"
+    assert stored.status_code == 404
+    assert stored.json()["error"]["code"] == "response_not_found"
+    assert stored.headers.get("x-request-id") == "req-stored"
+    assert generated.status_code == 400 and generated.headers.get("x-request-id")
