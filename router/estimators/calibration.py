@@ -79,10 +79,14 @@ class _Speed:
         # while no sample comes: else the first sample after a quiet spell brought the
         # evidence of long ago back at full weight.
         if self.w > 0:
-            decay *= 0.5 ** (max(0.0, now - self.last_sample) / half_life_s)
+            decay *= self.fade(now, half_life_s)
         self.w, self.sy = self.w * decay + 1.0, self.sy * decay + y
         self.sx = [s * decay + v for s, v in zip(self.sx, counts, strict=True)]
         self.last_sample = now
+
+    def fade(self, now: float, half_life_s: float) -> float:
+        """How much of the evidence still counts, ``now``, since the last sample."""
+        return float(0.5 ** (max(0.0, now - self.last_sample) / half_life_s))
 
 
 def _ratio(speed: _Speed, fleet: Price) -> float | None:
@@ -189,8 +193,7 @@ class Calibrator:
             # new prefix while the others stood empty.
             ratio /= _ratio(self._all, fleet) or ratio  # the fleet's sums hold this one's
         ratio = min(max(ratio, 0.1), 10.0)
-        age = max(0.0, self._clock() - speed.last_sample)
-        weight = speed.w * 0.5 ** (age / p.stale_half_life_s)
+        weight = speed.w * speed.fade(self._clock(), p.stale_half_life_s)
         return float(ratio ** (weight / (weight + p.endpoint_pseudo_samples)))
 
     def price(self, endpoint_id: str) -> Price:
