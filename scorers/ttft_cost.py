@@ -78,10 +78,10 @@ class TTFTCostParameters(Strict):
     # ended sessions' contexts has room), falling back to "index" where the endpoint does not
     # report its capacity; "index" counts every entry of the prefix index.
     eviction_room: Literal["live-sessions", "index"] = "live-sessions"
-    # KV use above which admission of new blocks is expected to wait (or preempt).
-    kv_headroom: float = Field(0.95, gt=0, le=1)
-    # Penalty once the request's blocks would overflow the headroom by 10% of the cache.
-    kv_penalty_tokens: float = Field(10_000.0, ge=0)
+    # The wait for room in the endpoint's KV cache where the request would not fit beside
+    # what runs there (_kv_wait_s), in seconds, times this: 1 prices it as estimated, 0
+    # ignores it.
+    kv_wait_weight: float = Field(1.0, ge=0.0, le=4.0)
     # A nudge towards the endpoint that served the session last, for near ties.
     affinity_bonus_tokens: float = Field(25.0, ge=0)
     # The wait for a sequence slot where the engine's are all taken (its learned limit:
@@ -113,7 +113,7 @@ class CostTerms(NamedTuple):
     evicted_tokens: int
     prefill_s: float
     load_s: float
-    kv_penalty_s: float
+    kv_wait_s: float
     affinity_bonus_s: float
     horizon_s: float = 0.0
     copied_tokens: int = 0
@@ -121,8 +121,9 @@ class CostTerms(NamedTuple):
 
     @property
     def total_s(self) -> float:
-        cost = self.prefill_s + self.load_s + self.kv_penalty_s + self.horizon_s
-        cost += self.slot_wait_s
+        cost = self.prefill_s + self.load_s + self.horizon_s
+        # Waits for a sequence slot and for KV room overlap: the longer one is the wait.
+        cost += max(self.slot_wait_s, self.kv_wait_s)
         return max(1e-6, cost - self.affinity_bonus_s)
 
 
@@ -184,7 +185,7 @@ class TTFTCostScorer:
         load = per_running * running
         home = request.affinity_endpoint == endpoint.id
         bonus = per_token * p.affinity_bonus_tokens if home else 0.0
-        penalty = per_token * self._kv_penalty_tokens(endpoint, uncached)
+        penalty = p.kv_wait_weight * _kv_wait_s(endpoint, _kv_claim(request, endpoint, uncached))
         horizon = (
             p.placement_horizon_weight * request.later_requests
             * price.per_queued_token_s * endpoint.recent_prefill_tokens
@@ -220,19 +221,10 @@ class TTFTCostScorer:
             "speed_factor": self._calibrator.factor(endpoint.id),
             "uncached_tokens": t.uncached_tokens, "recompute_weight": t.recompute_weight,
             "evicted_tokens": t.evicted_tokens, "copied_tokens": t.copied_tokens,
-            "prefill_s": t.prefill_s, "load_s": t.load_s, "kv_penalty_s": t.kv_penalty_s,
+            "prefill_s": t.prefill_s, "load_s": t.load_s, "kv_wait_s": t.kv_wait_s,
             "affinity_bonus_s": t.affinity_bonus_s, "horizon_s": t.horizon_s,
             "slot_wait_s": t.slot_wait_s,
         }
-
-    def _kv_penalty_tokens(self, endpoint: EndpointSnapshot, uncached: int) -> float:
-        capacity = _capacity_tokens(endpoint)
-        if not capacity:
-            return 0.0
-        overflow = endpoint.kv_usage + uncached / capacity - self._p.kv_headroom
-        if overflow <= 0:
-            return 0.0
-        return self._p.kv_penalty_tokens * min(1.0, overflow * 10)
 
     def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
         if self._precise is not None:
@@ -273,3 +265,30 @@ def _slot_wait_s(endpoint: EndpointSnapshot) -> float:
     occupants = max(float(endpoint.in_flight), endpoint.running + endpoint.waiting)
     excess = occupants + 1 - limit
     return excess * endpoint.slot_hold_s / limit if excess > 0 else 0.0
+
+
+def _kv_claim(request: RoutingRequest, endpoint: EndpointSnapshot, uncached: int) -> int:
+    """The KV the request would add on the endpoint (RoutingRequest.kv_claim): where its
+    session has requests in flight there (sub-agents forked from one context), they hold the
+    context already, and it adds only what goes beyond their largest claim."""
+    claim = request.kv_claim(uncached)
+    held = endpoint.session_kv.get(request.session_id) if request.session_id else None
+    return claim if held is None else max(0, claim - held[1])
+
+
+def _kv_wait_s(endpoint: EndpointSnapshot, claim: int) -> float:
+    """The wait for KV room: where the request's ``claim`` (RoutingRequest.kv_claim) does not
+    fit beside what the requests running there hold, vLLM admits it only once enough of them
+    end. What they hold frees about once every hold time, so the excess takes that share of
+    a hold time to free. Held: this gateway's claims in flight now, plus what the scrape
+    showed beyond this gateway's claims in flight then (others' requests; this gateway's
+    own that ended since are no longer held)."""
+    capacity = _capacity_tokens(endpoint)
+    if not capacity:
+        return 0.0
+    foreign = max(0.0, endpoint.kv_usage * capacity - endpoint.scraped_kv_tokens)
+    held = endpoint.in_flight_kv_tokens + foreign
+    excess = held + claim - capacity
+    if excess <= 0 or held <= 0:
+        return 0.0
+    return min(1.0, excess / held) * endpoint.hold_s

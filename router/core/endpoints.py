@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal, NamedTuple
 from urllib.parse import urlsplit
 
@@ -76,6 +77,12 @@ class EngineMetrics:
     # replica's, plus the others' shared through Redis): the engine counted them in ``waiting``
     # or ``running``, even if they have finished since.
     gateway_in_flight: int = 0
+    # This gateway's requests' KV claims (Lease.kv_tokens) in flight while the scrape ran (the
+    # most seen): the part of ``kv_usage`` they may account for, even if they have ended since.
+    gateway_kv_tokens: int = 0
+
+
+NO_SESSIONS: Mapping[str, list[int]] = MappingProxyType({})
 
 
 class EndpointSnapshot(NamedTuple):
@@ -107,6 +114,15 @@ class EndpointSnapshot(NamedTuple):
     # slot there (router/core/slots.py).
     slot_limit: int = 0
     slot_hold_s: float = 0.0
+    # The KV cache this gateway's requests in flight there hold (their kv_claim tokens), the
+    # same at the last scrape (EngineMetrics.gateway_kv_tokens), and how long a request holds
+    # its place there (router/core/slots.py), known limit or not.
+    in_flight_kv_tokens: int = 0
+    scraped_kv_tokens: int = 0
+    hold_s: float = 0.0
+    # session -> [its requests in flight there, the KV they hold] (EndpointState.session_kv,
+    # not a copy: read while scoring, which does not yield to the event loop).
+    session_kv: Mapping[str, list[int]] = NO_SESSIONS
 
     @property
     def foreign_waiting(self) -> float:
@@ -125,6 +141,11 @@ class EndpointState:
     healthy: bool = False
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     in_flight: int = 0
+    # KV held by this gateway's requests in flight (Lease.kv_tokens): a session's requests
+    # in flight at once (sub-agents forked from one context) share their context, so a
+    # session counts once, at its largest claim: session -> [requests, largest claim].
+    in_flight_kv_tokens: int = 0
+    session_kv: dict[str, list[int]] = field(default_factory=dict)
     pending_prefill_tokens: int = 0
     pending_prefill_requests: int = 0
     # In-flight requests past their first byte as far as headers go only (ext_proc).
@@ -155,6 +176,32 @@ class EndpointState:
             return self.queue_average
         return pending + (self.queue_average - pending) * math.exp(-elapsed / QUEUE_AVERAGE_S)
 
+    def hold_kv(self, tokens: int, session: str | None) -> None:
+        if session is None:
+            self.in_flight_kv_tokens += tokens
+            return
+        held = self.session_kv.get(session)
+        if held is None:
+            self.session_kv[session] = [1, tokens]
+            self.in_flight_kv_tokens += tokens
+            return
+        held[0] += 1
+        if tokens > held[1]:
+            self.in_flight_kv_tokens += tokens - held[1]
+            held[1] = tokens
+
+    def free_kv(self, tokens: int, session: str | None) -> None:
+        if session is None:
+            self.in_flight_kv_tokens -= tokens
+            return
+        held = self.session_kv.get(session)
+        if held is None:
+            return
+        held[0] -= 1
+        if held[0] <= 0:
+            self.in_flight_kv_tokens -= held[1]
+            del self.session_kv[session]
+
     def add_pending(self, tokens: int, requests: int, now: float) -> None:
         self.queue_average = self.recent_prefill_tokens(now)
         self.queue_average_at = now
@@ -170,6 +217,7 @@ class EndpointState:
         endpoint = self.endpoint
         slots = self.slots
         limit = slots.limit_at(now, fleet_slots)
+        hold = slots.hold(now)
         return EndpointSnapshot(
             endpoint.id,
             endpoint.url,
@@ -186,7 +234,11 @@ class EndpointState:
             self.recent_prefill_tokens(now) + recent,
             m.gateway_in_flight,
             limit,
-            slots.hold(now) if limit else 0.0,
+            hold if limit else 0.0,
+            self.in_flight_kv_tokens,
+            m.gateway_kv_tokens,
+            hold,
+            self.session_kv,
         )
 
 
@@ -296,11 +348,15 @@ class EndpointPool:
         endpoint_id: str,
         prefill_tokens: int = 0,
         on_first_byte: Callable[[float, bool], None] | None = None,
+        kv_tokens: int = 0,
+        session: str | None = None,
     ) -> Lease:
         state = self._states.get(endpoint_id)
         if state is None:
             raise KeyError(endpoint_id)
-        return Lease(state, prefill_tokens, self, on_first_byte)
+        return Lease(
+            state, prefill_tokens, self, on_first_byte, kv_tokens=kv_tokens, session=session
+        )
 
     # -- passive health ------------------------------------------------------------------------
 

@@ -102,6 +102,13 @@ class RoutingRequest:
             return 0
         return max(0, min(answer[1], self.prompt_bytes) - self.matched_bytes(endpoint_id))
 
+    def kv_claim(self, uncached: int) -> int:
+        """The KV cache tokens this request takes on an endpoint where ``uncached`` of its
+        prompt is not cached. A session's whole prompt: its cached context is its own, idle
+        in the cache until the request runs, and running holds it. Without a session, what it
+        computes: its cached prefix is most likely a shared one that others running hold."""
+        return self.prompt_tokens if self.session_id is not None else uncached
+
     def uncached_at(self, share: float) -> int:
         """This request's prompt tokens left to compute where ``share`` of it is cached."""
         return max(1, round(self.prompt_tokens * (1.0 - share)))

@@ -21,6 +21,10 @@ class LeasedState(Protocol):
 
     def add_pending(self, tokens: int, requests: int, now: float) -> None: ...
 
+    def hold_kv(self, tokens: int, session: str | None) -> None: ...
+
+    def free_kv(self, tokens: int, session: str | None) -> None: ...
+
 
 class LeasePool(Protocol):
     """What a lease needs of its pool: the clock its queue averages are read with, and where
@@ -43,7 +47,7 @@ class Lease:
 
     __slots__ = (
         "_answered", "_clock", "_first_byte_seen", "_headers_only", "_on_first_byte", "_pool",
-        "_released", "_sent_at", "_started", "prefill_tokens", "state",
+        "_released", "_sent_at", "_session", "_started", "kv_tokens", "prefill_tokens", "state",
     )
 
     def __init__(
@@ -52,8 +56,12 @@ class Lease:
         prefill_tokens: int,
         pool: LeasePool | None = None,
         on_first_byte: Callable[[float, bool], None] | None = None,
+        kv_tokens: int = 0,
+        session: str | None = None,
     ) -> None:
         self.state = state
+        self.kv_tokens = kv_tokens
+        self._session = session
         self._pool = pool
         self.prefill_tokens = prefill_tokens
         self._first_byte_seen = self._answered = self._headers_only = False
@@ -66,6 +74,7 @@ class Lease:
         if state.in_flight <= 0:
             state.slots.busy_since = now
         state.in_flight += 1
+        state.hold_kv(kv_tokens, session)
         state.add_pending(prefill_tokens, 1, now)
 
     def first_byte(self, tokens: bool = True, answered: bool = True) -> None:
@@ -103,6 +112,7 @@ class Lease:
             state.headers_only -= 1
         self._released = True
         state.in_flight -= 1
+        state.free_kv(self.kv_tokens, self._session)
         if state.in_flight <= 0:
             state.slots.busy_since = 0.0
 

@@ -253,6 +253,7 @@ class EndpointMonitor:
         """Read the endpoint's metrics; ``health_ok``: its last health check passed."""
         url = state.endpoint.url
         in_flight, decoding = self._counts(state)
+        kv_tokens = state.in_flight_kv_tokens
         try:
             status, body = await self._get(f"{url}/metrics", self._settings.scrape_timeout)
         except TimeoutError:
@@ -277,6 +278,7 @@ class EndpointMonitor:
         # it; and those surely past their first byte while it ran: the fewest.
         in_flight_after, decoding_after = self._counts(state)
         m.gateway_in_flight = max(in_flight, in_flight_after)
+        m.gateway_kv_tokens = max(kv_tokens, state.in_flight_kv_tokens)
         # On the pool's clock, which snapshots read the limit's age with.
         state.slots.observe_scrape(
             m.running, m.waiting, m.kv_usage, min(decoding, decoding_after),

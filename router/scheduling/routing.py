@@ -292,7 +292,10 @@ class Router:
                 flow.poke()
             self.prefilled(routing, endpoint_id)
 
-        lease = self._pool.lease(endpoint_id, uncached, first_byte)
+        lease = self._pool.lease(
+            endpoint_id, uncached, first_byte,
+            kv_tokens=routing.kv_claim(uncached), session=routing.session_id,
+        )
         if not routing.stream:
             # Its first byte is its last: presume the prefill done after a generous multiple
             # of its predicted time, so decode time is not taken for queue.

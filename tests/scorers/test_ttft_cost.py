@@ -69,12 +69,65 @@ def test_new_work_spreads_by_load_and_foreign_queues_count() -> None:
     assert terms.queued_tokens == 8 * 512
 
 
-@pytest.mark.parametrize(("usage", "penalised"), [(0.5, False), (0.93, True), (0.99, True)])
-def test_kv_admission_penalty(usage: float, penalised: bool) -> None:
-    terms = scorer().terms(req(tokens=8_000), snap("a", kv_usage=usage))
-    assert (terms.kv_penalty_s > 0) is penalised
-    unknown = scorer().terms(req(tokens=8_000), snap("a", kv_usage=0.99, num_gpu_blocks=None))
-    assert unknown.kv_penalty_s == 0
+@pytest.mark.parametrize(
+    ("usage", "in_flight_kv", "scraped_kv", "expected_s"),
+    [
+        (0.5, 0, 0, 0.0),  # 80,000 of 160,000 held + 8,000: fits
+        (0.0, 0, 0, 0.0),  # nothing held
+        (0.97, 0, 0, 3_200 / 155_200 * 20.0),  # others hold 155,200: 3,200 over
+        (0.0, 155_200, 0, 3_200 / 155_200 * 20.0),  # ours, sent since the scrape
+        (0.97, 155_200, 155_200, 3_200 / 155_200 * 20.0),  # ours, seen by the scrape: once
+        (0.97, 0, 155_200, 0.0),  # ours, seen by the scrape and ended since: room
+        (1.0, 0, 0, 8_000 / 160_000 * 20.0),
+    ],
+)
+def test_kv_wait(usage: float, in_flight_kv: int, scraped_kv: int, expected_s: float) -> None:
+    """A request that does not fit beside what runs waits until enough of it ends: what is
+    held frees about once a hold time."""
+    endpoint = snap(
+        "a", kv_usage=usage, in_flight_kv_tokens=in_flight_kv, scraped_kv_tokens=scraped_kv,
+        hold_s=20.0,
+    )
+    terms = scorer().terms(req(tokens=8_000), endpoint)
+    assert terms.kv_wait_s == pytest.approx(expected_s)
+    assert scorer(kv_wait_weight=0).terms(req(tokens=8_000), endpoint).kv_wait_s == 0
+    unknown = snap("a", kv_usage=0.99, num_gpu_blocks=None, hold_s=20.0)
+    assert scorer().terms(req(tokens=8_000), unknown).kv_wait_s == 0
+
+
+def test_kv_wait_and_slot_wait_overlap() -> None:
+    """Both are waits for admission, side by side: the longer one counts, not their sum."""
+    full = snap("a", kv_usage=1.0, hold_s=20.0, slot_limit=4, slot_hold_s=20.0, running=4)
+    terms = scorer().terms(req(tokens=8_000), full)
+    assert terms.kv_wait_s == pytest.approx(1.0) and terms.slot_wait_s == pytest.approx(5.0)
+    base = scorer(kv_wait_weight=0, slot_wait_weight=0).terms(req(tokens=8_000), full)
+    assert terms.total_s == pytest.approx(base.total_s + 5.0)
+
+
+def test_a_session_claims_its_whole_prompt_a_shared_prefix_only_what_it_computes() -> None:
+    """A session's cached context is idle in the cache until it runs, then held; a request
+    without a session most likely shares its cached prefix with others running."""
+    session = req(tokens=8_000, hits={"a": 100}, session_id="s")
+    single = req(tokens=8_000, hits={"a": 100})
+    uncached = single.uncached_tokens("a")
+    assert uncached < 8_000
+    assert session.kv_claim(uncached) == 8_000 and single.kv_claim(uncached) == uncached
+    # Its context is cached at home, but another session's request holds most of that cache:
+    # the turn waits there for room, and goes where it fits.
+    home = snap("home", num_gpu_blocks=1_000, in_flight_kv_tokens=12_000, hold_s=10.0)
+    other = snap("other", num_gpu_blocks=1_000, hold_s=10.0)
+    turn = req(tokens=6_000, hits={"home": 90}, session_id="s", affinity_endpoint="home")
+    assert scorer().terms(turn, home).kv_wait_s > 0
+    assert scorer().score(turn, [home, other])[1] == 1.0
+    assert scorer(kv_wait_weight=0).score(turn, [home, other])[0] == 1.0
+    # A sub-agent of a session whose parent runs at home: the context is held there already.
+    parent = snap(
+        "home", num_gpu_blocks=1_000, in_flight_kv_tokens=12_000, hold_s=10.0,
+        session_kv={"s": [1, 12_000]},
+    )
+    sub = req(tokens=12_100, hits={"home": 185}, session_id="s", affinity_endpoint="home")
+    assert scorer().terms(sub, parent).kv_wait_s == 0
+    assert scorer().score(sub, [parent, other])[0] == 1.0
 
 
 def test_affinity_breaks_near_ties_and_calibration_is_used() -> None:
@@ -131,14 +184,14 @@ def test_a_recently_busy_endpoint_is_not_taken_for_an_idle_one() -> None:
 
 
 def test_terms_scale_with_the_endpoints_speed() -> None:
-    # On hardware ten times faster every term, not only the prefill, is ten times cheaper.
+    # On hardware ten times faster every term priced in tokens, not only the prefill, is ten
+    # times cheaper (the waits for room are measured in seconds on the endpoint itself).
     fast = Calibrator()
     for tokens in range(1_000, 20_000, 500):
         fast.observe("a", tokens, 0.003 + 0.00002 * tokens)
     slow_terms = scorer().terms(req(tokens=500), snap("a", in_flight=10, kv_usage=0.99))
     fast_terms = TTFTCostScorer(fast).terms(req(tokens=500), snap("a", in_flight=10, kv_usage=0.99))
     assert fast_terms.load_s == pytest.approx(slow_terms.load_s / 10, rel=0.05)
-    assert fast_terms.kv_penalty_s == pytest.approx(slow_terms.kv_penalty_s / 10, rel=0.05)
 
 
 def test_evicting_cached_context_is_priced_only_when_the_cache_is_full() -> None:
@@ -251,7 +304,7 @@ def test_explain_reports_every_term() -> None:
     assert terms["recompute_weight"] == pytest.approx(1.3)
     assert terms["speed_factor"] == 1.0  # no samples: the fleet's figures
     assert terms["predicted_ttft_s"] == pytest.approx(
-        terms["prefill_s"] + terms["load_s"] + terms["kv_penalty_s"] + terms["slot_wait_s"]
+        terms["prefill_s"] + terms["load_s"] + max(terms["kv_wait_s"], terms["slot_wait_s"])
         - terms["affinity_bonus_s"]
     )
 

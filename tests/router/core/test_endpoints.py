@@ -34,6 +34,43 @@ def test_a_lease_counts_its_prefill_until_the_first_byte_and_itself_until_releas
     assert (s.in_flight, s.pending_prefill_tokens, s.pending_prefill_requests) == (0, 0, 0)
 
 
+def test_a_lease_holds_its_kv_claim_until_released_and_snapshots_carry_it() -> None:
+    """Unlike the prefill queue, KV is held past the first byte: the answer decodes in it."""
+    clock = ManualClock(10.0)
+    pool = EndpointPool([Endpoint.from_url("http://127.0.0.1:8000")], clock=clock)
+    eid = "127.0.0.1:8000"
+    lease = pool.lease(eid, prefill_tokens=300, kv_tokens=2_000)
+    other = pool.lease(eid, prefill_tokens=100, kv_tokens=500)
+    clock.now += 4.0
+    lease.first_byte()
+    snapshot = pool.get(eid).snapshot(clock())  # type: ignore[union-attr]
+    assert snapshot.in_flight_kv_tokens == 2_500
+    assert snapshot.hold_s == pytest.approx(4.0)  # no answer yet: busy this long
+    lease.release()
+    lease.release()
+    other.release()
+    assert pool.get(eid).in_flight_kv_tokens == 0  # type: ignore[union-attr]
+
+
+def test_a_sessions_requests_in_flight_together_hold_its_context_once() -> None:
+    """Sub-agents forked from one context share its blocks in the engine: the session holds
+    its largest claim, until its last request there ends."""
+    s = state()
+    parent = Lease(s, prefill_tokens=0, kv_tokens=10_000, session="a")
+    sub = Lease(s, prefill_tokens=0, kv_tokens=10_200, session="a")
+    other = Lease(s, prefill_tokens=0, kv_tokens=3_000, session="b")
+    single = Lease(s, prefill_tokens=0, kv_tokens=500)
+    assert s.in_flight_kv_tokens == 10_200 + 3_000 + 500
+    assert s.snapshot(0.0).session_kv["a"] == [2, 10_200]
+    sub.release()
+    sub.release()
+    assert s.in_flight_kv_tokens == 10_200 + 3_000 + 500, "held while one of them runs"
+    parent.release()
+    other.release()
+    single.release()
+    assert (s.in_flight_kv_tokens, s.session_kv) == (0, {})
+
+
 def test_waiting_requests_are_foreign_only_beyond_the_gateways_own() -> None:
     s = state()
     s.metrics.waiting = 3.0
@@ -95,7 +132,8 @@ def test_leases_time_how_long_an_answer_holds_a_slot_and_snapshots_carry_the_lim
     for now in (103.0, 103.1):
         full.slots.observe_scrape(8, 2, 0.5, 8, now)
     by_id = {s.id: s for s in pool.candidates("m")}
-    assert by_id[full.endpoint.id][-2:] == (8, 3.0)
+    full_now = by_id[full.endpoint.id]
+    assert (full_now.slot_limit, full_now.slot_hold_s) == (8, 3.0)
     assert by_id[fresh.endpoint.id].slot_limit == 8, "not seen full: the fleet's limit"
     clock.now += 61.0
     limits = [s.slot_limit for s in pool.candidates("m")]

@@ -200,13 +200,15 @@ async def test_a_scrape_remembers_the_gateway_requests_it_may_have_counted() -> 
         (state,) = list(pool)
         monitor = EndpointMonitor(pool, http, settings, None)
         await monitor.check_all()
-        lease = Lease(state, prefill_tokens=500, pool=pool)
+        lease = Lease(state, prefill_tokens=500, pool=pool, kv_tokens=700)
         await scrape_once(monitor, state)
         lease.release()
         state.metrics.waiting = 1.0  # the engine had our request queued when it was scraped
         snapshot = state.snapshot(pool.clock())
         assert (snapshot.in_flight, snapshot.scraped_in_flight) == (0, 1)
         assert snapshot.foreign_waiting == 0.0
+        # Its KV too: what the scrape's cache use may count of ours, not a stranger's.
+        assert (snapshot.in_flight_kv_tokens, snapshot.scraped_kv_tokens) == (0, 700)
 
 
 async def scrape_once(monitor: EndpointMonitor, state: EndpointState) -> None:
