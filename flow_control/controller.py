@@ -2,11 +2,14 @@
 
 A request passes at once (fast path: no task switch, nothing allocated but its ticket) when the
 pool for its model is not saturated and nothing of equal or higher priority is queued for that
-model. Otherwise it waits in its flow's queue until the controller dispatches it: strict
-priority across levels, the band's fairness policy across the flows of a level, FCFS within a
-flow. Dispatching happens whenever a ticket is released and on a short tick while anything is
-queued, since engine metrics move between releases. Full queues push out the newest request of
-the longest flow (lowest priority first) rather than refuse a lighter tenant's newcomer.
+model (such work of another model, which may share its endpoints, is dispatched first).
+Otherwise it waits in its flow's queue until the controller dispatches it: strict priority
+across levels, the band's fairness policy across the flows of a level, FCFS within a flow.
+Dispatching happens once per event that frees a place (a lease's first byte or release, the
+release of a ticket that never took an endpoint, a scrape), and on a short tick while anything
+is queued, since engine metrics move between those. Full queues push out the newest request of
+the longest flow (lowest priority first) rather than refuse a lighter tenant's newcomer. A
+queue whose pool stays empty for a health-check cycle is answered as admission would be.
 
 Everything runs on the event loop and nothing blocks: no locks are needed.
 """
@@ -45,6 +48,10 @@ log = logging.getLogger("prefixgate.flow_control")
 
 Candidates = Callable[[str], list[EndpointSnapshot]]
 
+# pool.healthCheck's defaults, intervalSeconds + timeoutSeconds (a test keeps them equal; the app
+# passes the configured ones): the time an endpoint that failed its checks takes to pass one.
+DEFAULT_HEALTH_CYCLE = 3.0
+
 
 class FlowController:
     def __init__(
@@ -58,12 +65,16 @@ class FlowController:
         max_flow_labels: int = 100,
         scrape_interval: float = DEFAULT_SCRAPE_INTERVAL,
         scrape_timeout: float = DEFAULT_SCRAPE_TIMEOUT,
+        health_cycle: float = DEFAULT_HEALTH_CYCLE,
     ) -> None:
         # scrape_*: pool.metricsScrape, from which the detector derives its staleness bound.
+        # health_cycle: pool.healthCheck interval + timeout, how long a queue waits for its
+        # empty pool to come back (WaitingRoom.pool_empty).
         self.config = config
         self.enabled = config.enabled
         self._candidates = candidates
         self._clock = clock
+        self._health_cycle = health_cycle
         self.limits: ConcurrencyLimits | None = None
         if detector is None:
             detector = self._default_detector(config, scrape_interval, scrape_timeout)
@@ -136,6 +147,8 @@ class FlowController:
             self._metrics.rejections.labels("no-endpoints").inc()
             raise NoEndpointsError(f"no healthy endpoint serves model {model!r}")
         saturated = self._saturated(model, snapshots)
+        if not saturated:
+            saturated = self._yield_to_other_models(model, request.priority, snapshots)
         band = self._band_for(request.priority)
         ahead = self._room.max_priority(model)
         if not saturated and (ahead is None or ahead < request.priority):
@@ -156,6 +169,21 @@ class FlowController:
                 item.future.cancel()
                 raise self._shed("sheddable", f"pool for model {model!r} is saturated")
         return await self._room.wait(item)
+
+    def _yield_to_other_models(
+        self, model: str, priority: int, snapshots: list[EndpointSnapshot]
+    ) -> bool:
+        """Room appeared with nothing dispatched into it yet (between two ticks): other
+        models' work queued at ``priority`` or above may be waiting for it, since models share
+        endpoints (a base model and its adapters). It goes first, as the same model's would;
+        returns whether ``model``'s pool is saturated after it."""
+        queues = self._room.queues
+        if not queues:
+            return False
+        others = [m for m, q in queues.items() if m != model and max(q.levels) >= priority]
+        if not others or not self._dispatch(others, floor=priority):
+            return False
+        return self._saturated(model, snapshots)
 
     def _band_for(self, priority: int) -> BandState:
         """The nearest band at or below ``priority``; the default band below them all."""
@@ -210,12 +238,16 @@ class FlowController:
     def _on_release(self, ticket: Ticket) -> None:
         request = ticket.request
         _decrement(self._issued, request.model)
-        if not ticket.was_leased:
+        leased = ticket.was_leased
+        if not leased:
             self._placed(request.model)
         # A turn that just ended is what makes its session live for the next one.
         self._resolver.boost.served(request.session_id)
         queues = self._room.queues
-        if queues:
+        # A ticket that took an endpoint holds no place of its own: its lease held it, and
+        # the lease's release dispatches (Router.lease), before or after this one. Dispatching
+        # here too would run the same pass twice for one request that ends.
+        if queues and not leased:
             # Models share endpoints (a base model and its adapters), so the room freed may be
             # another model's too: every model's queue, in turn (see _dispatch).
             try:
@@ -260,17 +292,20 @@ class FlowController:
         self.expire()
         return self._dispatch(list(self._room.queues))
 
-    def _dispatch(self, models: list[str]) -> int:
+    def _dispatch(self, models: list[str], floor: int | None = None) -> int:
         """Dispatch the queues of ``models`` while their pools have room, one request at a
         time: the highest priority queued among them first, and models of equal priority in
         turn (round-robin, as the flows of a level). Models share endpoints (a base model and
         its adapters), so a place freed there goes to the most urgent request waiting for it,
-        whichever its model, and no model's queue waits for another's to empty."""
+        whichever its model, and no model's queue waits for another's to empty. ``floor``:
+        only work queued at that priority or above."""
         queues = self._room.queues
         open_models = [model for model in models if model in queues]
         dispatched = 0
         while open_models:
             model = max(open_models, key=lambda m: max(queues[m].levels))
+            if floor is not None and max(queues[model].levels) < floor:
+                break
             outcome = self._dispatch_one(model)
             dispatched += outcome or 0
             if outcome is None or model not in queues:
@@ -286,8 +321,11 @@ class FlowController:
         or had expired; None when the pool has no room (dispatching more takes none back)."""
         queue = self._room.queues[model]
         snapshots = self._candidates(model)
-        # An empty pool keeps its queue: endpoints may come back before the TTL ends.
-        if not snapshots or self._saturated(model, snapshots):
+        if not snapshots:
+            self._room.pool_empty(model, self._clock(), self._health_cycle)
+            return None
+        queue.empty_since = None
+        if self._saturated(model, snapshots):
             return None
         level = queue.top()
         item = level.band.policy.select(level.flows).head()

@@ -105,6 +105,9 @@ class Level:
 class ModelQueue:
     levels: dict[int, Level] = field(default_factory=dict)
     count: int = 0
+    # When a dispatch first found the model's pool empty (None: it had endpoints); kept here
+    # so that it goes with the queue and a later queue starts its own count.
+    empty_since: float | None = None
 
     def top(self) -> Level:
         return self.levels[max(self.levels)]

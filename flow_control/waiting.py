@@ -4,7 +4,7 @@ TTL sweep.
 
 It decides who waits and who is pushed out when the queues are full; the controller decides
 when a request leaves (dispatch). Requests leave through :meth:`WaitingRoom.unlink` and, when
-refused, :meth:`WaitingRoom.fail`.
+refused, :meth:`WaitingRoom.fail` (a whole model's queue: :meth:`WaitingRoom.pool_empty`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from flow_control.config import FlowControlConfig
 from flow_control.metrics import FlowControlMetrics
 from flow_control.queues import BandState, FlowQueue, Level, ModelQueue, QueueItem, pick_victim
 from flow_control.request import FlowRequest, Ticket
-from router.core.errors import SaturatedError, TTLExpiredError
+from router.core.errors import NoEndpointsError, SaturatedError, TTLExpiredError
 
 Failure = Literal["ttl-expired", "evicted", "shutdown"]
 _FAILURES = {
@@ -181,6 +181,38 @@ class WaitingRoom:
             item.future.set_exception(TTLExpiredError(message, retry_after=retry))
         else:
             item.future.set_exception(SaturatedError(_FAILURES[reason], retry_after=retry))
+
+    def pool_empty(self, model: str, now: float, grace: float) -> int:
+        """``model``'s pool has no endpoint while requests wait for it. One arriving now is
+        answered NoEndpointsError at once; the queued ones are answered the same once the
+        pool has stayed empty for ``grace`` (a health-check cycle: an endpoint that failed its
+        checks in a blip passes the next one within it, and serves them in their order). A
+        longer outage is not waited out to the TTL, whose 429 would read as load. Returns how
+        many were answered."""
+        queue = self.queues.get(model)
+        if queue is None:
+            return 0
+        if queue.empty_since is None:
+            queue.empty_since = now
+        empty_for = now - queue.empty_since
+        if empty_for < grace:
+            return 0
+        message = (
+            f"no healthy endpoint serves model {model!r} "
+            f"(none for {empty_for:.1f}s while the request was queued)"
+        )
+        items = [
+            item
+            for level in queue.levels.values()
+            for flow in level.flows.values()
+            for item in flow.items.values()
+        ]
+        for item in items:
+            self.unlink(item, rotate=False)
+            self._metrics.rejections.labels("no-endpoints").inc()
+            if not item.future.done():
+                item.future.set_exception(NoEndpointsError(message))
+        return len(items)
 
     def close(self) -> None:
         """Refuse everything still queued (the gateway is shutting down)."""

@@ -110,6 +110,7 @@ def _build_flow(
     config: GatewayConfig, candidates: Candidates, registry: CollectorRegistry
 ) -> FlowController:
     scrape = config.pool.metrics_scrape
+    health = config.pool.health_check
     admitted_to = candidates
     if config.disaggregation.enabled:
         # Requests are admitted to the decode pool: an idle prefill endpoint (which short
@@ -123,6 +124,7 @@ def _build_flow(
         registry=registry,
         scrape_interval=scrape.interval_seconds,
         scrape_timeout=scrape.timeout_seconds,
+        health_cycle=health.interval_seconds + health.timeout_seconds,
     )
 
 

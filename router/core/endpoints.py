@@ -348,6 +348,7 @@ class EndpointPool:
         endpoint_id: str,
         prefill_tokens: int = 0,
         on_first_byte: Callable[[float, bool], None] | None = None,
+        on_release: Callable[[], None] | None = None,
         kv_tokens: int = 0,
         session: str | None = None,
     ) -> Lease:
@@ -355,7 +356,7 @@ class EndpointPool:
         if state is None:
             raise KeyError(endpoint_id)
         return Lease(
-            state, prefill_tokens, self, on_first_byte, kv_tokens=kv_tokens, session=session
+            state, prefill_tokens, self, on_first_byte, on_release, kv_tokens, session
         )
 
     # -- passive health ------------------------------------------------------------------------

@@ -42,12 +42,15 @@ class Lease:
     Its uncached prompt tokens count as prefill queued on the endpoint until the first byte
     (or until presumed done: a non-streaming answer's first byte is its last, and decode time
     must not pass for queued prefill). ``on_first_byte`` learns the time to first byte, and
-    whether it came with tokens (not only headers).
+    whether it came with tokens (not only headers). ``on_release`` hears of the release, once,
+    after the counts are lowered: the place the lease held is free (flow control dispatches
+    into it; given up before a first byte, nothing else would tell it).
     """
 
     __slots__ = (
-        "_answered", "_clock", "_first_byte_seen", "_headers_only", "_on_first_byte", "_pool",
-        "_released", "_sent_at", "_session", "_started", "kv_tokens", "prefill_tokens", "state",
+        "_answered", "_clock", "_first_byte_seen", "_headers_only", "_on_first_byte",
+        "_on_release", "_pool", "_released", "_sent_at", "_session", "_started", "kv_tokens",
+        "prefill_tokens", "state",
     )
 
     def __init__(
@@ -56,6 +59,7 @@ class Lease:
         prefill_tokens: int,
         pool: LeasePool | None = None,
         on_first_byte: Callable[[float, bool], None] | None = None,
+        on_release: Callable[[], None] | None = None,
         kv_tokens: int = 0,
         session: str | None = None,
     ) -> None:
@@ -67,6 +71,7 @@ class Lease:
         self._first_byte_seen = self._answered = self._headers_only = False
         self._released = False
         self._on_first_byte = on_first_byte
+        self._on_release = on_release
         self._started = time.monotonic() if on_first_byte is not None else 0.0
         # The pool's clock: the queue average is read with it (EndpointPool.candidates).
         self._clock = pool.clock if pool is not None else time.monotonic
@@ -115,6 +120,8 @@ class Lease:
         state.free_kv(self.kv_tokens, self._session)
         if state.in_flight <= 0:
             state.slots.busy_since = 0.0
+        if self._on_release is not None:
+            self._on_release()
 
     def upstream_ok(self) -> None:
         """The endpoint answered (any status below 500): its failure streak ends."""

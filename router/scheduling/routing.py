@@ -292,9 +292,11 @@ class Router:
                 flow.poke()
             self.prefilled(routing, endpoint_id)
 
+        # Its release frees its place, whenever it comes (given up before its first byte:
+        # the client left, the endpoint failed, failover moved on): queued work goes at once.
         lease = self._pool.lease(
-            endpoint_id, uncached, first_byte,
-            kv_tokens=routing.kv_claim(uncached), session=routing.session_id,
+            endpoint_id, uncached, first_byte, flow.poke, routing.kv_claim(uncached),
+            routing.session_id,
         )
         if not routing.stream:
             # Its first byte is its last: presume the prefill done after a generous multiple

@@ -524,7 +524,7 @@ async def test_a_release_dispatches_another_models_queue_on_the_same_endpoint() 
     )
     first = run_now(ctl.admit(req("first")))
     first.leased()
-    lease = pool.lease("a:8000", 100)  # waiting for its first byte: the limit of one is reached
+    lease = pool.lease("a:8000", 100, on_release=ctl.poke)  # as Router.lease; at the limit
     other = asyncio.create_task(ctl.admit(FlowRequest(model="n", session_id="other")))
     await settle()
     assert not other.done() and ctl.queued == 1
@@ -577,15 +577,15 @@ async def test_a_place_freed_on_a_shared_endpoint_goes_to_the_highest_priority(
     ctl, pool = _shared()
     held = run_now(ctl.admit(FlowRequest(model="m", session_id="held")))
     held.leased()
-    lease = pool.lease("a:8000", 100)  # waiting for its first byte: the limit of one is reached
+    lease = pool.lease("a:8000", 100, on_release=ctl.poke)  # as Router.lease; at the limit
     low = asyncio.create_task(ctl.admit(FlowRequest(model="m", priority=0, session_id="low")))
     await settle()
     high = asyncio.create_task(ctl.admit(FlowRequest(model="n", priority=5, session_id="high")))
     await settle()
     assert ctl.queued == 2
     if freed_by == "release":
-        lease.release()
-        held.release()  # m's ticket: its own queue would be dispatched first
+        lease.release()  # m's queue was made first
+        held.release()
     else:
         lease.first_byte()
         ctl.poke()  # what the first byte's callback does; m's queue was made first

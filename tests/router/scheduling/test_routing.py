@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 
 from router.app import build_gateway
@@ -80,6 +82,33 @@ async def test_taking_an_endpoint_tells_flow_control_the_request_is_placed() -> 
     assert not ticket.was_leased
     router.lease(routing, snap(endpoint)).release()
     assert ticket.was_leased
+    ticket.release()
+
+
+async def test_a_lease_given_up_before_its_first_byte_dispatches_queued_work_at_once() -> None:
+    """The endpoint failed before any byte (or the client left) and failover moves on: the
+    request keeps its ticket, but the place its lease held is free, and queued work takes it
+    now, not on the next dispatch tick (none runs here: the flow controller is not started)."""
+    flow = {"enabled": True, "saturationDetector": {"concurrencyLimit": {"initialLimit": 1}}}
+    gw = build_gateway(parse_config({"pool": {"endpoints": [{"url": URL}]}, "flowControl": flow}))
+    router = Router(gw.config, gw.pool, gw.pool.candidates, gw.scheduler, gw.flow, gw.metrics)
+    state = next(iter(gw.pool))
+    state.healthy, state.models = True, {"m"}
+    endpoint = state.endpoint.id
+    first = RoutingRequest("r1", "m", stream=True, prompt_tokens=100)
+    ticket = await router.admit(first, {}, 10)
+    lease = router.lease(first, snap(endpoint))  # waiting for its first byte: the limit of one
+    queued = asyncio.create_task(
+        router.admit(RoutingRequest("r2", "m", stream=True, prompt_tokens=100), {}, 10)
+    )
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not queued.done() and gw.flow.queued == 1
+    lease.release()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert queued.done(), "the place given up waits for the dispatch tick"
+    queued.result().release()
     ticket.release()
 
 
