@@ -154,7 +154,8 @@ class PredictionTracker:
         )
         self.skipped = Counter(
             "prefixgate_prefix_prediction_skipped",
-            "Responses not compared, by reason (no_usage, untrusted, untokenized, sampled_out).",
+            "Responses not compared, by reason (no_usage, untrusted, untokenized, sampled_out, "
+            "remote_prefill).",
             ["reason"], registry=r,
         )
         self.skips: dict[str, int] = {}  # the skipped counter's values, by reason
@@ -195,6 +196,10 @@ class PredictionTracker:
         or of the final SSE chunk (``find_usage`` extracts it). Never raises on odd input.
         """
         state = self._precise.finish(routing.serial) if self._precise is not None else None
+        if routing.remote_prefill:
+            # vLLM counts the KV a decode endpoint pulled as cached: nothing any index said.
+            self._skip("remote_prefill")
+            return
         actual = parse_usage(usage)
         if actual is None:
             self._skip("no_usage")

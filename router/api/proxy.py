@@ -264,7 +264,7 @@ class Proxy:
             keyed = self._headers.keyed(headers, endpoint.id)
             return await client.post(endpoint.url + path, keyed, body)
 
-        step = await self.disagg.prepare(parsed, routing, ranked, post)
+        step = await self.disagg.prepare(parsed, routing, ranked, post, self.failover.failed)
         if step.response is not None:  # a prefill 4xx is the client's
             ex.status, ex.endpoint = step.response.status_code, step.prefill_endpoint
             return step.response

@@ -70,6 +70,9 @@ class RoutingRequest:
     # The prefill step of a disaggregated request (router/scheduling/disagg.py): its pick is
     # learned by the prefix index, but it neither places the session nor counts as its request.
     prefill_step: bool = False
+    # Its prompt's KV comes from a prefill endpoint (router/scheduling/disagg.py): the decode
+    # endpoint computes none of it, and its first byte says nothing of its prefill speed.
+    remote_prefill: bool = False
     # Filled by the ranking when ``explain`` is set:
     explanation: dict[str, Any] | None = None
     # Unique among the router's requests, unlike a client's x-request-id: what per-request

@@ -5,7 +5,10 @@ least ``nonCachedTokens`` uncached prompt tokens, the prefill profile ranks the 
 ``two-step`` follows vLLM's NixlConnector proxy protocol (a ``max_tokens: 1`` prefill whose
 ``kv_transfer_params`` go with the original request to the decode endpoint); ``sidecar`` only
 names the prefiller in ``x-prefiller-host-port`` for llm-d's routing sidecar. A failed prefill
-falls back to a plain decode request. Why 1024 tokens by default: docs/disaggregation.md.
+falls back to a plain decode request. A request for its prompt's logprobs is not split (a
+decode endpoint that pulls the KV has no prompt logits). The decode request of a split one is
+marked ``remote_prefill``: its endpoint counts none of the prompt as its prefill. Why 1024
+tokens by default: docs/disaggregation.md.
 """
 
 from __future__ import annotations
@@ -64,17 +67,38 @@ class PrefillDecider(Protocol):
 
 
 class UncachedTokensDecider:
-    """Remote prefill once the decode pick would compute at least ``threshold`` tokens."""
+    """Remote prefill once the decode pick would compute at least ``threshold`` tokens.
 
-    def __init__(self, threshold: int) -> None:
+    ``uncached`` counts them as the router does (``Router.uncached_tokens``: precise routing
+    knows the replicas' caches better than the approximate index's hits on the request)."""
+
+    def __init__(
+        self,
+        threshold: int,
+        uncached: Callable[[RoutingRequest, str], int] = RoutingRequest.uncached_tokens,
+    ) -> None:
         self.threshold = threshold
+        self._uncached = uncached
 
     def needs_prefill(self, request: RoutingRequest, decode: EndpointSnapshot) -> bool:
-        return request.uncached_tokens(decode.id) >= self.threshold
+        return self._uncached(request, decode.id) >= self.threshold
+
+
+def wants_prompt_logprobs(api: str, payload: Mapping[str, Any]) -> bool:
+    """Whether the request asks for its prompt's logprobs (vLLM's ``prompt_logprobs``, or a
+    completion's ``echo`` with ``logprobs``): only the endpoint that computes the prompt has
+    them, and a vLLM decode endpoint fed a pulled KV cache fails on such a request."""
+    if payload.get("prompt_logprobs") is not None:
+        return True
+    echo = api == "completions" and bool(payload.get("echo"))
+    return echo and payload.get("logprobs") is not None
 
 
 # Sends one body to one endpoint (the proxy's client, with the request's upstream headers).
 PrefillPost = Callable[[EndpointSnapshot, str, bytes], Awaitable[UpstreamReply]]
+# Counts a failed prefill request towards its endpoint's outlier ejection (the proxy's
+# failover: lease, endpoint id, kind), as any failed attempt is.
+PrefillFailed = Callable[[Lease, str, str], None]
 
 
 def prefill_payload(payload: Mapping[str, Any]) -> dict[str, Any]:
@@ -126,7 +150,6 @@ class DecodeStep:
 class DisaggMetrics:
     def __init__(self, metrics: GatewayMetrics) -> None:
         r = metrics.registry
-        self.upstream_failures = metrics.upstream_failures
         self.decisions = Counter(
             "prefixgate_disagg_decision",
             "Disaggregation decisions: decode_only, prefill_decode, or no_prefiller (wanted, "
@@ -162,7 +185,9 @@ class Disaggregator:
         decider: PrefillDecider | None = None,
     ) -> None:
         self.settings = settings
-        self.decider = decider or UncachedTokensDecider(settings.non_cached_tokens)
+        self.decider = decider or UncachedTokensDecider(
+            settings.non_cached_tokens, router.uncached_tokens
+        )
         self.metrics = DisaggMetrics(metrics)
         self._router = router
         self._profile = profile
@@ -201,8 +226,15 @@ class Disaggregator:
         routing: RoutingRequest,
         decode_ranked: Sequence[EndpointSnapshot],
         post: PrefillPost,
+        failed: PrefillFailed,
     ) -> DecodeStep:
-        """Decide and, in two-step mode, run the prefill request; what decode gets next."""
+        """Decide and, in two-step mode, run the prefill request; what decode gets next.
+
+        When the decode endpoint is to pull the KV, ``routing`` says so (``remote_prefill``):
+        its decode lease then counts no prefill there, nor teaches what one costs."""
+        if wants_prompt_logprobs(parsed.api, parsed.payload):
+            self.metrics.decisions.labels("decode_only").inc()
+            return DecodeStep(parsed)
         chosen = await self.choose_prefiller(routing, decode_ranked[0])
         if chosen is None:
             return DecodeStep(parsed)
@@ -218,10 +250,13 @@ class Disaggregator:
             )
         else:
             try:
-                step = await self._two_step(parsed, routing.request_id, endpoint, lease, post)
+                step = await self._two_step(
+                    parsed, routing.request_id, endpoint, lease, post, failed
+                )
             finally:
                 lease.release()
         step.ranked_earlier = True
+        routing.remote_prefill = step.response is None and step.prefill_endpoint is not None
         return step
 
     async def _two_step(
@@ -231,6 +266,7 @@ class Disaggregator:
         endpoint: EndpointSnapshot,
         lease: Lease,
         post: PrefillPost,
+        failed: PrefillFailed,
     ) -> DecodeStep:
         path = "/v1/chat/completions" if parsed.api == "chat" else "/v1/completions"
         body = orjson.dumps(prefill_payload(parsed.payload))
@@ -239,18 +275,22 @@ class Disaggregator:
         try:
             async with asyncio.timeout(self._timeout):
                 reply = await post(endpoint, path, body)
+                if reply.status < 400:
+                    # Its answer comes with its one token: the time of the prefill, which
+                    # teaches the router the endpoint's price (an error's time tells nothing).
+                    lease.first_byte()
                 answer = await reply.read_all(_MAX_PREFILL_ANSWER)
             status, content_type = reply.status, reply.content_type
         except UPSTREAM_ERRORS as exc:
             kind = "timeout" if isinstance(exc, TimeoutError) else "transport"
             log.warning("request %s: prefill %s on %s: %r", request_id, kind, endpoint.id, exc)
-            return self._fall_back(parsed, lease, endpoint, kind)
+            return self._fall_back(parsed, lease, endpoint, kind, failed)
         finally:
             if reply is not None:
                 reply.close()
         self.metrics.prefill_seconds.observe(time.perf_counter() - started)
         if status >= 500:
-            return self._fall_back(parsed, lease, endpoint, "5xx")
+            return self._fall_back(parsed, lease, endpoint, "5xx", failed)
         lease.upstream_ok()
         if status >= 400:
             response = _passthrough(status, content_type, answer, endpoint.id, request_id)
@@ -266,12 +306,10 @@ class Disaggregator:
         return DecodeStep(decode, prefill_endpoint=endpoint.id)
 
     def _fall_back(
-        self, parsed: ParsedRequest, lease: Lease, endpoint: EndpointSnapshot, kind: str
+        self, parsed: ParsedRequest, lease: Lease, endpoint: EndpointSnapshot, kind: str,
+        failed: PrefillFailed,
     ) -> DecodeStep:
-        # Counted towards the prefill endpoint's outlier ejection like any failed attempt.
-        self.metrics.upstream_failures.labels(endpoint.id, kind).inc()
-        if lease.upstream_failed():
-            log.warning("prefill endpoint %s ejected after consecutive failures", endpoint.id)
+        failed(lease, endpoint.id, kind)
         self.metrics.fallbacks.labels(kind).inc()
         return DecodeStep(parsed)
 

@@ -267,7 +267,12 @@ class Router:
             raise KeyError(endpoint_id)  # left the pool since it was ranked (the pool's own)
         if routing.on_lease is not None:
             routing.on_lease()
-        uncached = self.uncached_tokens(routing, endpoint_id)
+        # A decode after a remote prefill pulls the prompt's KV: it computes the last token.
+        pulled = routing.remote_prefill
+        if pulled:
+            uncached = routing.uncached_at(1.0)
+        else:
+            uncached = self.uncached_tokens(routing, endpoint_id)
         queued = float(endpoint.pending_prefill_tokens)
         running = max(float(endpoint.in_flight), endpoint.running)
         requests = float(endpoint.pending_prefill_requests)
@@ -281,7 +286,10 @@ class Router:
             # A non-streaming first byte is the answer's last; headers alone (ext_proc) come
             # before the request is even scheduled. An endpoint that has left the pool since
             # (its state forgotten) teaches nothing: learning would bring its state back.
-            if routing.stream and tokens and pool.get(endpoint_id) is not None:
+            # A prefill step's answer comes at its first token; a decode after one waited for
+            # a KV pull, which prices no prefill.
+            timed = (routing.stream or routing.prefill_step) and not pulled
+            if timed and tokens and pool.get(endpoint_id) is not None:
                 price = calibrator.price(endpoint_id)
                 if learning is None or learning.take():
                     errors.record(price.predict(uncached, queued, running, requests), seconds)
@@ -294,9 +302,10 @@ class Router:
 
         # Its release frees its place, whenever it comes (given up before its first byte:
         # the client left, the endpoint failed, failover moved on): queued work goes at once.
+        # A decode after a remote prefill holds the whole prompt's KV it pulled.
+        claim = routing.prompt_tokens if pulled else routing.kv_claim(uncached)
         lease = self._pool.lease(
-            endpoint_id, uncached, first_byte, flow.poke, routing.kv_claim(uncached),
-            routing.session_id,
+            endpoint_id, uncached, first_byte, flow.poke, claim, routing.session_id
         )
         if not routing.stream:
             # Its first byte is its last: presume the prefill done after a generous multiple

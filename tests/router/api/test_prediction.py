@@ -49,3 +49,18 @@ def test_a_follow_up_of_a_stored_response_is_no_prediction_of_the_index() -> Non
     tracker.observe("home", short, {"prompt_tokens": 25, "prompt_tokens_details": {
         "cached_tokens": 0}})
     assert tracker.summary["approximate"].count == 1, "a prompt shorter than a block: 0 it is"
+
+
+def test_a_decode_after_a_remote_prefill_is_no_prediction_of_the_index() -> None:
+    """vLLM counts the KV a decode endpoint pulled from a prefill endpoint as cached (llm-d's
+    sidecar rewrites that count for its clients): the index, which saw the prompt uncached
+    there, was not wrong, nor does the count say how much of the last answer was held."""
+    tracker = PredictionTracker(CollectorRegistry(), block_size=16)
+    routing = RoutingRequest(
+        request_id="r", model="m", prompt_bytes=4000, prompt_tokens=1000, block_bytes=1000,
+        block_hashes=(1, 2, 3, 4), prefix_hits={"decode": 1}, remote_prefill=True,
+    )
+    usage = {"prompt_tokens": 1000, "prompt_tokens_details": {"cached_tokens": 992}}
+    tracker.observe("decode", routing, usage)
+    assert tracker.summary["approximate"].count == 0
+    assert tracker.skips == {"remote_prefill": 1}

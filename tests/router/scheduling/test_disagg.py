@@ -18,7 +18,6 @@ from starlette.types import Receive, Scope, Send
 
 from benchmarks.sim.cli import Replica, start_replicas
 from benchmarks.sim.config import SimConfig
-from router.app import Gateway, build_gateway
 from router.config.model import parse_config
 from router.core.endpoints import EndpointSnapshot, Role
 from router.core.errors import ConfigError
@@ -298,6 +297,15 @@ async def test_streaming_and_usage_are_intact_through_the_openai_client(
         assert plain.usage is not None and plain.usage.completion_tokens == 3
         assert metric(gw, "prefixgate_disagg_decision_total", {"decision": "prefill_decode"}) == 4
         assert sum(served(replicas[:2])) == 4
+        # The prefill answers taught the cost model; the decode endpoints' first tokens, which
+        # waited for KV pulls, did not.
+        registry = gw.gateway.metrics.registry
+        calibrated = "prefixgate_calibrated_prefill_overhead_seconds"
+        learned = {
+            eid(r) for r in replicas
+            if registry.get_sample_value(calibrated, {"endpoint": eid(r)}) is not None
+        }
+        assert learned and learned <= {eid(r) for r in replicas[:2]}
 
 
 @pytest.mark.slow
@@ -421,87 +429,3 @@ async def test_a_client_leaving_during_prefill_releases_its_leases(
         assert proxy.active == 0 and all(s.in_flight == 0 for s in pool)
         assert metric(gw, "prefixgate_client_disconnects_total") == 1
         assert sum(served(replicas)) == 0
-
-
-def split_gateway() -> Gateway:
-    """A gateway built (not started) over one healthy prefill and one healthy decode endpoint,
-    127.0.0.1:1 and 127.0.0.1:2, serving model ``m``, with disaggregation on."""
-    endpoints = [
-        {"url": "http://127.0.0.1:1", "role": "prefill", "models": ["m"]},
-        {"url": "http://127.0.0.1:2", "role": "decode", "models": ["m"]},
-    ]
-    gw = build_gateway(parse_config(
-        {"pool": {"endpoints": endpoints}, "disaggregation": {"enabled": True}}
-    ))
-    for state in gw.pool:
-        state.healthy = True
-    return gw
-
-
-async def test_a_request_in_its_prefill_step_is_unplaced_until_its_decode_lease() -> None:
-    """Flow control's room is the decode pool's: a request whose prefill runs elsewhere must
-    still count against it, or a burst of long prompts passes at once."""
-    gw = split_gateway()
-    assert gw.proxy.disagg is not None
-    told: list[str] = []
-    routing = RoutingRequest("r", "m", api="chat", prompt_tokens=5_000)
-    routing.on_lease = lambda: told.append("leased")
-    decode = next(c for c in gw.pool.candidates("m") if c.role == "decode")
-    chosen = await gw.proxy.disagg.choose_prefiller(routing, decode)
-    assert chosen is not None
-    prefill_routing, prefill = chosen
-    gw.router.lease(prefill_routing, prefill).release()
-    assert told == []
-    gw.router.lease(routing, decode).release()
-    assert told == ["leased"]
-
-
-async def test_a_prefill_endpoint_that_left_while_ranked_means_a_plain_decode_request() -> None:
-    """The prefill pool is ranked across awaits (index, affinity, Redis): its pick may leave
-    the pool meanwhile (discovery), as a decode pick may (which failover skips). Its lease then
-    cannot be taken: the request goes to decode alone rather than failing."""
-    gw = split_gateway()
-    disagg = gw.proxy.disagg
-    assert disagg is not None
-    rank = gw.router.rank
-
-    async def rank_while_the_prefiller_leaves(*args: Any, **kwargs: Any) -> list[EndpointSnapshot]:
-        ranked = await rank(*args, **kwargs)
-        gw.pool.remove("127.0.0.1:1")  # discovery saw it go during the ranking's awaits
-        return ranked
-
-    gw.router.rank = rank_while_the_prefiller_leaves  # type: ignore[method-assign]
-    posted: list[str] = []
-
-    async def post(endpoint: EndpointSnapshot, path: str, body: bytes) -> Any:
-        posted.append(endpoint.id)
-        raise AssertionError("no prefill request to an endpoint out of the pool")
-
-    parsed = parse_request("chat", orjson.dumps({"model": "m", "messages": [LONG_MESSAGE]}))
-    routing = RoutingRequest("r", "m", api="chat", prompt_tokens=5_000)
-    decode = next(c for c in gw.pool.candidates("m") if c.role == "decode")
-    step = await disagg.prepare(parsed, routing, [decode], post)
-    assert step.parsed is parsed and step.response is None and step.lease is None
-    assert posted == [] and all(s.in_flight == 0 for s in gw.pool)
-
-
-LONG_MESSAGE = {"role": "user", "content": LONG}
-
-
-async def test_a_prefill_step_does_not_place_the_session_nor_count_as_its_request() -> None:
-    """A session's home is its decode endpoint: the prefill pick is learned by the prefix
-    index (both pools' picks are), not by the session's affinity nor its live-session count,
-    whichever pick a front door records last (ext_proc records the decode pick first). One
-    disaggregated request is one request of its session, so the session is not live yet."""
-    gw = split_gateway()
-    disagg = gw.proxy.disagg
-    assert disagg is not None
-    routing = RoutingRequest("r", "m", api="chat", prompt_tokens=5_000, session_id="s")
-    decode = next(c for c in gw.pool.candidates("m") if c.role == "decode")
-    gw.router.picked(routing, decode.id)  # ext_proc's order: the decode pick first
-    chosen = await disagg.choose_prefiller(routing, decode)
-    assert chosen is not None
-    prefill_routing, prefill = chosen
-    gw.router.picked(prefill_routing, prefill.id)
-    assert await gw.stores.affinity.get("s") == decode.id
-    assert gw.metrics.registry.get_sample_value("prefixgate_live_sessions") == 0
