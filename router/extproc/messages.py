@@ -181,6 +181,18 @@ def streamed_body(body: bytes, end_of_stream: bool, phase: Phase) -> Any:
     return pb.ProcessingResponse(response_body=answer)
 
 
+def passed_on(kind: str, part: Any, duplex: bool) -> Any:
+    """The answer to a response-phase message that lets it through unchanged (``duplex``: the
+    response body mode is FULL_DUPLEX_STREAMED, so the chunk is streamed back)."""
+    if kind == "response_headers":
+        return continue_response_headers({})
+    if kind == "response_body":
+        if duplex:
+            return streamed_body(part.body, part.end_of_stream, "response")
+        return continue_body("response")
+    return trailers("response")
+
+
 def streamed_chunks(body: bytes, chunk_bytes: int, end_of_stream: bool) -> list[Any]:
     """The request body streamed back in chunks that stay under gRPC's message limit."""
     if not body:

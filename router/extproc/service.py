@@ -13,7 +13,6 @@ response's end of stream or when the stream closes, whichever comes first, exact
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -35,6 +34,7 @@ from router.extproc.messages import (
     header_map,
     immediate,
     in_subset,
+    passed_on,
     routed_body,
     routed_headers,
     served_endpoint,
@@ -45,7 +45,7 @@ from router.extproc.messages import (
 )
 from router.extproc.metrics import ExtProcMetrics
 from router.extproc.paths import api_for, stored_response_id
-from router.protocol.headers import DESTINATION_HEADER
+from router.protocol.headers import DESTINATION_HEADER, request_id_of
 from router.protocol.parsing import Api, ParsedRequest
 from router.scheduling.disagg import PREFILLER_HEADER
 
@@ -114,13 +114,27 @@ class Exchange:
         kind = message.WhichOneof("request")
         if kind is None:
             return []
+        part = getattr(message, kind)
         try:
-            return await self._dispatch(kind, getattr(message, kind))
-        except GatewayError as exc:
-            return self._reject(exc)
-        except Exception:  # a bug must cost one request, not the picker
-            log.exception("ext_proc: failed on %s", kind)
+            return await self._dispatch(kind, part)
+        except Exception as exc:
+            if kind.startswith("response_"):
+                return self._pass_on(kind, part)
+            if isinstance(exc, GatewayError):
+                return self._reject(exc)
+            log.exception("ext_proc: failed on %s", kind)  # costs one request, not the picker
             return self._reject(GatewayError("the endpoint picker failed on this request"))
+
+    def _pass_on(self, kind: str, part: Any) -> list[Any]:
+        """The answer is the replica's: a failure of the picker's own reading of it (counting,
+        learning) must not cut it. The message goes on unchanged, the reading stops, and the
+        request is still released at the answer's end."""
+        log.exception("ext_proc: failed on %s; the answer goes on unread", kind)
+        self._answer = AnswerWatch(self._api, None)
+        if kind == "response_trailers" or part.end_of_stream:
+            self.close()
+        duplex = self._response_mode == _MODE.FULL_DUPLEX_STREAMED
+        return [passed_on(kind, part, duplex)]
 
     async def _dispatch(self, kind: str, part: Any) -> list[Any]:
         if kind == "request_headers":
@@ -214,7 +228,7 @@ class Exchange:
         prepared = await self._gw.preparer.prepare(api, body, decodes_payload=False)
         self._api = api
         router = self._gw.router
-        request_id = self._headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = request_id_of(self._headers)
         routing = router.routing_request(prepared.parsed, self._headers, request_id, prepared)
         self._ticket = await router.admit(routing, self._headers, len(body))
         ranked = await router.rank(routing, self._allowed())
@@ -315,18 +329,19 @@ class Exchange:
         return [continue_response_headers({DESTINATION_HEADER: picked} if picked else {})]
 
     def _follow_served(self) -> None:
-        """The data plane says which endpoint of the list served the request: read its
-        answer as that endpoint's (usage, where a Responses answer is stored) and, when it is a
-        fallback, count the request there, learning from its first byte as from the pick's."""
+        """The data plane says which endpoint served the request: read its answer as that
+        endpoint's (usage, where a Responses answer is stored) and, when it is not the pick (a
+        fallback of the list, or one the gateway's own fallback policy chose when the pick was
+        gone), count the request there, learning from its first byte as from the pick's."""
         served, destination = self._served, self._destination
-        if served is None or destination is None or "," not in destination:
+        if served is None or destination is None:
             return
-        listed = destination.split(",")
-        if served not in listed or self._gw.pool.get(served) is None:
-            log.warning("ext_proc: served by %s, not among %s", served, destination)
+        picked = destination.split(",")[0]
+        if served != picked and self._gw.pool.get(served) is None:
+            log.warning("ext_proc: served by %s, not an endpoint of the pool", served)
             return
         self._destination = served
-        if served == listed[0] or self._lease is None:
+        if served == picked or self._lease is None:
             return
         self._lease.release()
         routing, router = self._routing, self._gw.router

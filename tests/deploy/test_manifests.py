@@ -264,6 +264,25 @@ def test_envoy_bootstrap_is_valid_and_asks_the_picker() -> None:
             lb_endpoint.health_check_config.port_value} <= exposed
 
 
+def test_envoy_cuts_no_answer_the_gateway_would_let_finish() -> None:
+    """A route's timeout (Envoy's, and an HTTPRoute's ``timeouts.request``) spans the whole
+    answer, a long streamed one included; the gateway bounds only the wait for the first byte
+    and the silences. So the total is off ("0s"; unset, Envoy's is 15 s) and Envoy's stream
+    idle timeout covers the first byte's wait."""
+    data = yaml.safe_load((DEPLOY / "envoy" / "envoy.yaml").read_text())
+    bootstrap = json_format.ParseDict(data, bootstrap_pb2.Bootstrap())
+    hcm = http_connection_manager_pb2.HttpConnectionManager()
+    bootstrap.static_resources.listeners[0].filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    config = prefixgate_config("prefixgate-epp-config")
+    assert hcm.stream_idle_timeout.seconds >= config.proxy.first_byte_timeout_seconds
+    for host in hcm.route_config.virtual_hosts:
+        for route in host.routes:
+            assert route.route.HasField("timeout"), route.match
+            assert route.route.timeout.ToTimedelta().total_seconds() == 0, route.match
+    for rule in find("HTTPRoute", "vllm")["spec"]["rules"]:
+        assert rule.get("timeouts", {}).get("request") == "0s"
+
+
 def exported_metric_names() -> set[str]:
     gateway = build_gateway(parse_config({"pool": {"endpoints": [{"url": "http://127.0.0.1:9"}]}}))
     registry = gateway.metrics.registry

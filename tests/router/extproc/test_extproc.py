@@ -4,6 +4,7 @@ routing."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import grpc
@@ -163,6 +164,48 @@ async def test_a_request_served_by_a_fallback_is_counted_there(
     assert in_flight(epp) == 0
 
 
+@pytest.mark.parametrize("body", [chat_body("hi"), None], ids=["routed", "without a body"])
+async def test_a_request_the_data_plane_served_off_the_list_is_counted_there(
+    epp: RunningEpp, envoy: Envoy, body: bytes | None
+) -> None:
+    """With no fallback listed, the gateway may still serve the request elsewhere (its own
+    fallback policy when the pick is gone, say): the endpoint it reports as served wins."""
+    call, routed = await envoy.send_request(body)
+    other = next(s.endpoint.id for s in epp.gateway.pool if s.endpoint.id != routed.header)
+    served = struct_pb2.Struct()
+    served.update({"x-gateway-destination-endpoint-served": other})
+    message = pb.ProcessingRequest(response_headers=response_headers("200"))
+    message.metadata_context.filter_metadata["envoy.lb"].CopyFrom(served)
+    await call.write(message)
+    answer = await call.read()
+    set_headers = answer.response_headers.response.header_mutation.set_headers
+    assert {h.header.key: h.header.raw_value.decode() for h in set_headers}[DEST] == other
+    assert [s.endpoint.id for s in epp.gateway.pool if s.in_flight] == [other]
+    await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(end_of_stream=True)))
+    await call.read()
+    await call.done_writing()
+    await eventually(lambda: in_flight(epp) == 0)
+
+
+async def test_a_served_endpoint_outside_the_pool_is_not_followed(
+    epp: RunningEpp, envoy: Envoy
+) -> None:
+    call, routed = await envoy.send_request(chat_body("hi"))
+    served = struct_pb2.Struct()
+    served.update({"x-gateway-destination-endpoint-served": "10.255.0.1:8000"})
+    message = pb.ProcessingRequest(response_headers=response_headers("200"))
+    message.metadata_context.filter_metadata["envoy.lb"].CopyFrom(served)
+    await call.write(message)
+    answer = await call.read()
+    set_headers = answer.response_headers.response.header_mutation.set_headers
+    assert {h.header.key: h.header.raw_value.decode() for h in set_headers}[DEST] == routed.header
+    assert [s.endpoint.id for s in epp.gateway.pool if s.in_flight] == [routed.header]
+    await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(end_of_stream=True)))
+    await call.read()
+    await call.done_writing()
+    await eventually(lambda: in_flight(epp) == 0)
+
+
 async def test_shed_requests_get_an_immediate_response(two_replicas: list[Replica]) -> None:
     flow = {
         "saturationDetector": {"inFlightThreshold": 1},
@@ -199,6 +242,28 @@ async def test_closed_stream_releases_lease_and_ticket(epp: RunningEpp, envoy: E
     assert in_flight(epp) == 1
     call.cancel()  # Envoy resets the stream: the client went away mid-response
     await eventually(lambda: in_flight(epp) == 0 and epp.gateway.flow.outstanding(MODEL) == 0)
+
+
+async def test_a_stream_reset_while_queued_leaves_the_queue(two_replicas: list[Replica]) -> None:
+    """The client goes away while its request waits in flow control: Envoy resets the stream,
+    and the request must neither stay queued nor be routed later."""
+    flow = {"saturationDetector": {"inFlightThreshold": 1}, "defaultRequestTTL": 30}
+    config = epp_config(two_replicas[:1], flowControl=flow)
+    async with running_epp(config) as epp, grpc.aio.insecure_channel(epp.target) as channel:
+        envoy = Envoy(channel)
+        busy, _ = await envoy.send_request(chat_body("first"))
+        waiting = asyncio.create_task(envoy.send_request(chat_body("queued")))
+        await eventually(lambda: epp.gateway.flow.queued == 1)
+        waiting.cancel()  # the call's cancellation resets the stream
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await eventually(lambda: epp.gateway.flow.queued == 0)
+        await envoy.finish(busy)
+        await eventually(lambda: in_flight(epp) == 0 and epp.gateway.flow.outstanding(MODEL) == 0)
+        routed = epp.gateway.metrics.registry.get_sample_value(
+            "prefixgate_extproc_decisions_total", {"outcome": "routed"}
+        )
+        assert routed == 1
 
 
 async def test_stream_closed_after_the_request_phase_releases(
@@ -377,3 +442,17 @@ def refused(epp: RunningEpp, status: str) -> float:
         and sample.labels["endpoint"] == "none"
         and sample.labels["status"] == status
     )
+
+
+async def test_a_clients_request_id_names_the_request_only_when_plain(
+    envoy: Envoy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As at the HTTP gateway: a client's x-request-id names the request in the logs only when
+    it is a short plain token."""
+    caplog.set_level(logging.DEBUG, logger="prefixgate.decision")
+    for request_id in ("req-1", "x" * 300):
+        call, _ = await envoy.send_request(chat_body("hi"), headers={"x-request-id": request_id})
+        await envoy.finish(call)
+    logged = [r.getMessage() for r in caplog.records if r.name == "prefixgate.decision"]
+    assert any(m.startswith("request req-1:") for m in logged)
+    assert not any("x" * 300 in m for m in logged)

@@ -164,3 +164,30 @@ async def test_messages_errors_keep_the_anthropic_shape(envoy: Envoy) -> None:
     assert reply is not None and reply.status.code == 400
     body = orjson.loads(reply.body)
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_shed_messages_request_is_overloaded_in_anthropics_shape(
+    two_replicas: list[Replica],
+) -> None:
+    """Anthropic's status for an overloaded service is 529, outside Envoy's HttpStatus enum:
+    Envoy takes any code from 200 up, so the picker must still send it."""
+    flow = {
+        "saturationDetector": {"inFlightThreshold": 1},
+        "objectives": [{"name": "batch", "priority": -1}],
+    }
+    config = epp_config(two_replicas[:1], flowControl=flow)
+    async with running_epp(config) as epp, grpc.aio.insecure_channel(epp.target) as channel:
+        envoy = Envoy(channel)
+        busy, _ = await envoy.send_request(chat_body("first"))
+        body = orjson.dumps({"model": MODEL, "max_tokens": 4,
+                             "messages": [{"role": "user", "content": "second"}]})
+        _, shed = await envoy.send_request(
+            body, path="/v1/messages", headers={"x-gateway-inference-objective": "batch"}
+        )
+        reply = shed.immediate
+        assert reply is not None and reply.status.code == 529
+        headers = {h.header.key: h.header.raw_value.decode() for h in reply.headers.set_headers}
+        assert headers["x-gateway-request-dropped-reason"] == "rejected-saturated"
+        assert orjson.loads(reply.body)["error"]["type"] == "overloaded_error"
+        await envoy.finish(busy)
+        await eventually(lambda: in_flight(epp) == 0)

@@ -181,3 +181,30 @@ async def test_a_responses_streams_first_token_is_past_its_opening_events(
         assert len(learned) == 1
         await _end(call)
     await eventually(lambda: in_flight(dense_epp) == 0)
+
+
+async def test_a_failure_reading_an_answer_does_not_cut_it(
+    dense_epp: RunningEpp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer is the replica's: should the picker's own reading of it fail (here, learning
+    from its first token), Envoy still gets every chunk back, and the request is released."""
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("a bug in the learner")
+
+    monkeypatch.setattr(dense_epp.gateway.calibrator, "observe", broken)
+    token = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
+    async with grpc.aio.insecure_channel(dense_epp.target) as channel:
+        call, _ = await Envoy(channel).send_request(chat_body("hello", max_tokens=2, stream=True))
+        await call.write(pb.ProcessingRequest(response_headers=response_headers("200")))
+        assert (await call.read()).HasField("response_headers")
+        await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=token)))
+        answer = await call.read()
+        assert answer.response_body.response.body_mutation.streamed_response.body == token
+        done = pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True)
+        await call.write(pb.ProcessingRequest(response_body=done))
+        last = (await call.read()).response_body.response.body_mutation.streamed_response
+        assert last.body == done.body and last.end_of_stream
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+    await eventually(lambda: in_flight(dense_epp) == 0)
