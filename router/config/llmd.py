@@ -12,11 +12,13 @@ gateway logs once at start-up. docs/llm-d-compatibility.md is the user's view of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
+from router.config.llmd_handlers import PD_TYPES, PREFILL_FIRST
 from router.config.llmd_params import Notes, Params, State, duration_seconds, quantity
-from router.config.llmd_plugins import LATE, PD_TYPES, apply
+from router.config.llmd_plugins import LATE, apply
 from router.core.errors import ConfigError
 
 LLMD_API_VERSIONS = frozenset({"llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1"})
@@ -121,9 +123,13 @@ def _profiles(state: State, raw: Any) -> tuple[list[dict[str, Any]], list[dict[s
             {"pluginRef": name} for name in state.types
             if state.native.get(name, {}).get("type") in _SCHEDULING_TYPES
         ]}]
-    profiles = []
+    profiles: list[dict[str, Any]] = []
     for j, profile in enumerate(_list(raw, "schedulingProfiles")):
-        profiles.append(_profile(state, profile, f"schedulingProfiles[{j}]"))
+        where = f"schedulingProfiles[{j}]"
+        built = _profile(state, profile, where)
+        if any(p["name"] == built["name"] for p in profiles):
+            raise ConfigError(f"{where}.name: duplicate profile name {built['name']!r}")
+        profiles.append(built)
     if not profiles:
         raise ConfigError("schedulingProfiles: at least one profile is needed")
     if state.handler == "disagg-profile-handler":
@@ -134,6 +140,16 @@ def _profiles(state: State, raw: Any) -> tuple[list[dict[str, Any]], list[dict[s
                           "runs prefill and decode)")
     plugins = [state.native[name] for name in state.types if name in state.native]
     return plugins, profiles
+
+
+def _weight(ref: Mapping[str, Any], at: str) -> None:
+    """Checked here, naming the profile as the file has it (disaggregation reorders them)."""
+    weight = ref.get("weight")
+    if weight is None:  # llm-d: unset, the default weight
+        return
+    number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+    if not number or not math.isfinite(weight) or weight < 0:
+        raise ConfigError(f"{at}.weight: must be a finite number >= 0, got {weight!r}")
 
 
 def _profile(state: State, profile: Any, where: str) -> dict[str, Any]:
@@ -157,30 +173,39 @@ def _profile(state: State, profile: Any, where: str) -> dict[str, Any]:
         if native is None or native["type"] not in _SCHEDULING_TYPES:
             raise ConfigError(f"{at}.pluginRef: {name!r} ({state.types[name]}) is not a "
                               "filter, scorer or picker")
+        _weight(ref, at)
         refs.append({k: v for k, v in ref.items() if k in ("pluginRef", "weight")})
     return {"name": profile["name"], "plugins": refs}
 
 
 def _disagg_profiles(state: State, profiles: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The decode profile (the gateway's main one) and, when a request can be prefilled
+    elsewhere, the prefill profile, as llm-d's disagg handler runs them."""
     params = state.handler_params
-    where = params["where"]
     by_name = {p["name"]: p for p in profiles}
+    decider = params["decider"]
+    # prefill-first (no decider): every request is prefilled, if a prefill profile exists.
+    always = params["order"] == PREFILL_FIRST and params["profiles"]["prefill"] in by_name
     out = []
-    for role in ("decode", "prefill"):  # decode first: the gateway's main profile
+    for role in ("decode", "prefill") if decider or always else ("decode",):
         wanted = params["profiles"][role]
         if wanted not in by_name:
-            raise ConfigError(f"{where}.profiles.{role}: no scheduling profile named {wanted!r}")
+            raise ConfigError(f"{params['profile_at'][role]}: no scheduling profile named "
+                              f"{wanted!r}")
         out.append({**by_name[wanted], "name": role})
-    decider = params["decider"]
-    if not decider:
-        raise ConfigError(f"{where}.deciders.prefill: name a prefix-based-pd-decider "
-                          "(or always-disagg-pd-decider) plugin")
-    if state.types.get(decider) not in PD_TYPES:
-        raise ConfigError(f"{where}.deciders.prefill: no decider plugin named {decider!r}")
-    tokens = state.deciders[decider]
     pd = state.section("disaggregation")
-    pd["enabled"] = tokens != 0  # llm-d: nonCachedTokens 0 turns disaggregation off
-    pd["nonCachedTokens"] = max(0, tokens)  # -1 (always): from 0 uncached tokens on
+    if decider:
+        if state.types.get(decider) not in PD_TYPES:
+            raise ConfigError(f"{params['decider_at']}: no decider plugin named {decider!r}")
+        tokens = state.deciders[decider]
+        pd["enabled"] = tokens != 0  # llm-d: nonCachedTokens 0 turns disaggregation off
+        pd["nonCachedTokens"] = max(0, tokens)  # -1 (always): from 0 uncached tokens on
+    elif always:
+        pd["enabled"], pd["nonCachedTokens"] = True, 0
+    else:
+        pd["enabled"] = False
+        state.notes.ignore(params["decider_at"], "not set: prefill/decode disaggregation is "
+                           "off and only the decode profile runs, as in llm-d")
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.config.llmd_params import Params, Rule, State, duration_seconds
+from router.config.llmd_params import Params, Rule, State, check, duration_seconds
 from router.core.errors import ConfigError
 
 
@@ -26,8 +26,13 @@ def _program_aware(state: State, name: str, p: Params) -> None:
         value = params[native] = p.get(key, float, default)
         if not value >= 0:  # checked here, as llm-d does, even if no band names the policy
             raise ConfigError(f"{p.at(key)}: must be >= 0, got {value!r}")
-    p.ignore("idle programs are forgotten by count (programAware.maxPrograms), not by age",
-             "evictionTtlSeconds", "evictionSweepSeconds")
+    for key, positive in (("evictionTtlSeconds", False), ("evictionSweepSeconds", True)):
+        if p.has(key):  # checked as llm-d does, then ignored
+            value = p.get(key, float, 0.0)
+            check(value > 0 if positive else value >= 0, p.at(key),
+                  "must be above 0" if positive else "must be >= 0", value)
+            state.notes.ignore(f"{p.at(key)} ({p.type})", "idle programs are forgotten by "
+                               "count (programAware.maxPrograms), not by age")
     p.done()
     state.fairness[name] = {"fairnessPolicy": "program-aware", "programAware": params}
 
@@ -45,19 +50,29 @@ def _fcfs_ordering(state: State, name: str, p: Params) -> None:
     state.orderings.add(name)
 
 
+def _headroom(state: State, p: Params) -> None:
+    if p.has("headroom"):
+        headroom = p.get("headroom", float, 0.0)
+        check(headroom >= 0, p.at("headroom"), "must be >= 0", headroom)
+        state.notes.ignore(f"{p.at('headroom')} ({p.type})",
+                           "routing does not filter endpoints on the detector's limits")
+
+
 def _utilization_detector(state: State, name: str, p: Params) -> None:
     # The type too: without a threshold set, prefixgate's default is the concurrency detector.
     detector: dict[str, Any] = {"type": "utilization"}
     if p.has("queueDepthThreshold"):
-        detector["queueDepthThreshold"] = p.get("queueDepthThreshold", int, 5)
+        depth = detector["queueDepthThreshold"] = p.get("queueDepthThreshold", int, 5)
+        check(depth > 0, p.at("queueDepthThreshold"), "must be > 0", depth)
     if p.has("kvCacheUtilThreshold"):
-        detector["kvCacheUtilThreshold"] = p.get("kvCacheUtilThreshold", float, 0.8)
+        kv = detector["kvCacheUtilThreshold"] = p.get("kvCacheUtilThreshold", float, 0.8)
+        check(0 < kv <= 1, p.at("kvCacheUtilThreshold"), "must be in (0, 1]", kv)
     if p.has("metricsStalenessThreshold"):
         raw = p.get("metricsStalenessThreshold", str, "")
-        detector["metricsStalenessThreshold"] = duration_seconds(
-            raw, p.at("metricsStalenessThreshold")
-        )
-    p.ignore("routing does not filter endpoints on the detector's limits", "headroom")
+        stale = duration_seconds(raw, p.at("metricsStalenessThreshold"))
+        check(stale > 0, p.at("metricsStalenessThreshold"), "must be above 0", raw)
+        detector["metricsStalenessThreshold"] = stale
+    _headroom(state, p)
     p.done()
     state.detectors[name] = detector
 
@@ -65,14 +80,22 @@ def _utilization_detector(state: State, name: str, p: Params) -> None:
 def _concurrency_detector(state: State, name: str, p: Params) -> None:
     detector: dict[str, Any] = {}
     mode = p.get("concurrencyMode", str, "requests")
+    if mode == "tokens":
+        raise ConfigError(f"{p.at('concurrencyMode')}: 'tokens' is not supported here (the "
+                          "gateway counts requests in flight, not tokens); use requests")
     if mode != "requests":
-        raise ConfigError(f"{p.at('concurrencyMode')}: only 'requests' is supported "
-                          "(the gateway counts requests in flight, not tokens)")
+        raise ConfigError(f"{p.at('concurrencyMode')}: unknown mode {mode!r} (requests or "
+                          "tokens)")
     # llm-d's default, so that leaving it out means what spelling it out does.
-    detector["inFlightThreshold"] = p.get("maxConcurrency", int, 100)
-    p.ignore("routing does not filter endpoints on the detector's limits", "headroom")
-    p.ignore("the gateway counts requests in flight, not tokens",
-             "maxTokenConcurrency", "inFlightLoadProducerName")
+    limit = detector["inFlightThreshold"] = p.get("maxConcurrency", int, 100)
+    check(limit > 0, p.at("maxConcurrency"), "must be > 0", limit)
+    _headroom(state, p)
+    if p.has("maxTokenConcurrency"):
+        tokens = p.get("maxTokenConcurrency", int, 1)
+        check(tokens > 0, p.at("maxTokenConcurrency"), "must be > 0", tokens)
+        state.notes.ignore(f"{p.at('maxTokenConcurrency')} ({p.type})",
+                           "the gateway counts requests in flight, not tokens")
+    p.ignore("the gateway counts requests in flight itself", "inFlightLoadProducerName")
     p.done()
     state.detectors[name] = detector
 

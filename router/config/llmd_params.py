@@ -37,6 +37,12 @@ class Notes:
             self.ignored.append(line)
 
 
+def check(ok: bool, where: str, rule: str, value: Any) -> None:
+    """A value llm-d refuses fails here too, at the key as written (``rule``: what it must be)."""
+    if not ok:
+        raise ConfigError(f"{where}: {rule}, got {value!r}")
+
+
 def duration_seconds(value: Any, where: str) -> float:
     """A Go/Kubernetes duration ("1m30s", "200ms") or a number of seconds."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -120,7 +126,8 @@ class State:
     types: dict[str, str] = field(default_factory=dict)  # every plugin name -> llm-d type
     native: dict[str, dict[str, Any]] = field(default_factory=dict)  # filters, scorers, pickers
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
-    handler: str | None = None
+    handler: str | None = None  # the llm-d handler type it acts as
+    handler_name: str | None = None  # the plugin's name (llm-d runs one)
     handler_params: dict[str, Any] = field(default_factory=dict)
     deciders: dict[str, int] = field(default_factory=dict)  # name -> nonCachedTokens
     producers: dict[str, str] = field(default_factory=dict)  # name -> llm-d type

@@ -16,9 +16,11 @@ unknown key fails and a known but meaningless one is logged once.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from router.config.llmd_flow import FLOW_RULES
-from router.config.llmd_params import Params, Rule, State, duration_seconds
+from router.config.llmd_handlers import HANDLER_RULES
+from router.config.llmd_params import Params, Rule, State, check, duration_seconds
 from router.config.llmd_refused import REFUSED
 from router.core.errors import ConfigError
 from router.core.hashing import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
@@ -69,10 +71,15 @@ def _prefix_scorer(state: State, name: str, p: Params) -> None:
     if any(p.has(key) for key in _SIZING):
         _index_sizing(state, p)
     producer = p.get("prefixMatchInfoProducerName", str, "")
-    if p.get("matchLengthWeight", float, 0.0) > 0:
-        state.notes.ignore(f"{p.at('matchLengthWeight')} (prefix-cache-scorer)",
+    given = [key for key in ("matchLengthWeight", "matchLengthScaleTokens") if p.has(key)]
+    weight = p.get("matchLengthWeight", float, 0.0)
+    check(0.0 <= weight <= 1.0, p.at("matchLengthWeight"), "must be between 0 and 1", weight)
+    scale = p.get("matchLengthScaleTokens", int, 0)
+    check(weight == 0 or scale > 0, p.at("matchLengthScaleTokens"),
+          "must be > 0 when matchLengthWeight is above 0", scale)
+    for key in given:
+        state.notes.ignore(f"{p.at(key)} (prefix-cache-scorer)",
                            "the score is the share of the prompt held, without a length bonus")
-    p.ignore("the score is the share of the prompt held", "matchLengthScaleTokens")
     p.done()
     if producer and producer not in state.producers:
         raise ConfigError(f"{p.at('prefixMatchInfoProducerName')}: no producer named "
@@ -98,9 +105,14 @@ def _inflight(why: str) -> Rule:
 
 
 def _session_affinity(state: State, name: str, p: Params) -> None:
-    p.ignore("the session is the request's session header (x-session-id or an agent's); "
-             "its home is the endpoint that served it last",
-             "strategy", "encodedEndpointHeaderConfig", "sessionIdConfig", "profileName")
+    why = ("the session is the request's session header (x-session-id or an agent's); its home "
+           "is the endpoint that served it last")
+    if p.has("strategy"):
+        strategy = p.get("strategy", str, "")
+        check(strategy in ("encoded_endpoint_header", "session_id"), p.at("strategy"),
+              "must be encoded_endpoint_header or session_id", strategy)
+        state.notes.ignore(f"{p.at('strategy')} ({p.type})", why)
+    p.ignore(why, "encodedEndpointHeaderConfig", "sessionIdConfig", "profileName")
     p.done()
     state.add(name, "session-affinity-scorer")
 
@@ -117,7 +129,10 @@ def _approx_producer(state: State, name: str, p: Params) -> None:
 def _index_sizing(state: State, p: Params) -> None:
     """The approximate producer's sizing parameters, as ``prefixIndex`` settings."""
     auto = p.get("autoTune", bool, True)
+    tokens_given = p.has("blockSizeTokens")
     tokens = p.get("blockSizeTokens", int, 0)
+    check(auto or not tokens_given or tokens > 0, p.at("blockSizeTokens"),
+          "must be > 0 when autoTune is false", tokens)
     # llm-d's deprecated size, in characters (hashBlockSize on the older scorer); tokens win.
     chars = p.get("blockSize", int, 0) or p.get("hashBlockSize", int, 0)
     index = state.section("prefixIndex")
@@ -128,6 +143,7 @@ def _index_sizing(state: State, p: Params) -> None:
     block_tokens = index.get("blockBytes", DEFAULT_BLOCK_BYTES) / BYTES_PER_TOKEN
     max_tokens = p.get("maxPrefixTokensToMatch", int, 0)
     max_blocks = p.get("maxPrefixBlocksToMatch", int, 0)
+    check(max_tokens >= 0, p.at("maxPrefixTokensToMatch"), "must be >= 0", max_tokens)
     if max_tokens > 0:
         index["maxBlocksPerRequest"] = max(1, math.ceil(max_tokens / block_tokens))
     elif max_blocks > 0:
@@ -143,12 +159,36 @@ def _index_sizing(state: State, p: Params) -> None:
                            "the KV capacity it reports; set autoTune: false to fix it")
 
 
+# The burst producer's integer parameters: llm-d's default, its check, what it must be.
+_BURST: dict[str, tuple[int, Callable[[int], bool], str]] = {
+    "windowDurationMs": (100, lambda v: 0 < v <= 10_000, "must be in 1..10000"),
+    "maxPerReplica": (-1, lambda v: v == -1 or v >= 1, "must be -1 (unlimited) or >= 1"),
+    "blockSizeTokens": (64, lambda v: v > 0, "must be > 0"),
+    "maxPrefixTokensToMatch": (0, lambda v: v >= 0, "must be >= 0"),
+    "minColocateBlocks": (0, lambda v: v >= 0, "must be >= 0"),
+    "maxBatchSize": (1000, lambda v: v == -1 or v >= 1, "must be -1 (unlimited) or >= 1"),
+}
+
+
 def _burst_producer(state: State, name: str, p: Params) -> None:
+    """Checked as llm-d checks them, then ignored: the index already does what bursts need."""
     state.producers[name] = "burst-prefix-cache-producer"
-    p.ignore("the prefix index records each pick at once, so the later requests of a burst "
-             "already find the first one's prefix where it went",
-             "windowDurationMs", "maxPerReplica", "minColocateBlocks")
+    given = [key for key in (*_BURST, "balanceBy") if p.has(key)]
+    values: dict[str, int] = {}
+    for key, (default, ok, rule) in _BURST.items():
+        values[key] = p.get(key, int, default)
+        check(ok(values[key]), p.at(key), rule, values[key])
+    limit, block = values["maxPrefixTokensToMatch"], values["blockSizeTokens"]
+    check(limit == 0 or limit >= block, p.at("maxPrefixTokensToMatch"),
+          f"must be 0 or >= blockSizeTokens ({block})", limit)
+    balance = p.get("balanceBy", str, "requests")
+    check(balance in ("", "requests", "tokens"), p.at("balanceBy"), "must be requests or tokens",
+          balance)
     p.done()
+    for key in given:
+        state.notes.ignore(f"{p.at(key)} ({p.type})", "the prefix index records each pick at "
+                           "once, so the later requests of a burst already find the first "
+                           "one's prefix where it went")
 
 
 def _precise_producer(state: State, name: str, p: Params) -> None:
@@ -161,6 +201,8 @@ def _precise_parameters(state: State, p: Params) -> None:
     precise = state.section("precisePrefix")
     tokens = p.sub("tokenProcessorConfig")
     in_tokens, legacy = tokens.get("blockSizeTokens", int, 0), tokens.get("blockSize", int, 0)
+    for key, value in (("blockSizeTokens", in_tokens), ("blockSize", legacy)):
+        check(value >= 0, tokens.at(key), "must be > 0 (or 0: llm-d's default)", value)
     size = in_tokens or legacy
     if size > 0:
         precise["blockSize"] = size
@@ -188,7 +230,7 @@ def _precise_parameters(state: State, p: Params) -> None:
     indexer = p.sub("indexerConfig")
     indexer.ignore("the index always exports its Prometheus metrics", "kvBlockIndexConfig")
     indexer.ignore("the index lives in memory or in Redis (precisePrefix.index)",
-                   "tokenizersPoolConfig", "prefixStoreConfig", "backendConfigs")
+                   "tokenizersPoolConfig", "prefixStoreConfig", "kvCacheBackendConfigs")
     indexer.done()
     p.ignore("picks are always recorded speculatively until the events confirm them",
              "speculativeIndexing")
@@ -223,55 +265,6 @@ def _noop(why: str) -> Rule:
     return rule
 
 
-# -- profile handlers and deciders ----------------------------------------------------------
-
-
-def _single_handler(state: State, name: str, p: Params) -> None:
-    p.done()
-    state.handler = "single-profile-handler"
-
-
-def _data_parallel_handler(state: State, name: str, p: Params) -> None:
-    p.ignore("each endpoint is addressed on its own port: list every data-parallel rank "
-             "as an endpoint", "primaryPort")
-    p.done()
-    state.handler = "single-profile-handler"
-
-
-def _disagg_handler(state: State, name: str, p: Params) -> None:
-    profiles = p.sub("profiles")
-    names = {k: profiles.get(k, str, k) for k in ("decode", "prefill")}
-    if profiles.has("encode"):
-        raise ConfigError(f"{profiles.at('encode')}: prefixgate has no encode stage; "
-                          "remove it (prefill/decode disaggregation is supported)")
-    profiles.done()
-    deciders = p.sub("deciders")
-    decider = deciders.get("prefill", str, "")
-    if deciders.has("encode"):
-        raise ConfigError(f"{deciders.at('encode')}: prefixgate has no encode stage")
-    deciders.done()
-    p.ignore("prefill always runs before decode", "stageOrder")
-    p.done()
-    state.handler = "disagg-profile-handler"
-    state.handler_params = {"profiles": names, "decider": decider, "where": p.where}
-
-
-def _prefix_decider(state: State, name: str, p: Params) -> None:
-    state.deciders[name] = p.get("nonCachedTokens", int, 0)
-    if p.get("promptTokens", int, 0) > 0:
-        state.notes.ignore(f"{p.at('promptTokens')} (prefix-based-pd-decider)",
-                           "the decision is on the uncached tokens alone (nonCachedTokens)")
-    p.done()
-    if state.deciders[name] < 0:
-        raise ConfigError(f"{p.at('nonCachedTokens')}: cannot be negative")
-
-
-def _always_decider(state: State, name: str, p: Params) -> None:
-    p.done()
-    state.deciders[name] = -1  # always: prefill runs on the prefill pool for every request
-
-
-PD_TYPES = ("prefix-based-pd-decider", "always-disagg-pd-decider")
 # Rules by llm-d type. Scorers that name a producer run after every other plugin.
 RULES: dict[str, Rule] = {
     "decode-filter": _same("decode-filter"),
@@ -296,11 +289,6 @@ RULES: dict[str, Rule] = {
     "tokenizer": _token_producer,
     "inflight-load-producer": _noop("the gateway always counts requests in flight"),
     "session-id-producer": _noop("the session id is read from the request's headers"),
-    "single-profile-handler": _single_handler,
-    "data-parallel-profile-handler": _data_parallel_handler,
-    "disagg-profile-handler": _disagg_handler,
-    "prefix-based-pd-decider": _prefix_decider,
-    "always-disagg-pd-decider": _always_decider,
     "core-metrics-extractor": _noop("vLLM's metric names are built in"),
     "endpoint-notification-source": _noop("endpoints come from pool.endpoints, --backend or "
                                           "discovery, and precise routing follows them"),
@@ -312,6 +300,7 @@ RULES: dict[str, Rule] = {
     "anthropic-parser": _noop("Anthropic Messages is always served"),
     "vllmhttp-parser": _noop("vLLM's OpenAI-compatible API is always served"),
     "passthrough-parser": _noop("a body that is not parsed is refused with a 400"),
+    **HANDLER_RULES,
     **FLOW_RULES,
 }
 LATE = frozenset({"prefix-cache-scorer", "no-hit-lru-scorer"})

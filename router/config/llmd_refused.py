@@ -43,7 +43,6 @@ REFUSED: dict[str, str] = {
     # Pickers.
     "weighted-random-picker": "use max-score-picker or random-picker",
     # Profile handlers and deciders.
-    "pd-profile-handler": "use disagg-profile-handler with prefix-based-pd-decider",
     "disagg-headers-handler": "use disagg-profile-handler (disaggregation.mode: sidecar sets "
                               "the prefiller header)",
     "prefill-header-handler": "use disagg-profile-handler (disaggregation.mode: sidecar sets "

@@ -191,8 +191,8 @@ def test_disagg_handler_with_prefix_decider_turns_disaggregation_on() -> None:
     always = parse_config(pd_config({"type": "always-disagg-pd-decider"})).disaggregation
     assert (always.enabled, always.non_cached_tokens) == (True, 0)
     broken = pd_config(decider)
-    broken["plugins"][1]["parameters"]["deciders"] = {}
-    with pytest.raises(ConfigError, match=r"deciders\.prefill: name a prefix-based-pd-decider"):
+    broken["plugins"][1]["parameters"]["deciders"] = {"prefill": "nope"}
+    with pytest.raises(ConfigError, match=r"deciders\.prefill: no decider plugin named 'nope'"):
         parse_config(broken)
 
 

@@ -1,0 +1,143 @@
+"""Values llm-d refuses are refused here too, naming the key as the llm-d config spells it
+(router/config/llmd.py, llmd_plugins.py, llmd_flow.py). Every config is written for the test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from router.config.model import parse_config
+from router.core.errors import ConfigError
+
+LLMD = "llm-d.ai/v1alpha1"
+
+
+def one(type_: str, name: str | None = None, **parameters: Any) -> dict[str, Any]:
+    """A config of one plugin (with ``parameters``) and an empty profile."""
+    plugin: dict[str, Any] = {"type": type_, "parameters": parameters}
+    if name:
+        plugin["name"] = name
+    return {"apiVersion": LLMD, "plugins": [plugin],
+            "schedulingProfiles": [{"name": "default", "plugins": []}]}
+
+
+def test_burst_producer_takes_all_of_llm_d_s_parameters() -> None:
+    config = parse_config(one("burst-prefix-cache-producer", windowDurationMs=20,
+                              maxPerReplica=2, minColocateBlocks=1, blockSizeTokens=32,
+                              maxPrefixTokensToMatch=4096, maxBatchSize=-1,
+                              balanceBy="tokens"))
+    assert config.compatibility is not None
+    ignored = "\n".join(config.compatibility.ignored)
+    for key in ("balanceBy", "maxBatchSize", "blockSizeTokens", "maxPrefixTokensToMatch"):
+        assert key in ignored
+
+
+@pytest.mark.parametrize(
+    ("parameters", "key"),
+    [
+        ({"balanceBy": "bytes"}, "balanceBy"),
+        ({"windowDurationMs": 0}, "windowDurationMs"),
+        ({"windowDurationMs": 60_000}, "windowDurationMs"),
+        ({"maxPerReplica": 0}, "maxPerReplica"),
+        ({"minColocateBlocks": -1}, "minColocateBlocks"),
+        ({"maxBatchSize": 0}, "maxBatchSize"),
+        ({"blockSizeTokens": 0}, "blockSizeTokens"),
+        ({"maxPrefixTokensToMatch": 8, "blockSizeTokens": 64}, "maxPrefixTokensToMatch"),
+    ],
+)
+def test_burst_producer_values_llm_d_refuses(parameters: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"plugins\[0\]\.parameters\.{key}: must"):
+        parse_config(one("burst-prefix-cache-producer", **parameters))
+
+
+@pytest.mark.parametrize(
+    ("type_", "parameters", "key"),
+    [
+        ("prefix-cache-scorer", {"matchLengthWeight": -0.5}, "matchLengthWeight"),
+        ("prefix-cache-scorer", {"matchLengthWeight": 2.0}, "matchLengthWeight"),
+        ("prefix-cache-scorer", {"matchLengthWeight": 0.3}, "matchLengthScaleTokens"),
+        ("approx-prefix-cache-producer", {"maxPrefixTokensToMatch": -1},
+         "maxPrefixTokensToMatch"),
+        ("approx-prefix-cache-producer", {"autoTune": False, "blockSizeTokens": 0},
+         "blockSizeTokens"),
+        ("precise-prefix-cache-producer", {"tokenProcessorConfig": {"blockSizeTokens": -16}},
+         r"tokenProcessorConfig\.blockSizeTokens"),
+        ("utilization-detector", {"queueDepthThreshold": 0}, "queueDepthThreshold"),
+        ("utilization-detector", {"kvCacheUtilThreshold": 1.5}, "kvCacheUtilThreshold"),
+        ("utilization-detector", {"metricsStalenessThreshold": "0s"},
+         "metricsStalenessThreshold"),
+        ("utilization-detector", {"headroom": -0.1}, "headroom"),
+        ("concurrency-detector", {"maxConcurrency": 0}, "maxConcurrency"),
+        ("concurrency-detector", {"headroom": -1}, "headroom"),
+        ("concurrency-detector", {"maxTokenConcurrency": 0}, "maxTokenConcurrency"),
+        ("data-parallel-profile-handler", {"primaryPort": 0x10000}, "primaryPort"),
+        ("session-affinity-scorer", {"strategy": "cookie"}, "strategy"),
+        ("program-aware-fairness", {"evictionTtlSeconds": -1}, "evictionTtlSeconds"),
+        ("program-aware-fairness", {"evictionSweepSeconds": 0}, "evictionSweepSeconds"),
+    ],
+)
+def test_values_llm_d_refuses_fail_naming_the_plugin_parameter(
+    type_: str, parameters: dict[str, Any], key: str
+) -> None:
+    """Checked where the plugin is declared, as llm-d does, whether or not anything uses it,
+    and named as written (not as the prefixgate setting it becomes)."""
+    with pytest.raises(ConfigError, match=rf"^plugins\[0\]\.parameters\.{key}: "):
+        parse_config(one(type_, **parameters))
+
+
+@pytest.mark.parametrize("strategy", ["encoded_endpoint_header", "session_id"])
+def test_session_affinity_strategies_llm_d_knows_load(strategy: str) -> None:
+    config = parse_config(one("session-affinity-scorer", strategy=strategy))
+    assert config.compatibility is not None
+    assert any(".strategy (session-affinity-scorer)" in n for n in config.compatibility.ignored)
+
+
+def test_concurrency_mode_tokens_is_refused_and_an_unknown_mode_is_called_unknown() -> None:
+    with pytest.raises(ConfigError, match=r"concurrencyMode: .*'tokens'.*not supported"):
+        parse_config(one("concurrency-detector", concurrencyMode="tokens"))
+    with pytest.raises(ConfigError, match=r"concurrencyMode: unknown mode 'bytes'"):
+        parse_config(one("concurrency-detector", concurrencyMode="bytes"))
+
+
+def test_precise_indexer_takes_llm_d_kv_cache_s_backend_key() -> None:
+    """llm-d-kv-cache's indexer config spells its backends kvCacheBackendConfigs."""
+    indexer = {"kvBlockIndexConfig": {"enableMetrics": False},
+               "kvCacheBackendConfigs": [{"name": "gpu", "weight": 1.0}]}
+    config = parse_config(one("precise-prefix-cache-producer", indexerConfig=indexer))
+    assert config.precise_prefix.enabled
+    with pytest.raises(ConfigError, match=r"indexerConfig\.backendConfigs: unknown parameter"):
+        parse_config(one("precise-prefix-cache-producer",
+                         indexerConfig={"backendConfigs": []}))
+
+
+def profiles(weight: Any) -> dict[str, Any]:
+    """Prefill first, as llm-d's samples list them; the weight on its queue scorer."""
+    return {
+        "apiVersion": LLMD,
+        "plugins": [{"type": "prefill-filter"}, {"type": "decode-filter"},
+                    {"type": "queue-scorer"}, {"type": "prefix-based-pd-decider",
+                                               "parameters": {"nonCachedTokens": 8}},
+                    {"type": "disagg-profile-handler",
+                     "parameters": {"deciders": {"prefill": "prefix-based-pd-decider"}}}],
+        "schedulingProfiles": [
+            {"name": "prefill", "plugins": [{"pluginRef": "prefill-filter"},
+                                            {"pluginRef": "queue-scorer", "weight": weight}]},
+            {"name": "decode", "plugins": [{"pluginRef": "decode-filter"},
+                                           {"pluginRef": "queue-scorer", "weight": 1}]},
+        ],
+    }
+
+
+@pytest.mark.parametrize("weight", [-1, float("inf"), float("nan"), "2", True])
+def test_a_bad_weight_fails_naming_the_profile_as_written(weight: Any) -> None:
+    """The prefill profile is schedulingProfiles[0] in the file, whatever order the
+    translation puts the profiles in."""
+    with pytest.raises(ConfigError,
+                       match=r"^schedulingProfiles\[0\]\.plugins\[1\]\.weight: "):
+        parse_config(profiles(weight))
+
+
+def test_a_good_weight_and_a_null_weight_load() -> None:
+    assert parse_config(profiles(2.5)).disaggregation.enabled
+    assert parse_config(profiles(None)).disaggregation.enabled
