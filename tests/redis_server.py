@@ -130,13 +130,19 @@ async def namespace_for(url: str) -> AsyncIterator[str]:
 
 
 # Prepended to a script by declared_keys_only: every key a command names must be one of KEYS
-# (the first argument of every command the scripts use, TIME aside, is its key).
+# (the first argument of every command the scripts use, TIME aside, is its key; RENAME, DEL and
+# EXISTS take keys only).
 _DECLARED_KEYS_ONLY = """
 local declared_keys_ = {}
 for _, k in ipairs(KEYS) do declared_keys_[k] = true end
 local function checked_call_(cmd, key, ...)
   if cmd == 'TIME' then return redis.call(cmd) end
   if not declared_keys_[key] then error('key not given in KEYS: ' .. tostring(key)) end
+  if cmd == 'RENAME' or cmd == 'DEL' or cmd == 'EXISTS' then  -- every argument a key
+    for _, k in ipairs({...}) do
+      if not declared_keys_[k] then error('key not given in KEYS: ' .. tostring(k)) end
+    end
+  end
   return redis.call(cmd, key, ...)
 end
 """

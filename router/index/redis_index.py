@@ -87,7 +87,7 @@ class RedisPrefixIndex:
         tag = key_tag(namespace, partition)
         self.local = InMemoryPrefixIndex(default_capacity)
         self._holders, self._slots, self._lru_prefix = tag + ":h", tag + ":s", tag + ":l:"
-        self._clocks = tag + ":c"
+        self._clocks, self._seen = tag + ":c", tag + ":t"
         if metrics is None and registry is not None:
             metrics = RedisMetrics(registry)
         self.metrics = default_metrics(metrics)
@@ -97,8 +97,10 @@ class RedisPrefixIndex:
         )
         self._write_budget = write_timeout_ms / 1000.0
         self._ttl_ms = max(1, int(key_ttl_seconds * 1000))
+        self._ttl_seconds = key_ttl_seconds
         self._refresh_every = key_ttl_seconds / 10
         self._refreshed_at = -float("inf")
+        self._recorded: set[str] = set()  # endpoints recorded here since the last refresh
         self._forget_chunk = max(1, forget_chunk)
         self._max_touch = max(0, max_blocks_per_write)
         self._flush_timeout = flush_timeout
@@ -148,6 +150,7 @@ class RedisPrefixIndex:
             return
         hashes = capped(hashes, self.local.capacity(endpoint_id))
         self.local.record(endpoint_id, hashes)
+        self._recorded.add(endpoint_id)
         op = ("record", endpoint_id, pack_hashes(hashes))
         self._queue.put(op, self.local.capacity(endpoint_id))
 
@@ -193,7 +196,9 @@ class RedisPrefixIndex:
     ) -> ScriptCall:
         """A script call for ``op``; a refresh renews ``lrus`` (every endpoint's LRU key)."""
         kind, endpoint_id, blob = op
-        keys = [self._holders, self._slots, self._lru_prefix + endpoint_id, self._clocks]
+        keys = [
+            self._holders, self._slots, self._lru_prefix + endpoint_id, self._clocks, self._seen
+        ]
         if kind == "forget":
             return _FORGET, keys, [endpoint_id, self._forget_chunk]
         flag = "1" if refresh else "0"
@@ -237,10 +242,7 @@ class RedisPrefixIndex:
         with a purge that is not finished yet."""
         lrus: list[str] = []
         if refresh:  # a script touches only the keys it is given: it is given every LRU key
-            ids = await self._link.call(
-                "index_update", lambda c: c.hkeys(self._slots), self._write_budget
-            )
-            lrus = [self._lru_prefix + as_text(e) for e in ids]
+            lrus = await self._lrus_to_keep({op[1] for op, _ in batch})
         calls = [
             self._script_args(op, capacity, refresh, self._max_touch, lrus=lrus)
             for op, capacity in batch
@@ -254,6 +256,7 @@ class RedisPrefixIndex:
             self.metrics.dropped.labels("index_update", "error").inc(len(failed))
         if refresh and not failed:
             self._refreshed_at = time.monotonic()
+            self._recorded.clear()
         finished = True
         for (op, capacity), result in zip(batch, results, strict=True):
             if op[0] == "forget" and isinstance(result, int) and result > 0:
@@ -264,6 +267,38 @@ class RedisPrefixIndex:
             elif op[0] == "record" and isinstance(result, list) and len(result) == 2:
                 await self._record_in_pieces(op, capacity, int(result[0]) - 1, int(result[1]))
         return finished
+
+    async def _lrus_to_keep(self, shipping: set[str]) -> list[str]:
+        """Every endpoint's LRU key, for the refresh, but an endpoint no gateway recorded for
+        the keys' TTL: it is purged instead (it left while no gateway watched it, most likely),
+        or the refresh would keep it for as long as the namespace is used, for a replica given
+        its address later to inherit. Not one this gateway recorded since the last refresh
+        (``shipping`` and :attr:`_recorded`): it is back."""
+
+        async def read(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            pipe.hkeys(self._slots)
+            pipe.hgetall(self._seen)
+            found: list[Any] = await pipe.execute()
+            return found
+
+        ids, seen = await self._link.call("index_update", read, self._write_budget)
+        now = time.time()
+        lrus: list[str] = []
+        unseen: dict[Any, int] = {}  # Any: redis-py types the mapping's keys invariantly
+        for raw in ids:
+            endpoint_id, at = as_text(raw), seen.get(raw)
+            if at is None:  # recorded by an older release only: it ages from now
+                unseen[endpoint_id] = int(now)
+            elif now - int(at) > self._ttl_seconds and endpoint_id not in shipping | self._recorded:
+                self._purge(endpoint_id)
+                continue
+            lrus.append(self._lru_prefix + endpoint_id)
+        if unseen:
+            await self._link.call(
+                "index_update", lambda c: c.hset(self._seen, mapping=unseen), self._write_budget
+            )
+        return lrus
 
     async def _forget_rest(self, op: _Op) -> bool:
         """A purge's later chunks, one bounded script each (a script runs alone on the

@@ -95,8 +95,8 @@ search(0, n, cands)
 return res
 """)
 
-# KEYS: holders, slots, this endpoint's LRU, clocks, then (with the refresh-all flag) every
-# endpoint's LRU. ARGV: endpoint, capacity, ttl ms, refresh-all flag, packed hashes (possibly
+# KEYS: holders, slots, this endpoint's LRU, clocks, last records, then (with the refresh-all flag)
+# every endpoint's LRU. ARGV: endpoint, capacity, ttl ms, refresh-all flag, packed hashes (possibly
 # empty: then it only trims), the most blocks to touch in this call (0: no limit), and the fresh
 # bound of the record this call is a piece of ('' for a record of its own). Returns 0, or
 # {1 + the fresh head's length, the fresh bound} when the touch would exceed that limit (nothing
@@ -107,17 +107,18 @@ return res
 # the same double arithmetic, so both indexes score and evict alike: a binary search for the
 # fresh head of the chain, then only the rest is touched.
 RECORD = LuaScript(PRELUDE + """
-local holders, slots, lru, clocks = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local holders, slots, lru, clocks, seen = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local ep, cap, ttl, blob = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[5]
 local most, bound = tonumber(ARGV[6]), ARGV[7]
 if ARGV[4] == '1' then
   -- First, before any early return (a long record's pieces follow with the flag off): every
   -- endpoint's keys kept alive while any gateway writes. The caller gives the LRU keys (read
   -- from the slots hash): a script touches only keys it is given, as a Cluster requires.
-  for k = 5, #KEYS do redis.call('PEXPIRE', KEYS[k], ttl) end
+  for k = 6, #KEYS do redis.call('PEXPIRE', KEYS[k], ttl) end
   redis.call('PEXPIRE', holders, ttl)
   redis.call('PEXPIRE', slots, ttl)
   redis.call('PEXPIRE', clocks, ttl)
+  redis.call('PEXPIRE', seen, ttl)
 end
 local n = #blob / 8
 local slot = slot_of(slots, ep, n > 0)
@@ -160,6 +161,9 @@ local function touch(first, scores)
   end
 end
 if n > 0 then
+  -- When a gateway last recorded the endpoint (seconds): the refresh purges one that none
+  -- recorded for the TTL rather than keep it alive (router/index/redis_index.py).
+  redis.call('HSET', seen, ep, redis.call('TIME')[1])
   local clock = tonumber(redis.call('HGET', clocks, ep) or false)
   if not clock then  -- entries written before the clock existed: continue above them
     local top = redis.call('ZREVRANGE', lru, 0, 0, 'WITHSCORES')
@@ -194,11 +198,13 @@ redis.call('PEXPIRE', holders, ttl)
 redis.call('PEXPIRE', slots, ttl)
 redis.call('PEXPIRE', lru, ttl)
 redis.call('PEXPIRE', clocks, ttl)
+redis.call('PEXPIRE', seen, ttl)
 return left
 """)
 
-# KEYS: holders, slots, the endpoint's LRU, clocks. ARGV: endpoint, chunk. Purges one chunk of
-# the endpoint's entries, frees its slot when none are left; returns how many are left.
+# KEYS: holders, slots, the endpoint's LRU, clocks, last records. ARGV: endpoint, chunk. Purges
+# one chunk of the endpoint's entries, frees its slot when none are left; returns how many are
+# left.
 FORGET = LuaScript(PRELUDE + """
 local slot = slot_of(KEYS[2], ARGV[1], false)
 pop_oldest(KEYS[1], KEYS[3], slot, tonumber(ARGV[2]))
@@ -206,6 +212,7 @@ local left = redis.call('ZCARD', KEYS[3])
 if left == 0 then
   redis.call('HDEL', KEYS[2], ARGV[1])
   redis.call('HDEL', KEYS[4], ARGV[1])
+  redis.call('HDEL', KEYS[5], ARGV[1])
 end
 return left
 """)

@@ -1,8 +1,10 @@
 """Lua scripts of the shared precise index (router/precise/shared_index.py describes the layout).
 
-Every key a script touches shares one hash tag, so each script runs on one Redis Cluster slot.
-Garbage maps (``<p>d:<slot>``) are named from a slot number inside the scripts; they carry the
-same tag, hence the same slot, as the keys the scripts are given.
+Every key a script touches shares one hash tag, so each script runs on one Redis Cluster slot,
+and is one the caller gives in KEYS, as stores and proxies that route or check scripts by their
+declared keys require. Garbage maps (``<p>d:<slot>``) are named from a slot number the caller
+learns from earlier answers: a script that would need another one changes nothing and answers
+``moved`` with the slot, and the caller sends it again.
 
 Blobs are 8-byte fields packed back to back: engine hash ids, keys. A holder bitmap is a string,
 one bit per endpoint slot, kept canonical (no trailing zero bytes).
@@ -27,78 +29,105 @@ end
 local function int(x) return string.format('%d', x)
 end
 """ + HOLDER_BITMAP_LUA + """
--- Reclaim up to `budget` entries of one garbage map (an endpoint's map before a clear).
-local function gc_step(holders, slots, garbage, budget)
-  local g = redis.call('SRANDMEMBER', garbage)
-  if not g then return 0 end
-  local d = T .. 'd:' .. g
-  local s = tonumber(g)
-  local byte, mask = floor(s / 8) + 1, 2 ^ (s % 8)
-  -- Random fields, not a scan from cursor 0: once the scan's first buckets are empty (Redis
-  -- does not shrink a hash until it is 90% empty) such a scan returns nothing, step after step.
-  local kv = redis.call('HRANDFIELD', d, budget, 'WITHVALUES')
-  if #kv > 0 then
-    local fields, keys = {}, {}
-    for x = 1, #kv, 2 do fields[#fields + 1] = kv[x]; keys[#keys + 1] = kv[x + 1] end
-    local vals = redis.call('HMGET', holders, unpack(keys))
-    local cur = {}  -- two engine hashes may share a key: the second sees the first's update
-    for k = 1, #keys do
-      local key = keys[k]
-      local v = cur[key]
-      if v == nil then v = vals[k] end
-      local nv = without_bit(v, byte, mask)
-      if nv == '' then redis.call('HDEL', holders, key); cur[key] = false
-      elseif nv then redis.call('HSET', holders, key, nv); cur[key] = nv end
-    end
-    redis.call('HDEL', d, unpack(fields))
-  end
-  if redis.call('EXISTS', d) == 0 then
-    redis.call('SREM', garbage, g)
-    redis.call('HDEL', slots, '#' .. g)
-  end
-  return redis.call('SCARD', garbage)
+local function gname(s) return T .. 'd:' .. s end
+local function drop_bit(holders, key, byte, mask)
+  local nv = without_bit(redis.call('HGET', holders, key), byte, mask)
+  if nv == '' then redis.call('HDEL', holders, key)
+  elseif nv then redis.call('HSET', holders, key, nv) end
 end
--- Forget everything an endpoint holds in O(1): its map becomes garbage of its old slot (reclaimed
--- by gc_step), and the endpoint gets a fresh slot at its next store.
-local function clear(holders, slots, garbage, map, refs, ep, ttl)
+-- The endpoint's slot when `old`, the garbage map the caller named for it, is not the one a
+-- clear would make of its map. Read before any write: such a call changes nothing.
+local function moved_slot(slots, map, ep, old)
+  local s = redis.call('HGET', slots, ep)
+  if s and old ~= gname(s) and redis.call('EXISTS', map) == 1 then return s end
+  return nil
+end
+-- Reclaim up to `budget` entries of the garbage map `d` (one the caller named, from an earlier
+-- answer; a map already reclaimed, or no map, is left alone). Returns the maps left and one of
+-- them to name next time ('' when none).
+local function gc_step(holders, slots, garbage, d, budget)
+  local g = sub(d, #T + 3)
+  if g ~= '' and d == gname(g) and redis.call('SISMEMBER', garbage, g) == 1 then
+    local s = tonumber(g)
+    local byte, mask = floor(s / 8) + 1, 2 ^ (s % 8)
+    -- Random fields, not a scan from cursor 0: once the scan's first buckets are empty (Redis
+    -- does not shrink a hash until it is 90% empty) such a scan returns nothing, step after
+    -- step.
+    local kv = redis.call('HRANDFIELD', d, budget, 'WITHVALUES')
+    if #kv > 0 then
+      local fields, keys = {}, {}
+      for x = 1, #kv, 2 do fields[#fields + 1] = kv[x]; keys[#keys + 1] = kv[x + 1] end
+      local vals = redis.call('HMGET', holders, unpack(keys))
+      local cur = {}  -- two engine hashes may share a key: the second sees the first's update
+      for k = 1, #keys do
+        local key = keys[k]
+        local v = cur[key]
+        if v == nil then v = vals[k] end
+        local nv = without_bit(v, byte, mask)
+        if nv == '' then redis.call('HDEL', holders, key); cur[key] = false
+        elseif nv then redis.call('HSET', holders, key, nv); cur[key] = nv end
+      end
+      redis.call('HDEL', d, unpack(fields))
+    end
+    if redis.call('EXISTS', d) == 0 then
+      redis.call('SREM', garbage, g)
+      redis.call('HDEL', slots, '#' .. g)
+    end
+  end
+  return {redis.call('SCARD', garbage), redis.call('SRANDMEMBER', garbage) or ''}
+end
+-- Forget everything an endpoint holds. The map the call found (`old`, as moved_slot checked)
+-- becomes garbage of its old slot in O(1), reclaimed by gc_step, and the endpoint gets a fresh
+-- slot at its next store. A map made since, in this call, holds this call's stores only: its
+-- bits are dropped here, in no more steps than the stores took.
+local function clear(holders, slots, garbage, map, refs, ep, ttl, old)
   local s = redis.call('HGET', slots, ep)
   if s and redis.call('EXISTS', map) == 1 then
-    local d = T .. 'd:' .. s
-    redis.call('RENAME', map, d)
-    redis.call('PEXPIRE', d, ttl)
-    redis.call('SADD', garbage, s)
-    redis.call('HSET', slots, '#' .. s, s)
+    if old == gname(s) then
+      redis.call('RENAME', map, old)
+      redis.call('PEXPIRE', old, ttl)
+      redis.call('SADD', garbage, s)
+      redis.call('HSET', slots, '#' .. s, s)
+    else
+      local n = tonumber(s)
+      local byte, mask = floor(n / 8) + 1, 2 ^ (n % 8)
+      for _, k in ipairs(redis.call('HVALS', map)) do drop_bit(holders, k, byte, mask) end
+      redis.call('DEL', map)
+    end
     redis.call('HDEL', slots, ep)
   end
   redis.call('DEL', refs)
 end
 """
 
-# KEYS: holders, slots, garbage, meta, map, refs.
-# ARGV: prefix, endpoint, seq, ts, capacity, ttl ms, resync ms, refresh-all flag, then ops as
-# triples: 'S' hash-ids keys | 'R' hash-ids '' | 'C' '' ''.
-# Returns {status, seq}: status is applied, fresh, restart, gap, overflow (applied after a
-# clear), dup or stale (skipped).
+# KEYS: holders, slots, garbage, meta, map, refs, the garbage map a clear would make of the map
+# (`d:<its slot>`), a garbage map to reclaim a step of, then (with the refresh-all flag) every
+# endpoint's meta, map and refs. ARGV: prefix, endpoint, seq, ts, capacity, ttl ms, resync ms,
+# refresh-all flag, then ops as triples: 'S' hash-ids keys | 'R' hash-ids '' | 'C' '' ''.
+# Returns {status, seq, the endpoint's slot now, a garbage map to name next}: status is applied,
+# fresh, restart, gap, overflow (applied after a clear), dup or stale (skipped), or moved
+# (nothing done: the seventh KEY was not the map's garbage name; the slot says which it is).
 APPLY = LuaScript(_PRELUDE + """
 local holders, slots, garbage = KEYS[1], KEYS[2], KEYS[3]
-local meta, map, refs = KEYS[4], KEYS[5], KEYS[6]
+local meta, map, refs, old = KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local ep, seq, ts = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local cap, ttl, resync = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local moved = moved_slot(slots, map, ep, old)
+if moved then return {'moved', seq, moved, redis.call('SRANDMEMBER', garbage) or ''} end
+local function reply(status, s, next_gc)
+  return {status, s, redis.call('HGET', slots, ep) or '', next_gc}
+end
 local now = now_ms()
 if ARGV[8] == '1' then
   -- First, before a duplicate's or a stale batch's early return: every endpoint's keys kept
-  -- alive while any gateway writes.
-  for _, e in ipairs(redis.call('HKEYS', slots)) do
-    if sub(e, 1, 1) ~= '#' then
-      for _, kind in ipairs({'i:', 'm:', 'k:'}) do redis.call('PEXPIRE', T .. kind .. e, ttl) end
-    end
-  end
+  -- alive while any gateway writes (the caller read them from the slots hash).
+  for k = 9, #KEYS do redis.call('PEXPIRE', KEYS[k], ttl) end
   for _, key in ipairs({holders, slots, garbage}) do redis.call('PEXPIRE', key, ttl) end
 end
 local m = redis.call('HMGET', meta, 'seq', 'ts', 'until')
 local status, untl = 'applied', tonumber(m[3] or '0')
 local function reset(why, trusted)
-  clear(holders, slots, garbage, map, refs, ep, ttl)
+  clear(holders, slots, garbage, map, refs, ep, ttl, old)
   status = why
   if trusted then untl = 0 else untl = now + resync end
 end
@@ -107,10 +136,11 @@ if not m[1] then
 else
   local s0, t0 = tonumber(m[1]), tonumber(m[2])
   if seq <= s0 then
-    if ts <= t0 then return {'dup', s0} end
+    if ts <= t0 then return reply('dup', s0, redis.call('SRANDMEMBER', garbage) or '') end
     reset('restart', seq == 0)  -- an older seq published later: the publisher restarted
   elseif ts < t0 - @SLACK@ then
-    return {'stale', s0}  -- a lagging delivery from before a restart
+    -- a lagging delivery from before a restart
+    return reply('stale', s0, redis.call('SRANDMEMBER', garbage) or '')
   elseif seq > s0 + 1 then
     reset('gap', false)  -- no replica delivered the batches in between
   end
@@ -161,32 +191,44 @@ for x = 9, #ARGV, 3 do
       end
     end
   else
-    clear(holders, slots, garbage, map, refs, ep, ttl)
+    clear(holders, slots, garbage, map, refs, ep, ttl, old)
     untl = 0  -- a cleared cache is fully known from here on
     use_slot()
   end
 end
 if redis.call('HLEN', map) > cap then reset('overflow', false) end
-redis.call('HSET', meta, 'seq', ARGV[3], 'ts', ARGV[4], 'until', int(untl))
-gc_step(holders, slots, garbage, @GC@)
+-- 'at': when a batch was last applied (seconds): the refresh purges an endpoint idle for the TTL.
+redis.call('HSET', meta, 'seq', ARGV[3], 'ts', ARGV[4], 'until', int(untl),
+  'at', int(floor(now / 1000)))
+local left = gc_step(holders, slots, garbage, KEYS[8], @GC@)
 for _, key in ipairs({holders, slots, garbage, meta, map, refs}) do
   redis.call('PEXPIRE', key, ttl)
 end
-return {status, seq}
+return reply(status, seq, left[2])
 """.replace("@SLACK@", repr(STALE_SLACK_SECONDS)).replace("@GC@", str(_GC_BUDGET)))
 
-# KEYS: holders, slots, garbage, meta, map, refs, speculative. ARGV: prefix, endpoint, ttl ms.
-# Purges the endpoint; returns how many garbage maps are left to reclaim (see GC).
+# KEYS: holders, slots, garbage, meta, map, refs, speculative, the garbage map a clear would make
+# of the map, a garbage map to reclaim a step of. ARGV: prefix, endpoint, ttl ms. Purges the
+# endpoint; returns {garbage maps left to reclaim (see GC), one to name next, ''}, or {-1, '',
+# the endpoint's slot} when the eighth KEY was not the map's garbage name (nothing done).
 FORGET = LuaScript(_PRELUDE + """
-clear(KEYS[1], KEYS[2], KEYS[3], KEYS[5], KEYS[6], ARGV[2], tonumber(ARGV[3]))
-redis.call('HDEL', KEYS[2], ARGV[2])
+local slots, old = KEYS[2], KEYS[8]
+local moved = moved_slot(slots, KEYS[5], ARGV[2], old)
+if moved then return {-1, '', moved} end
+local s = redis.call('HGET', slots, ARGV[2])
+clear(KEYS[1], slots, KEYS[3], KEYS[5], KEYS[6], ARGV[2], tonumber(ARGV[3]), old)
+redis.call('HDEL', slots, ARGV[2])
 redis.call('DEL', KEYS[4], KEYS[6], KEYS[7])
-return gc_step(KEYS[1], KEYS[2], KEYS[3], @GC@)
+local d = KEYS[9]
+if s and old == gname(s) then d = old end  -- its own garbage first
+local left = gc_step(KEYS[1], slots, KEYS[3], d, @GC@)
+return {left[1], left[2], ''}
 """.replace("@GC@", str(_GC_BUDGET)))
 
-# KEYS: holders, slots, garbage. ARGV: prefix. One bounded step; returns maps left.
+# KEYS: holders, slots, garbage, a garbage map. ARGV: prefix. One bounded step of that map;
+# returns {maps left, one to name next}.
 GC = LuaScript(_PRELUDE + """
-return gc_step(KEYS[1], KEYS[2], KEYS[3], @GC@)
+return gc_step(KEYS[1], KEYS[2], KEYS[3], KEYS[4], @GC@)
 """.replace("@GC@", str(_GC_BUDGET)))
 
 # KEYS: the endpoint's speculative zset. ARGV: prefix, ttl ms, cap, packed keys.

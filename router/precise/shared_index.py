@@ -44,6 +44,9 @@ from router.precise.redis_scripts import APPLY, FORGET, GC, MATCH, SPECULATE
 
 DEFAULT_KEY_TTL_SECONDS = 86_400.0
 _MASK64 = (1 << 64) - 1
+# Sends of one call at most: a script told to move (a garbage map it was not given) is sent
+# again with the name it was told.
+_SENDS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +132,18 @@ class SharedPreciseIndex:
         self._write_budget = write_timeout_ms / 1000.0
         self._resync_ms = max(0, int(resync_seconds * 1000))
         self._ttl_ms = max(1, int(key_ttl_seconds * 1000))
+        self._ttl_seconds = key_ttl_seconds
         self._refresh_every = key_ttl_seconds / 10
         self._refreshed_at = -float("inf")
         self._max_spec = max(1, max_speculative)
         self._flush_timeout = flush_timeout
         self._puts = itertools.count()
+        # What earlier answers said, so that each script is given every key it will touch: the
+        # slot of each endpoint (a clear renames its map to that slot's garbage map), and a
+        # garbage map to reclaim a step of.
+        self._slots: dict[str, str] = {}
+        self._gc_next = ""
+        self._delivered: set[str] = set()  # endpoints with batches here since the last refresh
         self.statuses: dict[str, int] = {}  # APPLY outcomes of this replica's deliveries
         self._outcomes = Counter(
             "prefixgate_precise_shared_batches",
@@ -160,6 +170,7 @@ class SharedPreciseIndex:
     def batch(self, endpoint_id: str, seq: int, ts: float, ops: list[AppliedOp]) -> None:
         """A batch the local subscriber just applied (router.precise.events.BatchMirror)."""
         capacity = self.local.capacity(endpoint_id)
+        self._delivered.add(endpoint_id)
         self._queue.put(("events", endpoint_id, next(self._puts)), _Events(seq, ts, ops, capacity))
 
     def speculated(self, endpoint_id: str, keys: Sequence[int], ttl: float) -> None:
@@ -183,19 +194,25 @@ class SharedPreciseIndex:
         await self._queue.aclose(self._flush_timeout)
         await self._link.aclose()
 
-    def _call(self, key: _Key, item: _Item, refresh: bool) -> ScriptCall:
+    def _garbage(self, slot: str) -> str:
+        """The garbage map of ``slot`` ('': a name no map has)."""
+        return self._p + "d:" + slot
+
+    def _call(self, key: _Key, item: _Item, keep: Sequence[str] | None) -> ScriptCall:
+        """A script call for ``item``; ``keep``: every endpoint's keys, when their TTL is due."""
         eid, p = key[1], self._p
         if isinstance(item, _Speculation):
             return SPECULATE, [self._k("z:", eid)], [p, item.ttl_ms, self._max_spec, item.keys]
         base = [self._k("h"), self._k("s"), self._k("g"), self._k("i:", eid),
                 self._k("m:", eid), self._k("k:", eid)]
+        old, gc = self._garbage(self._slots.get(eid, "")), self._garbage(self._gc_next)
         if isinstance(item, _Purge):
             if not eid:
-                return GC, base[:3], [p]
-            return FORGET, [*base, self._k("z:", eid)], [p, eid, self._ttl_ms]
+                return GC, [*base[:3], gc], [p]
+            return FORGET, [*base, self._k("z:", eid), old, gc], [p, eid, self._ttl_ms]
         args: list[Any] = [
             p, eid, item.seq, repr(item.ts), item.capacity, self._ttl_ms, self._resync_ms,
-            "1" if refresh else "0",
+            "0" if keep is None else "1",
         ]
         for op in item.ops:
             if isinstance(op, Mapped):
@@ -205,32 +222,115 @@ class SharedPreciseIndex:
             elif isinstance(op, Cleared):
                 args += ["C", "", ""]
             # A Stored left here could not be mapped even with Redis' help: skipped.
-        return APPLY, base, args
+        return APPLY, [*base, old, gc, *(keep or ())], args
 
     async def _ship(self, batch: list[tuple[_Key, _Item]]) -> None:
-        """One pipelined round trip (two when a late replica must learn parents first)."""
+        """One pipelined round trip (two when a late replica must learn parents first, one more
+        every few hours to read the keys to refresh, one more when a script needed a garbage
+        map other than the one it was given)."""
         await self._resolve_parents(batch)
-        refresh = time.monotonic() - self._refreshed_at > self._refresh_every
-        calls = [self._call(key, item, refresh) for key, item in batch]
-
-        results = await self._link.call(
-            "precise_update", lambda c: pipeline_scripts(c, calls), self._write_budget
-        )
-        failed = 0
-        for (key, _), result in zip(batch, results, strict=True):
-            if isinstance(result, Exception):
-                failed += 1
-            elif key[0] == "events":
-                status = as_text(result[0])
-                self.statuses[status] = self.statuses.get(status, 0) + 1
-                self._outcomes.labels(status).inc()
-            elif key[0] == "purge" and isinstance(result, int) and result > 0:
-                self._queue.put(("purge", "", 0), _Purge())  # reclaim the rest, bounded steps
+        keep: list[str] | None = None
+        if time.monotonic() - self._refreshed_at > self._refresh_every:
+            keep = await self._every_endpoints_keys({k[1] for k, _ in batch} | self._delivered)
+        failed, refreshed = 0, False
+        for send in range(_SENDS):
+            try:
+                results = await self._send(batch, keep)
+            except Unavailable as exc:
+                if send == 0:
+                    raise  # nothing shipped: the queue takes it back
+                # Only what was told to move is left (a purge done before must not run again
+                # after the records that followed it): its purges wait for Redis.
+                kept = self._queue.requeue([u for u in batch if u[0][0] == "purge"])
+                self.metrics.dropped.labels("precise_update", exc.reason).inc(len(batch) - kept)
+                batch = []
+                break
+            batch, errors, applied = self._read_answers(batch, results)
+            failed, refreshed = failed + errors, refreshed or applied
+            if not batch:
+                break
+        failed += len(batch)  # told to move that often: other gateways clearing it meanwhile
         if failed:
             self.metrics.errors.labels("precise_update", "error").inc(failed)
             self.metrics.dropped.labels("precise_update", "error").inc(failed)
-        elif refresh and any(key[0] == "events" for key, _ in batch):
+        elif keep is not None and refreshed:
             self._refreshed_at = time.monotonic()  # only an event batch's script refreshes
+            self._delivered.clear()
+
+    async def _send(
+        self, batch: list[tuple[_Key, _Item]], keep: Sequence[str] | None
+    ) -> list[Any]:
+        calls = [self._call(key, item, keep) for key, item in batch]
+        results: list[Any] = await self._link.call(
+            "precise_update", lambda c: pipeline_scripts(c, calls), self._write_budget
+        )
+        return results
+
+    async def _every_endpoints_keys(self, shipping: set[str]) -> list[str]:
+        """Every endpoint's meta, map and refs, for a refresh (a script touches only keys it is
+        given), learning every slot on the way; but an endpoint whose events no gateway applied
+        for the keys' TTL is purged instead (it left unseen, most likely), unless this gateway
+        delivered some since the last refresh (``shipping``)."""
+        raw = await self._link.call(
+            "precise_update", lambda c: c.hgetall(self._k("s")), self._write_budget
+        )
+        slots = {as_text(f): as_text(v) for f, v in raw.items() if not as_text(f).startswith("#")}
+        self._slots.update(slots)
+
+        async def applied_at(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for eid in slots:
+                pipe.hget(self._k("i:", eid), "at")
+            found: list[Any] = await pipe.execute()
+            return found
+
+        ats = await self._link.call("precise_update", applied_at, self._write_budget)
+        now, keys = time.time(), list[str]()
+        for eid, at in zip(slots, ats, strict=True):
+            # No 'at' (the meta of an older release): kept.
+            if at is not None and now - int(at) > self._ttl_seconds and eid not in shipping:
+                self._queue.put(("purge", eid, 0), _Purge())
+            else:
+                keys += [self._k(kind, eid) for kind in ("i:", "m:", "k:")]
+        return keys
+
+    def _read_answers(
+        self, batch: list[tuple[_Key, _Item]], results: list[Any]
+    ) -> tuple[list[tuple[_Key, _Item]], int, bool]:
+        """What the scripts answered: the calls to send again (told to move: nothing done),
+        how many failed, and whether an event batch's script ran."""
+        again: list[tuple[_Key, _Item]] = []
+        failed, applied = 0, False
+        for (key, item), result in zip(batch, results, strict=True):
+            eid = key[1]
+            if isinstance(result, Exception):
+                failed += 1
+            elif key[0] == "events":
+                status, _, slot, self._gc_next = (as_text(x) for x in result)
+                self._learn_slot(eid, slot)
+                if status == "moved":
+                    again.append((key, item))
+                    continue
+                applied = True
+                self.statuses[status] = self.statuses.get(status, 0) + 1
+                self._outcomes.labels(status).inc()
+            elif key[0] == "purge":
+                left, self._gc_next = int(result[0]), as_text(result[1])
+                if left < 0:  # FORGET only (GC answers no slot)
+                    self._slots[eid] = as_text(result[2])
+                    again.append((key, item))
+                    continue
+                if eid:
+                    self._slots.pop(eid, None)
+                if left > 0:
+                    self._queue.put(("purge", "", 0), _Purge())  # the rest, bounded steps
+        return again, failed, applied
+
+    def _learn_slot(self, eid: str, slot: str) -> None:
+        if slot:
+            self._slots[eid] = slot
+        else:
+            self._slots.pop(eid, None)
 
     async def _resolve_parents(self, batch: list[tuple[_Key, _Item]]) -> None:
         """Map the blocks the local index could not (unknown parent) with keys from Redis."""

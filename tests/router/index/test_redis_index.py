@@ -621,6 +621,31 @@ async def test_the_index_scripts_touch_only_the_keys_they_are_given(
     assert reader.metrics.fallbacks.labels("index_match", "error")._value.get() == 0
 
 
+async def test_an_endpoint_no_gateway_recorded_for_the_ttl_is_purged_by_the_refresh(
+    make_index: Factory,
+) -> None:
+    """An endpoint that left while no gateway watched it was never purged: the refresh kept
+    its keys alive for as long as any gateway wrote, and a replica given its address later
+    was credited with its blocks. One recorded now is kept, however long it was away."""
+    writer = make_index()
+    writer.record("10.0.0.5:8000", list(range(1, 11)))  # leaves while no gateway watches
+    writer.record("10.0.0.6:8000", list(range(1, 6)))
+    await writer.flush()
+    client = writer.link.client
+    last_records = writer._slots[: -len(":s")] + ":t"
+    for endpoint_id in ("10.0.0.5:8000", "10.0.0.6:8000"):
+        await client.hset(last_records, endpoint_id, 0)  # none recorded them for the TTL
+    later = make_index()  # a gateway started since: its first record refreshes every key
+    later.record("10.0.0.6:8000", [100])
+    await later.flush()
+    assert await client.hkeys(writer._slots) == [b"10.0.0.6:8000"]
+    assert await client.exists(writer._lru_prefix + "10.0.0.5:8000") == 0
+    reader = await remote_view(make_index, later)
+    assert await reader.match(list(range(1, 11)), ["10.0.0.5:8000", "10.0.0.6:8000"]) == {
+        "10.0.0.5:8000": 0, "10.0.0.6:8000": 5
+    }
+
+
 async def test_a_purge_already_done_is_not_run_again_after_the_records_that_followed_it(
     make_index: Factory,
 ) -> None:

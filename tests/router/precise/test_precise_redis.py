@@ -21,12 +21,13 @@ from router.core.errors import ConfigError
 from router.core.framework import RoutingRequest
 from router.index.circuit_breaker import CircuitBreaker
 from router.index.redis_link import RedisMetrics, key_tag
+from router.precise import shared_index
 from router.precise.event_codec import Cleared, Event, EventBatch, Removed, Stored, apply_batch
 from router.precise.index import PreciseIndex, block_keys
 from router.precise.routing import PreciseSettings, PreciseState, PreciseTracker
 from router.precise.shared_index import RemoteMatch, SharedPreciseIndex
 from router.precise.tokenizers import TokenizeInput
-from tests.redis_server import FlakyProxy
+from tests.redis_server import FlakyProxy, declared_keys_only, delete_namespace
 
 BS = 4
 A, B = "127.0.0.1:9001", "127.0.0.1:9002"
@@ -344,6 +345,101 @@ async def test_a_duplicate_batch_still_refreshes_every_endpoints_keys(
             await loser.shared.flush()
             assert loser.shared.statuses == {"dup": 1}
             assert await client.pttl(p + "m:" + B) > 5_000
+        finally:
+            await client.aclose()
+
+
+async def test_the_scripts_touch_only_the_keys_they_are_given(
+    redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every key a script touches must be in its KEYS (Redis Cluster and proxies route a script
+    by them, Dragonfly refuses any other): the refresh built every endpoint's keys inside the
+    script, and a clear and the garbage reclaim named garbage maps from a slot number. A
+    gateway that knows an endpoint's slot no longer (another one cleared it) is told and sends
+    again."""
+    for name in ("APPLY", "FORGET", "GC", "MATCH", "SPECULATE"):
+        monkeypatch.setattr(shared_index, name, declared_keys_only(getattr(shared_index, name)))
+    chain = toks(8)
+    keys = block_keys(chain, BS)
+    p = key_tag(redis_namespace) + ":p"
+    client = redis.asyncio.Redis.from_url(redis_url)
+    async with replicas(redis_url, redis_namespace, 2) as (one, two):
+        try:
+            one.deliver(A, 0, 1.0, Stored([1, 2], None, chain, BS))
+            one.deliver(B, 0, 1.0, Stored([1, 2], None, chain, BS))
+            one.shared.speculated(B, keys, 60.0)
+            await one.shared.flush()
+            two.shared._refreshed_at = time.monotonic()  # no refresh due: it knows no slot
+            two.deliver(A, 0, 2.0, Stored([3], None, toks(BS, 100), BS))  # A restarted
+            await two.shared.flush()
+            one.shared._refreshed_at = -float("inf")  # every endpoint's keys to refresh
+            one.deliver(A, 5, 3.0, Stored([4], None, toks(BS, 200), BS))  # a gap: cleared
+            # A clear of what the call found, then one of what it stored itself.
+            one.deliver(A, 6, 4.0, Cleared(), Stored([5], None, toks(BS, 300), BS), Cleared(),
+                        Stored([1], None, chain[:BS], BS))
+            await one.shared.flush()
+            assert one.shared.statuses == {"fresh": 2, "gap": 1, "applied": 1}
+            assert two.shared.statuses == {"restart": 1}
+            assert await two.lookup(keys, A, B) == {
+                A: RemoteMatch(True, 1, 0), B: RemoteMatch(True, 2, 2)
+            }
+            await two.shared.forget_endpoint(A)
+            await two.shared.flush()
+            for r in (one, two):
+                assert r.shared.metrics.errors.labels("precise_update", "error")._value.get() == 0
+            assert await client.scard(p + "g") == 0
+            assert await client.hkeys(p + "s") == [B.encode()]
+            assert await client.hlen(p + "h") == 2  # B's blocks only
+        finally:
+            await client.aclose()
+
+
+async def test_a_redis_that_lost_everything_is_filled_again_by_the_next_batches(
+    redis_url: str, redis_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Redis restarted without persistence has no slots, garbage or meta left: the slots and
+    garbage maps a gateway learned before name nothing now, and each endpoint's next batch
+    starts it afresh, with no clear from the gateways."""
+    for name in ("APPLY", "FORGET", "GC"):
+        monkeypatch.setattr(shared_index, name, declared_keys_only(getattr(shared_index, name)))
+    chain = toks(8)
+    keys = block_keys(chain, BS)
+    async with replicas(redis_url, redis_namespace, 2) as (r, reader):
+        r.deliver(B, 0, 1.0, Stored([9], None, toks(BS, 500), BS))
+        r.deliver(A, 0, 1.0, Stored([1, 2], None, chain, BS))
+        r.deliver(A, 1, 2.0, Cleared(), Stored([1, 2], None, chain, BS))
+        await r.shared.flush()
+        await delete_namespace(redis_url, redis_namespace)  # Redis restarted empty
+        r.deliver(A, 2, 3.0, Stored([3], None, toks(BS, 700), BS))
+        r.deliver(A, 3, 4.0, Cleared(), Stored([1], None, chain[:BS], BS))
+        await r.shared.flush()
+        assert r.shared.statuses == {"fresh": 3, "applied": 2}
+        assert r.shared.metrics.errors.labels("precise_update", "error")._value.get() == 0
+        assert (await reader.lookup(keys, A, B)) == {
+            A: RemoteMatch(True, 1, 0), B: RemoteMatch(False, 0, 0)
+        }
+
+
+async def test_an_endpoint_no_gateway_applied_for_the_ttl_is_purged_by_the_refresh(
+    redis_url: str, redis_namespace: str
+) -> None:
+    """An endpoint that left while no gateway watched it was never purged: the refresh kept its
+    map and meta alive for as long as any gateway wrote. One whose events come in now is kept,
+    however long it was silent."""
+    p = key_tag(redis_namespace) + ":p"
+    client = redis.asyncio.Redis.from_url(redis_url)
+    async with replicas(redis_url, redis_namespace, 2) as (r, later):
+        try:
+            r.deliver(A, 0, 1.0, Stored([1, 2], None, toks(8), BS))
+            r.deliver(B, 0, 1.0, Stored([3], None, toks(BS, 500), BS))
+            await r.shared.flush()
+            for eid in (A, B):
+                await client.hset(p + "i:" + eid, "at", 0)  # no batch applied for the TTL
+            later.deliver(B, 1, 2.0, Stored([4], None, toks(BS, 900), BS))  # its first ship
+            await later.shared.flush()
+            assert await client.hkeys(p + "s") == [B.encode()]
+            assert await client.exists(p + "i:" + A, p + "m:" + A) == 0
+            assert await client.hlen(p + "h") == 2  # B's blocks only
         finally:
             await client.aclose()
 
