@@ -9,7 +9,9 @@ everywhere: the prefix and load scorers decide.
 
 The scorer is pure over the request and the snapshots; the order is updated after the pick
 (``on_pick``), so the next request of a burst already sees it. The order holds at most
-``lruSize`` endpoints (the oldest are forgotten, and count as never used).
+``lruSize`` endpoints (the oldest are forgotten, and count as never used). An endpoint
+that leaves the pool is forgotten too (``forget_endpoint``, called as the prefix index's
+is): a pod at its address later is a new replica, which no new session has gone to.
 """
 
 from __future__ import annotations
@@ -61,3 +63,8 @@ class NoHitLRUScorer:
         self._used.move_to_end(endpoint_id)
         while len(self._used) > self._size:
             self._used.popitem(last=False)
+
+    async def forget_endpoint(self, endpoint_id: str) -> None:
+        """The endpoint left the pool: back, it counts as never used (async, as the other
+        stores' forget hooks are)."""
+        self._used.pop(endpoint_id, None)

@@ -38,12 +38,12 @@ from router.estimators.token_density import TokenDensity
 from router.index.sizing import IndexSizer
 from router.index.stores import Stores, build_stores
 from router.index.token_counts import TokenCounts
-from router.pool.discovery import KubernetesDiscovery, LivePool
+from router.pool.discovery import Forget, KubernetesDiscovery, LivePool
 from router.pool.metrics import GatewayMetrics
 from router.pool.scraper import CapacityCallback, EndpointMonitor, MonitorSettings
 from router.precise.routing import PreciseRuntime
 from router.protocol.auth import UpstreamKeys, build_authenticator, build_upstream_keys
-from router.scheduling.plugins import PluginRegistry, default_registry
+from router.scheduling.plugins import PluginRegistry, default_registry, endpoint_forgetters
 from router.scheduling.routing import Router
 from router.upstream.client import UpstreamClient
 
@@ -119,7 +119,7 @@ def _build_sizer(
     }
     return IndexSizer(
         stores.index, density, index.block_bytes,
-        fixed_blocks=index.capacity_blocks, models=models, registry=registry,
+        fixed_blocks=index.capacity_blocks, models=models, pool=pool, registry=registry,
     )
 
 
@@ -154,6 +154,7 @@ def _build_monitor(
     keys: UpstreamKeys,
     on_capacity: CapacityCallback,
     on_restart: Callable[[str], Awaitable[None]],
+    on_base_model: Callable[[str, str | None], None],
 ) -> EndpointMonitor:
     hc, ms = config.pool.health_check, config.pool.metrics_scrape
     settings = MonitorSettings(
@@ -170,6 +171,7 @@ def _build_monitor(
         remote_load=shared.remote_load if shared else None,
         on_scrape=flow.poke,
         on_restart=on_restart,
+        on_base_model=on_base_model,
     )
 
 
@@ -184,13 +186,15 @@ def _build_discovery(
     """Kubernetes discovery, wired to everything that follows the pool's joins and leaves."""
     if config.discovery is None:
         return None
-    forget = [
+    forget: list[Forget] = [
         stores.index.forget_endpoint,
         stores.affinity.forget_endpoint,
         routing.calibrator.forget_endpoint,
         routing.flow.forget_endpoint,
         sizer.forget_endpoint,
     ]
+    # Plugins that keep state per endpoint (no-hit-lru-scorer's order), the prefill profile's too.
+    forget += endpoint_forgetters([routing.scheduler.profile, routing.prefill_profile])
     joined = []
     if routing.precise is not None:
         forget.append(routing.precise.forget_endpoint)
@@ -243,7 +247,7 @@ def build_gateway(
     )
     monitor = _build_monitor(
         config, pool, monitor_client, stores, routing.flow, keys, _capacity_bound(precise, sizer),
-        _restarted(stores, routing),
+        _restarted(stores, routing), sizer.base_model,
     )
     return Gateway(
         config, pool, stores, routing.scheduler, metrics, routing.flow, routing.router, proxy,

@@ -17,6 +17,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from router.core.endpoints import EndpointPool
 from router.core.framework import RoutingRequest
 from router.core.usage import prompt_tokens
 from router.estimators.token_density import TokenDensity
@@ -37,6 +38,7 @@ class IndexSizer:
         *,
         fixed_blocks: int | None = None,
         models: Mapping[str, str] | None = None,
+        pool: EndpointPool | None = None,
         registry: CollectorRegistry | None = None,
         threshold: float = DEFAULT_RESIZE_THRESHOLD,
     ) -> None:
@@ -45,10 +47,16 @@ class IndexSizer:
         self._block_bytes = block_bytes
         self._fixed = fixed_blocks
         self._threshold = threshold
+        # The endpoints in the pool (None: any endpoint is): an answer or a token count that
+        # finishes after its endpoint was forgotten (its pod gone) must not bring its
+        # bookkeeping back, for good.
+        self._pool = pool
         # The model each endpoint serves: configured, else the last one answered there, else
         # (an endpoint that has answered nothing yet) the last model answered anywhere.
         self._configured: dict[str, str] = dict(models or {})
         self._models: dict[str, str] = dict(self._configured)
+        # Per endpoint, the one base model its /v1/models names (its LoRA adapters run on it).
+        self._bases: dict[str, str] = {}
         self._last_model: str | None = None
         self._kv_tokens: dict[str, int] = {}
         self._applied: dict[str, float] = {}  # per endpoint, the ratio its capacity is at
@@ -63,7 +71,7 @@ class IndexSizer:
 
     def kv_capacity(self, endpoint_id: str, kv_tokens: int) -> None:
         """The endpoint reported (or changed) its KV size in tokens."""
-        if kv_tokens <= 0:
+        if kv_tokens <= 0 or not self._present(endpoint_id):
             return
         self._kv_tokens[endpoint_id] = kv_tokens
         self._resize(endpoint_id, self._ratio(endpoint_id))
@@ -83,7 +91,8 @@ class IndexSizer:
         """A prompt of ``prompt_bytes`` rendered bytes was ``tokens`` tokens on the endpoint
         (its answer's usage, or router/index/token_counts.py)."""
         self._last_model = model
-        self._models[endpoint_id] = self._configured.get(endpoint_id, model)
+        if self._present(endpoint_id):  # else only the model's ratio learns from it
+            self._models[endpoint_id] = self._own_model(endpoint_id) or model
         if not self.density.observe(model, prompt_bytes, tokens):
             return
         ratio = self.density.ratio(model)
@@ -92,6 +101,19 @@ class IndexSizer:
             self._resize_moved()
         elif self._moved(self._ratio(endpoint_id), self._applied.get(endpoint_id)):
             self._resize(endpoint_id, self._ratio(endpoint_id))  # it just changed model
+
+    def base_model(self, endpoint_id: str, model: str | None) -> None:
+        """The one base model the endpoint serves, adapters aside (None: not one), from its
+        /v1/models: it sizes the endpoint whatever model answers there, as a configured one
+        does, since the adapters' KV is the base model's."""
+        if not self._present(endpoint_id):
+            return
+        if model is None:
+            self._bases.pop(endpoint_id, None)
+        else:
+            self._bases[endpoint_id] = model
+        if self._moved(self._ratio(endpoint_id), self._applied.get(endpoint_id)):
+            self._resize(endpoint_id, self._ratio(endpoint_id))
 
     def capacity_blocks(self, endpoint_id: str) -> int | None:
         """The capacity last applied to ``endpoint_id`` (None: never sized)."""
@@ -103,10 +125,13 @@ class IndexSizer:
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
         """Drop an endpoint that left the pool (async, like the other stores' forget)."""
-        for table in (self._models, self._kv_tokens, self._applied):
+        for table in (self._models, self._bases, self._kv_tokens, self._applied):
             table.pop(endpoint_id, None)
         with contextlib.suppress(KeyError):  # never sized
             self._capacity.remove(endpoint_id)
+
+    def _present(self, endpoint_id: str) -> bool:
+        return self._pool is None or self._pool.get(endpoint_id) is not None
 
     def _moved(self, ratio: float, applied: float | None) -> bool:
         return applied is not None and abs(ratio / applied - 1.0) > self._threshold
@@ -118,8 +143,20 @@ class IndexSizer:
             if self._moved(ratio, self._applied.get(endpoint_id)):
                 self._resize(endpoint_id, ratio)
 
+    def _own_model(self, endpoint_id: str) -> str | None:
+        """The model that sizes the endpoint whatever answers there, if one does: the one it
+        is configured with (a static endpoint's, given at construction, or a discovered
+        one's, ``discovery.models``), else the base model its /v1/models names."""
+        model = self._configured.get(endpoint_id)
+        state = self._pool.get(endpoint_id) if model is None and self._pool is not None else None
+        if state is not None and len(state.endpoint.models) == 1:
+            (model,) = state.endpoint.models
+        return model or self._bases.get(endpoint_id)
+
     def _ratio(self, endpoint_id: str) -> float:
-        model = self._models.get(endpoint_id, self._last_model)
+        model = self._own_model(endpoint_id) or self._models.get(
+            endpoint_id, self._last_model
+        )
         return self.density.prior if model is None else self.density.ratio(model)
 
     def _blocks(self, kv_tokens: int, ratio: float) -> int:

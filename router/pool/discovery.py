@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from router.config.model import DiscoveryConfig
 from router.core.endpoints import Endpoint, EndpointPool, Role
@@ -45,8 +45,19 @@ _ROLES: dict[str, Role] = {
     "both": "both",
 }
 
-# Endpoint id -> (endpoint, ready).
-Discovered = Mapping[str, tuple[Endpoint, bool]]
+
+class Found(NamedTuple):
+    """An endpoint as discovery sees it: ready or not, and the pod serving it (its uid). A new
+    pod can get the IP, and so the endpoint id, of one still terminating: another replica,
+    whose cache is empty."""
+
+    endpoint: Endpoint
+    ready: bool
+    pod: str = ""
+
+
+# Endpoint id -> what is found there.
+Discovered = Mapping[str, Found]
 
 
 class EndpointSink(Protocol):
@@ -66,6 +77,13 @@ def role_of(labels: Mapping[str, str], key: str) -> Role:
     return role
 
 
+def _leaving(pod: Mapping[str, Any]) -> bool:
+    """Being deleted, or done for good (an evicted pod stays listed, its IP given away)."""
+    status = pod.get("status") or {}
+    deleted = (pod.get("metadata") or {}).get("deletionTimestamp")
+    return bool(deleted) or status.get("phase") in ("Failed", "Succeeded")
+
+
 def _ready(pod: Mapping[str, Any]) -> bool:
     status = pod.get("status") or {}
     if pod.get("metadata", {}).get("deletionTimestamp") or status.get("phase") != "Running":
@@ -76,19 +94,20 @@ def _ready(pod: Mapping[str, Any]) -> bool:
 
 def pod_endpoints(
     pod: Mapping[str, Any], ports: Sequence[int], config: DiscoveryConfig
-) -> list[tuple[Endpoint, bool]]:
+) -> list[Found]:
     """One endpoint per target port of a pod that has an IP."""
     ip = (pod.get("status") or {}).get("podIP")
     if not ip:
         return []
-    labels = pod.get("metadata", {}).get("labels") or {}
+    metadata = pod.get("metadata") or {}
+    labels = metadata.get("labels") or {}
     role = role_of(labels, config.role_label)
     host = f"[{ip}]" if ":" in ip else ip
     ready = _ready(pod)
-    return [
-        (Endpoint.from_url(f"{config.scheme}://{host}:{port}", role, config.models), ready)
-        for port in ports
-    ]
+    # Its uid: a pod deleted and created again under the same name is another one too.
+    identity = str(metadata.get("uid") or metadata.get("name") or "")
+    urls = (f"{config.scheme}://{host}:{port}" for port in ports)
+    return [Found(Endpoint.from_url(url, role, config.models), ready, identity) for url in urls]
 
 
 def selector_string(match_labels: Mapping[str, str]) -> str:
@@ -140,7 +159,7 @@ class KubernetesDiscovery:
         self._client: UpstreamClient | None = None
         self._api: KubeApi | None = None
         self._namespace = config.namespace or "default"
-        self._published: dict[str, tuple[Endpoint, bool]] | None = None
+        self._published: dict[str, Found] | None = None
         self._synced = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -276,20 +295,25 @@ class KubernetesDiscovery:
 
     def _endpoints(
         self, pods: Mapping[str, Mapping[str, Any]], ports: Sequence[int]
-    ) -> dict[str, tuple[Endpoint, bool]]:
-        found: dict[str, tuple[Endpoint, bool]] = {}
+    ) -> dict[str, Found]:
+        found: dict[str, Found] = {}
+        ranks: dict[str, tuple[bool, bool]] = {}
         for pod in pods.values():
-            for endpoint, ready in pod_endpoints(pod, ports, self._config):
-                # Two pods can briefly share an IP (one leaving, one arriving): ready wins.
-                if ready or endpoint.id not in found:
-                    found[endpoint.id] = (endpoint, ready)
+            leaving = _leaving(pod)
+            for seen in pod_endpoints(pod, ports, self._config):
+                # Two pods can share an IP (one terminating or evicted, one given its IP):
+                # the ready one wins, else the one not on its way out.
+                rank = (seen.ready, not leaving)
+                eid = seen.endpoint.id
+                if eid not in found or rank > ranks[eid]:
+                    found[eid], ranks[eid] = seen, rank
         return found
 
-    async def _publish(self, endpoints: dict[str, tuple[Endpoint, bool]]) -> None:
+    async def _publish(self, endpoints: dict[str, Found]) -> None:
         if endpoints == self._published:
             return
         self._published = endpoints
-        ready = sum(1 for _, r in endpoints.values() if r)
+        ready = sum(1 for f in endpoints.values() if f.ready)
         log.info("discovery: %d endpoints, %d ready", len(endpoints), ready)
         await self._sink.apply(endpoints)
 
@@ -302,7 +326,8 @@ class LivePool:
     """The sink of a running gateway: pool membership, health polling, index and affinity.
 
     A pod that turns unready leaves the pool but keeps its prefix-index entries (its cache
-    survives a readiness blip); one that disappears is forgotten everywhere. ``joined`` hears
+    survives a readiness blip); one that disappears, or whose address another pod now has,
+    is forgotten everywhere (a pod at the same address starts afresh). ``joined`` hears
     of each endpoint discovery starts managing, ready or not (KV event subscribers follow a
     pod from its creation, so its cache is known once it turns ready). Endpoints from the
     static config are never touched.
@@ -319,7 +344,7 @@ class LivePool:
         self._monitor = monitor
         self._forget = list(forget)
         self._joined = list(joined)
-        self._managed: dict[str, Endpoint] = {}
+        self._managed: dict[str, Found] = {}
 
     def _leave(self, endpoint_id: str, keep: bool = False) -> None:
         self._pool.remove(endpoint_id, keep)
@@ -330,21 +355,25 @@ class LivePool:
     async def apply(self, endpoints: Discovered) -> None:
         for endpoint_id, known in list(self._managed.items()):
             current = endpoints.get(endpoint_id)
-            if current is None or current[0] != known:
+            # Another pod at the address (a terminating pod's IP given to a new one): what was
+            # learned there, its prefixes above all, was the old pod's.
+            gone = current is None or current.pod != known.pod
+            if gone or current is None or current.endpoint != known.endpoint:
                 self._leave(endpoint_id)
                 del self._managed[endpoint_id]
-            if current is None:
+            if gone:
                 for forget in self._forget:
                     await forget(endpoint_id)
         added = False
-        for endpoint_id, (endpoint, ready) in endpoints.items():
+        for endpoint_id, found in endpoints.items():
+            endpoint, ready = found.endpoint, found.ready
             present = self._pool.get(endpoint_id) is not None
             if endpoint_id not in self._managed and present:
                 continue  # a static endpoint of the config
             if endpoint_id not in self._managed:
                 for join in self._joined:
                     join(endpoint)
-            self._managed[endpoint_id] = endpoint
+            self._managed[endpoint_id] = found
             if ready and not present:
                 state = self._pool.add(endpoint)
                 state.healthy = True  # the kubelet's readiness probe just passed

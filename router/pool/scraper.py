@@ -106,6 +106,23 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
         return None
 
 
+def listed_models(body: bytes) -> dict[str, str | None] | None:
+    """The models of an OpenAI ``/v1/models`` answer (vLLM's: its served names, and the LoRA
+    adapters loaded now, whose ``parent`` names their base model), each with its parent (None:
+    a base model); None: not such an answer."""
+    try:
+        data = orjson.loads(body).get("data")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    if not isinstance(data, list):
+        return None
+    return {
+        str(m["id"]): None if m.get("parent") is None else str(m["parent"])
+        for m in data
+        if isinstance(m, dict) and m.get("id") is not None
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class MonitorSettings:
     scrape_interval: float = 0.1
@@ -135,8 +152,12 @@ class EndpointMonitor:
         remote_load: Callable[[str], RemoteLoad] | None = None,
         on_scrape: Callable[[], None] | None = None,
         on_restart: Callable[[str], Awaitable[None]] | None = None,
+        on_base_model: Callable[[str, str | None], None] | None = None,
     ) -> None:
         self._pool = pool
+        # Told the one base model an endpoint lists (None: not one) when its list changes:
+        # its adapters run on it, and the index sizer sizes the endpoint by it.
+        self._on_base_model = on_base_model
         # Told when an endpoint's engine restarted: its prefix cache is empty, whatever the
         # index remembers of it.
         self._on_restart = on_restart
@@ -215,18 +236,17 @@ class EndpointMonitor:
         return got.status, got.body
 
     async def _probe(self, state: EndpointState) -> bool:
-        url = state.endpoint.url
         try:
-            status, _ = await self._get(f"{url}/health", self._settings.health_timeout)
-            ok = status == 200
-            if ok and not state.models:
-                await self._discover_models(state)
+            url = f"{state.endpoint.url}/health"
+            status, _ = await self._get(url, self._settings.health_timeout)
         except UPSTREAM_ERRORS:
-            ok = False
-        return ok
+            return False
+        return status == 200
 
     async def _health(self, state: EndpointState) -> bool:
         ok = await self._probe(state)
+        if ok:
+            await self._read_models(state)  # before it is marked healthy: routable at once
         self._mark(state, ok)
         return ok
 
@@ -237,17 +257,42 @@ class EndpointMonitor:
         else:
             self._pool.extend_ejection(state)
 
-    async def _discover_models(self, state: EndpointState) -> None:
-        url = state.endpoint.url
-        headers = self._auth_headers(state.endpoint.id) if self._auth_headers else None
-        status, body = await self._get(f"{url}/v1/models", self._settings.health_timeout, headers)
-        if status != 200:
+    async def _read_models(self, state: EndpointState) -> None:
+        """What the replica serves now, read with every health check: vLLM loads and unloads
+        LoRA adapters at runtime (``/v1/load_lora_adapter``), each listed in ``/v1/models``
+        next to its base model. A listing that fails or names nothing changes nothing, and
+        fails no health check: ``/health`` alone decides that. An endpoint configured with its
+        models serves those (the config says so), whatever it lists."""
+        if state.endpoint.models:
             return
+        headers = self._auth_headers(state.endpoint.id) if self._auth_headers else None
         try:
-            data = orjson.loads(body).get("data", [])
-            state.models.update(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
-        except (orjson.JSONDecodeError, AttributeError, TypeError):
-            log.warning("endpoint %s: unreadable /v1/models", state.endpoint.id)
+            status, body = await self._get(
+                f"{state.endpoint.url}/v1/models", self._settings.health_timeout, headers
+            )
+        except UPSTREAM_ERRORS:
+            log.debug("endpoint %s: /v1/models did not answer", state.endpoint.id)
+            return
+        if status != 200:
+            return  # what it served before, it still does
+        listed = listed_models(body)
+        if listed is None:
+            level = logging.DEBUG if state.models else logging.WARNING
+            log.log(level, "endpoint %s: unreadable /v1/models", state.endpoint.id)
+            return
+        served = set(listed)
+        if not served or served == state.models:
+            return
+        if state.models:
+            log.info(
+                "endpoint %s: models now %s (added %s, removed %s)", state.endpoint.id,
+                sorted(served), sorted(served - state.models), sorted(state.models - served),
+            )
+        state.models.clear()
+        state.models.update(served)
+        if self._on_base_model is not None:
+            bases = [model for model, parent in listed.items() if parent is None]
+            self._on_base_model(state.endpoint.id, bases[0] if len(bases) == 1 else None)
 
     async def _scrape(self, state: EndpointState, health_ok: bool = True) -> None:
         """Read the endpoint's metrics; ``health_ok``: its last health check passed."""

@@ -10,9 +10,9 @@ not a plugin silently left out.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ValidationError
 
@@ -53,6 +53,28 @@ class PluginContext:
 
 
 Factory = Callable[[Mapping[str, Any], PluginContext], Plugin]
+
+
+@runtime_checkable
+class ForgetsEndpoints(Protocol):
+    """A plugin that keeps state per endpoint (no-hit-lru-scorer's order): told when an
+    endpoint leaves the pool, as the index and the other stores are, so that a pod at the
+    same address later is not taken for the one that left."""
+
+    async def forget_endpoint(self, endpoint_id: str) -> None: ...
+
+
+def endpoint_forgetters(
+    profiles: Iterable[SchedulingProfile | None],
+) -> list[Callable[[str], Awaitable[None]]]:
+    """The forget hooks of the profiles' scorers that keep state per endpoint."""
+    return [
+        ws.scorer.forget_endpoint
+        for profile in profiles
+        if profile is not None
+        for ws in profile.scorers
+        if isinstance(ws.scorer, ForgetsEndpoints)
+    ]
 
 
 class NoParameters(Strict):

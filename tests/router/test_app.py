@@ -457,3 +457,35 @@ async def test_an_engine_restart_empties_the_index_and_the_live_contexts_of_its_
     await restarted(a)
     assert index.match_now([1, 2], [a, b]) == {a: 0, b: 2}
     assert (live.live_tokens(a), live.live_tokens(b)) == (0, 100)
+
+
+async def test_scorers_that_remember_endpoints_forget_one_that_left_the_pool() -> None:
+    """Discovery's forget reaches a profile's stateful scorers as it does the index: a pod at
+    the address of one that left is a new replica, which no-hit-lru-scorer never sent a new
+    session to."""
+    from router.core.endpoints import Endpoint
+    from router.core.framework import RoutingRequest
+    from router.pool.discovery import Found, LivePool
+    from scorers.no_hit_lru import NoHitLRUScorer
+    from tests.snapshots import snap
+
+    lru = {"type": "no-hit-lru-scorer"}
+    gw = build_gateway(parse_config({
+        "discovery": {"apiServer": "http://127.0.0.1:9", "labelSelector": {"app": "vllm"},
+                      "targetPorts": [9], "tokenFile": None, "namespace": "default"},
+        "plugins": [lru],
+        "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": lru["type"]}]}],
+    }))
+    assert gw.discovery is not None
+    sink, scorer = gw.discovery._sink, gw.scheduler.profile.scorers[0].scorer
+    assert isinstance(sink, LivePool) and isinstance(scorer, NoHitLRUScorer)
+    a, b = Endpoint.from_url("http://127.0.0.1:9"), Endpoint.from_url("http://127.0.0.2:9")
+    try:
+        await sink.apply({a.id: Found(a, True, "pod-1"), b.id: Found(b, True, "pod-2")})
+        cold = RoutingRequest("r", "m", session_id="s", block_hashes=(1,))
+        scorer.on_pick(cold, a.id)
+        await sink.apply({b.id: Found(b, True, "pod-2")})
+        await sink.apply({a.id: Found(a, True, "pod-3"), b.id: Found(b, True, "pod-2")})
+        assert scorer.score(cold, [snap(a.id), snap(b.id)]) == [1.0, 0.0], "both never used"
+    finally:
+        await gw.monitor.stop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from router.core.framework import RoutingRequest
@@ -23,3 +25,11 @@ def test_default_threshold_is_llm_d_s() -> None:
     scorer = LoadAwareScorer()
     score = scorer.score(RoutingRequest(request_id="r", model="m"), [snap("a", waiting=64.0)])
     assert score == [0.25]
+
+
+def test_an_endpoint_never_scraped_is_scored_on_the_gateways_requests_waiting_there() -> None:
+    """As queue-scorer reads it: no scrape yet, the queue is the gateways' own requests there
+    still waiting for a first byte, not an empty one."""
+    unseen = snap("unseen", metrics_age=math.inf, pending_prefill_requests=32)
+    scorer = LoadAwareScorer(LoadAwareParameters(threshold=64))
+    assert scorer.score(RoutingRequest(request_id="r", model="m"), [unseen]) == [0.25]

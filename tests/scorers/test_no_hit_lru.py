@@ -51,3 +51,14 @@ def test_scoring_is_pure_and_the_order_is_bounded() -> None:
     # "a" fell out of the bounded order: it counts as never used again.
     assert scorer.score(cold(2), ENDPOINTS) == [1.0, 0.5, 0.0]
     assert scorer.score(cold(3), [snap("only")]) == [1.0]
+
+
+async def test_an_endpoint_forgotten_counts_as_never_used() -> None:
+    """An endpoint that left the pool is forgotten (the gateway calls forget_endpoint as it
+    does the index's): back at the same address, it is a new replica no session went to."""
+    scorer = NoHitLRUScorer()
+    for endpoint in ("a", "b", "c"):
+        scorer.on_pick(cold(0), endpoint)
+    await scorer.forget_endpoint("c")
+    assert scorer.score(cold(1), ENDPOINTS) == [0.5, 0.0, 1.0]
+    await scorer.forget_endpoint("unknown")  # never used: nothing to forget

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -123,3 +124,15 @@ def test_session_hash_scores_no_candidates_as_every_other_scorer_does() -> None:
     scorer = SessionHashScorer()
     assert scorer.score(req(session_id="s"), []) == []
     assert scorer.score(req(block_hashes=(7,)), []) == []
+
+
+def test_queue_of_an_endpoint_never_scraped_is_the_gateways_requests_waiting_there() -> None:
+    """No scrape yet (a pod that just joined, a backend without /metrics): its queue is the
+    gateways' requests there still waiting for a first byte. Read as an empty queue, a backend
+    without /metrics scored idle however many requests waited there."""
+    endpoints = [
+        snap("seen", waiting=2.0),
+        snap("unseen-busy", metrics_age=math.inf, pending_prefill_requests=6),
+        snap("unseen-idle", metrics_age=math.inf),
+    ]
+    assert QueueScorer().score(req(), endpoints) == pytest.approx([4 / 6, 0.0, 1.0])

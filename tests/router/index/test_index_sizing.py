@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
+from router.core.endpoints import Endpoint, EndpointPool
 from router.core.framework import RoutingRequest
 from router.estimators.token_density import TokenDensity
 from router.index.prefix_index import InMemoryPrefixIndex
@@ -104,3 +105,63 @@ def test_a_configured_model_keeps_its_ratio_when_another_model_answers_there() -
     sizer.count("e1", "m-lora", 10_000, 2_500)
     assert index.capacity("e1") == sized
     assert sizer.capacity_blocks("e1") == sized
+
+
+async def test_an_answer_ending_after_its_endpoint_left_brings_none_of_it_back() -> None:
+    """A response or a token count still running when its pod went away ends after the pod
+    was forgotten: the model's bytes per token learn from it, but nothing of the departed
+    endpoint comes back (kept for good otherwise: pods come and go under new addresses)."""
+    index, registry = Recording(), CollectorRegistry()
+    pool = EndpointPool([Endpoint.from_url("http://127.0.0.1:9001")])
+    (state,) = pool
+    gone = state.endpoint.id
+    sizer = IndexSizer(
+        index, TokenDensity(min_samples=4), BLOCK_BYTES, pool=pool, registry=registry
+    )
+    sizer.kv_capacity(gone, KV_TOKENS)
+    _answer(sizer, gone, 3.0, 2)
+    pool.remove(gone)
+    await sizer.forget_endpoint(gone)
+    sets = len(index.sets)
+    _answer(sizer, gone, 9.0, 10)  # the late answers
+    sizer.kv_capacity(gone, KV_TOKENS)  # and a late scrape
+    assert sizer.density.samples("m") == 12
+    assert gone not in sizer._models, "its model is not remembered for good"
+    assert sizer.capacity_blocks(gone) is None and len(index.sets) == sets
+    name = "prefixgate_prefix_index_capacity_blocks"
+    assert registry.get_sample_value(name, {"endpoint": gone}) is None
+
+
+def test_a_discovered_endpoint_with_one_configured_model_keeps_its_ratio_too() -> None:
+    """Endpoints discovered in Kubernetes with ``discovery.models: [m]`` join the pool after
+    the sizer was built: m sizes them as it does a static endpoint configured with m, so an
+    adapter's answer, its ratio still the prior, does not shrink their index."""
+    index = Recording()
+    pool = EndpointPool()
+    sizer = IndexSizer(index, TokenDensity(min_samples=4), BLOCK_BYTES, pool=pool)
+    _answer(sizer, "static", 9.0, 10)  # m's ratio, learned before the pod came
+    joined = pool.add(Endpoint.from_url("http://127.0.0.1:9001", models=["m"])).endpoint.id
+    sizer.count(joined, "m-lora", 10_000, 2_500)  # its first answer: an adapter's
+    sizer.kv_capacity(joined, KV_TOKENS)
+    sized = index.capacity(joined)
+    assert abs(sized - KV_TOKENS * 9 // BLOCK_BYTES) <= 2
+    sizer.count(joined, "m-lora", 10_000, 2_500)
+    assert index.capacity(joined) == sized
+
+
+def test_an_endpoint_is_sized_by_the_base_model_its_adapters_run_on() -> None:
+    """vLLM's /v1/models names each LoRA adapter's base model (``parent``): the adapters' KV
+    is the base model's, so an adapter's answer, its ratio still the prior, does not shrink
+    the index of an endpoint whose base model is known (each change would evict)."""
+    index = Recording()
+    pool = EndpointPool([Endpoint.from_url("http://127.0.0.1:9001")])
+    (state,) = pool
+    endpoint = state.endpoint.id
+    sizer = IndexSizer(index, TokenDensity(min_samples=4), BLOCK_BYTES, pool=pool)
+    sizer.base_model(endpoint, "m")  # told by its /v1/models
+    sizer.kv_capacity(endpoint, KV_TOKENS)
+    _answer(sizer, endpoint, 9.0, 10)
+    sized = index.capacity(endpoint)
+    assert abs(sized - KV_TOKENS * 9 // BLOCK_BYTES) <= 2
+    sizer.count(endpoint, "m-lora", 10_000, 2_500)
+    assert index.capacity(endpoint) == sized

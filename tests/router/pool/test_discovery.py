@@ -21,7 +21,8 @@ from benchmarks.sim.config import SimConfig
 from router.config.model import DiscoveryConfig
 from router.core.endpoints import Endpoint, EndpointPool
 from router.extproc.server import running_epp
-from router.pool.discovery import Discovered, KubernetesDiscovery, LivePool
+from router.index.prefix_index import InMemoryPrefixIndex
+from router.pool.discovery import Discovered, Found, KubernetesDiscovery, LivePool
 from router.pool.scraper import EndpointMonitor, MonitorSettings
 from router.serve.server import running_gateway
 from router.upstream.client import UpstreamClient
@@ -193,7 +194,7 @@ async def kube() -> AsyncIterator[tuple[FakeKube, str]]:
 
 class Recorder:
     def __init__(self) -> None:
-        self.latest: dict[str, tuple[Endpoint, bool]] = {}
+        self.latest: dict[str, Found] = {}
         self.calls = 0
 
     async def apply(self, endpoints: Discovered) -> None:
@@ -201,7 +202,7 @@ class Recorder:
         self.calls += 1
 
     def ready(self) -> dict[str, str]:
-        return {eid: e.role for eid, (e, r) in self.latest.items() if r}
+        return {eid: f.endpoint.role for eid, f in self.latest.items() if f.ready}
 
 
 async def until(predicate: Callable[[], bool], seconds: float = 20.0) -> None:
@@ -519,13 +520,13 @@ async def test_a_replica_restarted_while_not_ready_is_still_noticed() -> None:
     try:
         async with counting_replica(queries) as url:
             a = Endpoint.from_url(url)
-            await live.apply({a.id: (a, True)})
+            await live.apply({a.id: Found(a, True)})
             state = pool.get(a.id)
             assert state is not None
             await monitor._scrape(state)  # the engine has counted 400 queries
-            await live.apply({a.id: (a, False)})  # its container restarts: the pod is NotReady
+            await live.apply({a.id: Found(a, False)})  # its container restarts: the pod is NotReady
             queries[0] = 12.0  # a new engine
-            await live.apply({a.id: (a, True)})
+            await live.apply({a.id: Found(a, True)})
             state = pool.get(a.id)
             assert state is not None
             await monitor._scrape(state)
@@ -535,3 +536,40 @@ async def test_a_replica_restarted_while_not_ready_is_still_noticed() -> None:
     finally:
         await monitor.stop()
         await client.aclose()
+
+
+async def test_a_new_pod_given_a_terminating_pods_ip_starts_afresh(
+    kube: tuple[FakeKube, str],
+) -> None:
+    """Kubernetes may give the IP of a pod still terminating to a new pod: the same endpoint
+    id, another replica, its cache empty. What the index held for the old pod is forgotten,
+    and the pool's state of it (requests in flight, ejection, metrics) is not the new one's."""
+    fake, url = kube
+    pool = EndpointPool()
+    index = InMemoryPrefixIndex()
+    live = LivePool(pool, None, [index.forget_endpoint])
+    config = discovery_config(url, labelSelector={"app": "vllm"}, targetPorts=[8000])
+    discovery = KubernetesDiscovery(config, live)
+    address = "127.0.0.11:8000"
+    fake.put("pods", pod("old", "127.0.0.11"))
+    await discovery.start()
+    try:
+        old = pool.get(address)
+        assert old is not None
+        index.record(address, [1, 2, 3])
+        leaving = pod("old", "127.0.0.11", ready=False)
+        leaving["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        fake.put("pods", leaving)
+        await until(lambda: pool.get(address) is None)
+        assert index.match_now([1, 2, 3], [address]) == {address: 3}, "kept while not ready"
+        fake.put("pods", pod("new", "127.0.0.11"))  # the old one is still terminating
+        await until(lambda: pool.get(address) is not None)
+        assert pool.get(address) is not old
+        assert index.match_now([1, 2, 3], [address]) == {address: 0}
+        fake.delete("pods", "old")  # gone at last: the new pod stays as it is
+        index.record(address, [1, 2, 3])
+        fake.put("pods", pod("other", "127.0.0.12"))
+        await until(lambda: pool.get("127.0.0.12:8000") is not None)
+        assert index.match_now([1, 2, 3], [address]) == {address: 3}
+    finally:
+        await discovery.stop()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import httpx
+import orjson
 import pytest
 
 from benchmarks.sim.cli import start_replicas
@@ -476,3 +477,97 @@ async def test_a_replica_failing_its_health_checks_goes_unhealthy_though_its_met
             await monitor.stop()
         assert state.metrics.scraped_at > 0, "its metrics were read"
         assert not state.healthy
+
+
+def models_page(*models: Mapping[str, object]) -> bytes:
+    return orjson.dumps({"object": "list", "data": list(models)})
+
+
+BASE = {"id": "m", "object": "model", "root": "m", "parent": None}
+ADAPTER = {"id": "sql-lora", "object": "model", "root": "/adapters/sql", "parent": "m"}
+
+
+@contextlib.asynccontextmanager
+async def listing_replica(listing: list[bytes | None]) -> AsyncIterator[str]:
+    """A replica whose /health answers 200 and whose /v1/models answers ``listing[0]`` (None:
+    the connection is dropped unanswered): a test changes it to load or unload adapters."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            for _ in range(10_000):
+                head = await reader.readuntil(b"\r\n\r\n")
+                body = listing[0] if head.startswith(b"GET /v1/models") else b""
+                if body is None:
+                    break
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def test_adapters_loaded_and_unloaded_at_runtime_are_followed() -> None:
+    """vLLM loads and unloads LoRA adapters at runtime (/v1/load_lora_adapter): every health
+    check reads /v1/models again, so an adapter loaded later is routed to the replica and
+    one unloaded is not."""
+    listing: list[bytes | None] = [models_page(BASE)]
+    async with listing_replica(listing) as url, monitor_client() as http:
+        pool = EndpointPool([Endpoint.from_url(url)])
+        (state,) = pool
+        monitor = EndpointMonitor(pool, http, MonitorSettings())
+        await monitor.check_all()
+        assert state.healthy and state.models == {"m"}
+        assert not pool.knows_model("sql-lora")
+        listing[0] = models_page(BASE, ADAPTER)  # loaded
+        await monitor.check_all()
+        assert [c.id for c in pool.candidates("sql-lora")] == [state.endpoint.id]
+        listing[0] = models_page(BASE)  # unloaded
+        await monitor.check_all()
+        assert not pool.knows_model("sql-lora") and state.models == {"m"}
+        listing[0] = models_page(BASE, ADAPTER)
+        configured = EndpointPool([Endpoint.from_url(url, models=["m-configured"])])
+        await EndpointMonitor(configured, http, MonitorSettings()).check_all()
+        assert configured.models() == {"m-configured"}, "what the config says, not the list"
+
+
+async def test_a_model_list_that_fails_fails_no_health_check() -> None:
+    """/health alone tells whether a replica is up: a /v1/models that drops the connection,
+    is no model list, or names nothing leaves the replica healthy and its models as known."""
+    listing: list[bytes | None] = [None]
+    async with listing_replica(listing) as url, monitor_client() as http:
+        pool = EndpointPool([Endpoint.from_url(url)])
+        (state,) = pool
+        state.healthy = True
+        monitor = EndpointMonitor(pool, http, MonitorSettings(unhealthy_threshold=1))
+        await monitor.check_all()
+        assert state.healthy and state.consecutive_failures == 0
+        listing[0] = models_page(BASE)
+        await monitor.check_all()
+        assert state.models == {"m"}
+        for page in (None, b"<html>busy</html>", b'{"data": 7}', models_page()):
+            listing[0] = page
+            await monitor.check_all()
+            assert state.healthy and state.models == {"m"}, page
+
+
+async def test_the_one_base_model_a_replica_lists_is_told() -> None:
+    """Adapters name their base model (``parent``): the one base model listed is told when
+    the list changes (the index sizer sizes the endpoint by it); several (one model served
+    under aliases) tell None."""
+    listing: list[bytes | None] = [models_page(BASE, ADAPTER)]
+    told: list[tuple[str, str | None]] = []
+    async with listing_replica(listing) as url, monitor_client() as http:
+        pool = EndpointPool([Endpoint.from_url(url)])
+        (state,) = pool
+        monitor = EndpointMonitor(
+            pool, http, MonitorSettings(), on_base_model=lambda e, m: told.append((e, m))
+        )
+        await monitor.check_all()
+        await monitor.check_all()  # the same list: nothing new to tell
+        listing[0] = models_page(BASE, {"id": "alias", "parent": None}, ADAPTER)
+        await monitor.check_all()
+    assert told == [(state.endpoint.id, "m"), (state.endpoint.id, None)]
