@@ -13,8 +13,9 @@ from starlette.responses import Response
 
 from router.api.passthrough import pass_through
 from router.api.proxy import Proxy
-from router.core.endpoints import EndpointPool, EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot
 from router.core.errors import ModelNotFoundError, NoEndpointsError
+from router.core.pool import EndpointPool
 from router.protocol.headers import request_id_of
 
 PATH = "/v1/messages/count_tokens"

@@ -13,8 +13,8 @@ from starlette.responses import Response
 
 from router.api.proxy import Proxy
 from router.api.streaming import DisconnectWatch, ErrorEvent, UpstreamResponse, sse_error_event
-from router.core.endpoints import EndpointPool
 from router.core.errors import UpstreamError, UpstreamTimeoutError
+from router.core.pool import EndpointPool
 from router.protocol.headers import response_headers
 from router.upstream.client import UPSTREAM_ERRORS
 

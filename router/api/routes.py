@@ -21,8 +21,8 @@ from router.api.count_tokens import PATH as COUNT_TOKENS_PATH
 from router.api.count_tokens import TokenCounting
 from router.api.proxy import Proxy
 from router.api.stored_responses import StoredResponses
-from router.core.endpoints import EndpointPool
 from router.core.errors import BadRequestError, GatewayError
+from router.core.pool import EndpointPool
 from router.pool.metrics import GatewayMetrics
 from router.protocol import anthropic
 from router.protocol.openapi import openapi_extra

@@ -16,8 +16,9 @@ from router.api.asgi import error_response
 from router.api.passthrough import pass_through
 from router.api.proxy import Proxy
 from router.config.model import GatewayConfig
-from router.core.endpoints import EndpointPool, EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot
 from router.core.errors import GatewayError
+from router.core.pool import EndpointPool
 from router.index.response_store import Probe, ResponseRoutes
 from router.protocol import responses_api
 from router.protocol.headers import REQUEST_ID_HEADER, request_id_of

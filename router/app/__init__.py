@@ -30,8 +30,9 @@ from router.api.routes import add_routes
 from router.api.stored_responses import StoredResponses, make_probe
 from router.app.routing import RoutingGraph, build_disagg, build_routing
 from router.config.model import GatewayConfig
-from router.core.endpoints import Endpoint, EndpointPool, OutlierSettings
+from router.core.endpoints import Endpoint
 from router.core.framework import Scheduler
+from router.core.pool import EndpointPool, OutlierSettings
 from router.core.sampling import RateSampler
 from router.estimators.calibration import Calibrator
 from router.estimators.token_density import TokenDensity

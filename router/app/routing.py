@@ -17,8 +17,9 @@ from router.config.model import (
     Strategy,
     builtin_strategy,
 )
-from router.core.endpoints import EndpointPool, EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot
 from router.core.framework import PickObserver, Producer, Scheduler, SchedulingProfile
+from router.core.pool import EndpointPool
 from router.core.sampling import RateSampler
 from router.estimators.answer_cache import AnswerCache
 from router.estimators.calibration import Calibrator

@@ -19,7 +19,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from router.core.endpoints import NO_REMOTE_LOAD, EndpointPool, RemoteLoad
+from router.core.endpoints import NO_REMOTE_LOAD, RemoteLoad
+from router.core.pool import EndpointPool
 from router.core.tasks import cancel_and_wait
 from router.index.affinity import InMemoryAffinityStore
 from router.index.circuit_breaker import CircuitBreaker, Clock

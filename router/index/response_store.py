@@ -29,8 +29,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 
-from router.core.endpoints import EndpointPool, EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot
 from router.core.errors import BadRequestError, ResponseNotFoundError, ResponseUnavailableError
+from router.core.pool import EndpointPool
 from router.index.redis_link import (
     RedisClient,
     RedisLink,

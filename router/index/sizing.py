@@ -17,8 +17,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from router.core.endpoints import EndpointPool
 from router.core.framework import RoutingRequest
+from router.core.pool import EndpointPool
 from router.core.usage import prompt_tokens
 from router.estimators.token_density import TokenDensity
 from router.index.prefix_index import PrefixIndex

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from router.config.model import GatewayConfig
-from router.core.endpoints import EndpointPool, EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot
+from router.core.pool import EndpointPool
 from router.index.affinity import AffinityStore, InMemoryAffinityStore
 from router.index.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixIndex, PrefixIndex
 from router.index.redis_index import RedisPrefixIndex

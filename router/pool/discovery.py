@@ -18,7 +18,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from router.config.model import DiscoveryConfig
-from router.core.endpoints import Endpoint, EndpointPool, Role
+from router.core.endpoints import Endpoint, Role
+from router.core.pool import EndpointPool
 from router.core.tasks import cancel_and_wait
 from router.pool.kube_api import (
     REQUEST_SECONDS,

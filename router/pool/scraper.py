@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import orjson
 
-from router.core.endpoints import EndpointPool, EndpointState, EngineMetrics, RemoteLoad
+from router.core.endpoints import EndpointState, EngineMetrics, RemoteLoad
+from router.core.pool import EndpointPool
 from router.upstream.client import UPSTREAM_ERRORS, ResponseTooLargeError, UpstreamClient
 
 log = logging.getLogger("prefixgate.scraper")

@@ -19,11 +19,12 @@ import orjson
 from flow_control.controller import FlowController
 from flow_control.request import Ticket
 from router.config.model import GatewayConfig
-from router.core.endpoints import EndpointPool, EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot
 from router.core.errors import BadRequestError, ModelNotFoundError, NoEndpointsError
 from router.core.framework import RoutingRequest, Scheduler, SchedulingProfile
 from router.core.hashing import estimate_tokens
 from router.core.lease import Lease
+from router.core.pool import EndpointPool
 from router.core.sampling import RateSampler
 from router.estimators.answer_cache import AnswerCache
 from router.estimators.calibration import Calibrator

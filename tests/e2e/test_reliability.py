@@ -12,7 +12,8 @@ import orjson
 import pytest
 
 from benchmarks.sim.cli import Replica
-from router.core.endpoints import Endpoint, EndpointPool, OutlierSettings
+from router.core.endpoints import Endpoint
+from router.core.pool import EndpointPool, OutlierSettings
 from router.serve.server import RunningGateway, running_gateway
 from tests.e2e.test_reliability_support import Canary, echo_upstream
 from tests.gateways import MODEL, gateway_config

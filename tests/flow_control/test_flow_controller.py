@@ -17,8 +17,9 @@ from prometheus_client import CollectorRegistry
 from flow_control.config import FlowControlConfig
 from flow_control.controller import FlowController
 from flow_control.request import FlowRequest, Ticket
-from router.core.endpoints import Endpoint, EndpointPool, EndpointSnapshot
+from router.core.endpoints import Endpoint, EndpointSnapshot
 from router.core.errors import NoEndpointsError, SaturatedError, TTLExpiredError
+from router.core.pool import EndpointPool
 
 
 class Clock:

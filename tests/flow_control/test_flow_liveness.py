@@ -16,8 +16,9 @@ from flow_control.config import FlowControlConfig
 from flow_control.controller import DEFAULT_HEALTH_CYCLE, FlowController
 from flow_control.request import FlowRequest
 from router.config.pool import HealthCheckConfig
-from router.core.endpoints import EndpointPool, EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot
 from router.core.errors import NoEndpointsError
+from router.core.pool import EndpointPool
 from tests.flow_control.test_flow_controller import (
     Clock,
     _pool,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from router.core.endpoints import Endpoint, EndpointPool
+from router.core.endpoints import Endpoint
 from router.core.framework import RoutingRequest
+from router.core.pool import EndpointPool
 from router.estimators.token_density import TokenDensity
 from router.index.prefix_index import InMemoryPrefixIndex
 from router.index.sizing import IndexSizer

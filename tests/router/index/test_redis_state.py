@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from router.core.endpoints import QUEUE_AVERAGE_S, Endpoint, EndpointPool
+from router.core.endpoints import QUEUE_AVERAGE_S, Endpoint
+from router.core.pool import EndpointPool
 from router.index import redis_state
 from router.index.affinity import InMemoryAffinityStore
 from router.index.prefix_index import InMemoryPrefixIndex

@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from router.core.endpoints import Endpoint, EndpointPool, EndpointSnapshot
+from router.core.endpoints import Endpoint, EndpointSnapshot
 from router.core.errors import BadRequestError, ResponseNotFoundError, ResponseUnavailableError
+from router.core.pool import EndpointPool
 from router.index.response_store import MISS_TTL_S, ResponseRoutes
 from tests.manual_clock import ManualClock
 from tests.snapshots import snap

@@ -19,7 +19,8 @@ from aiohttp import web
 from benchmarks.sim.cli import start_replicas
 from benchmarks.sim.config import SimConfig
 from router.config.model import DiscoveryConfig
-from router.core.endpoints import Endpoint, EndpointPool
+from router.core.endpoints import Endpoint
+from router.core.pool import EndpointPool
 from router.extproc.server import running_epp
 from router.index.prefix_index import InMemoryPrefixIndex
 from router.pool.discovery import Discovered, Found, KubernetesDiscovery, LivePool

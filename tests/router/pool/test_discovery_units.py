@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from router.config.model import parse_config
-from router.core.endpoints import Endpoint, EndpointPool
+from router.core.endpoints import Endpoint
 from router.core.errors import ConfigError
+from router.core.pool import EndpointPool
 from router.pool.discovery import Found, KubernetesDiscovery, LivePool, pod_endpoints
 from tests.router.pool.test_discovery import Recorder, discovery_config, pod
 

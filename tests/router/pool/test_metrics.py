@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from router.core.endpoints import Endpoint, EndpointPool
+from router.core.endpoints import Endpoint
+from router.core.pool import EndpointPool
 from router.pool.metrics import GatewayMetrics
 
 

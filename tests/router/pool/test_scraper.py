@@ -13,8 +13,9 @@ import pytest
 
 from benchmarks.sim.cli import start_replicas
 from benchmarks.sim.config import DEFAULT_MODEL, SimConfig
-from router.core.endpoints import Endpoint, EndpointPool, EndpointState
+from router.core.endpoints import Endpoint, EndpointState
 from router.core.lease import Lease
+from router.core.pool import EndpointPool
 from router.index.affinity import InMemoryAffinityStore
 from router.index.prefix_index import InMemoryPrefixIndex
 from router.index.redis_state import SharedInFlight

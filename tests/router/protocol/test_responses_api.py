@@ -12,9 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.app import build_gateway
-from router.core.endpoints import Endpoint, EndpointPool, EndpointSnapshot
+from router.core.endpoints import Endpoint, EndpointSnapshot
 from router.core.errors import BadRequestError, ResponseNotFoundError, ResponseUnavailableError
 from router.core.hashing import block_hashes
+from router.core.pool import EndpointPool
 from router.index.response_store import ResponseIdTap, ResponseRoutes
 from router.protocol.parsing import ParsedRequest, parse_request
 from router.protocol.responses_api import FAILED, OPENING, TOKEN, answer_begun, to_chat
