@@ -4,13 +4,15 @@ Graceful shutdown, on the first SIGTERM or SIGINT: /ready answers 503 at once; n
 are still accepted for ``server.shutdownDelaySeconds`` (load balancers take a moment to stop
 sending), then the listening socket closes and in-flight requests drain for up to
 ``server.drainTimeoutSeconds``. Streams still open then end with an SSE error event, requests
-still waiting get a 503, and the process exits 0. A second signal exits at once.
+still waiting get a 503, and the process exits 0. A second signal exits at once. From the first
+signal on, each answer carries ``connection: close`` and ends its connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 import socket
@@ -32,6 +34,7 @@ from router.core.heap import freeze_startup_heap
 from router.serve.http_protocol import GatewayHttpProtocol
 
 log = logging.getLogger("prefixgate.server")
+CONNECTION_CLOSE = (b"connection", b"close")
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
@@ -90,6 +93,7 @@ class GatewayServer(uvicorn.Server):
             self.should_exit = self.force_exit = True
             return
         proxy.draining = True
+        self._close_after_responses()
         log.info(
             "draining: not ready; refusing connections in %.1fs; %d request(s) in flight",
             self._delay, proxy.active,
@@ -99,6 +103,28 @@ class GatewayServer(uvicorn.Server):
 
     def _stop_accepting(self) -> None:
         self.should_exit = True
+
+    def _close_after_responses(self) -> None:
+        """While draining, every answer says ``connection: close`` and ends its connection: a
+        kept-alive one would bring its client back until the delay ends, then be closed under a
+        request it may be sending. uvicorn adds the default headers to each response it starts,
+        from a list that cycles share; requests already running get it through their cycle."""
+        self._add_connection_close()
+        for connection in list(self.server_state.connections):
+            cycle = getattr(connection, "cycle", None)
+            if cycle is not None and not cycle.response_complete:
+                cycle.keep_alive = False
+
+    def _add_connection_close(self) -> None:
+        headers = self.server_state.default_headers
+        if CONNECTION_CLOSE not in headers:
+            headers.append(CONNECTION_CLOSE)  # in place: the list the current cycles hold
+
+    async def on_tick(self, counter: int) -> bool:
+        should_exit = await super().on_tick(counter)
+        if self.gateway.proxy.draining:  # uvicorn renews its default headers once a second
+            self._add_connection_close()
+        return should_exit
 
 
 def set_drain_timeout(config: uvicorn.Config, drain_timeout: float) -> None:
@@ -156,7 +182,16 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0, reuse_port: bool = False
     # Accepted connections inherit it: without it the first SSE chunk, written right after the
     # response headers, waits for the client's delayed ACK (~40 ms on Linux).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:  # the usual start-up failure: one line, not a trace
+            raise ConfigError(
+                f"server.port: {host}:{port} is in use by another process "
+                "(a gateway still draining, or a second one)"
+            ) from exc
+        raise
     sock.set_inheritable(True)
     return sock
 

@@ -225,7 +225,9 @@ class Supervisor:
 
     def _exited(self, slot: int, pid: int, code: int) -> None:
         if self._stop_at is not None:
-            if code != 0:
+            # -SIGTERM: the stop's own signal met SIGTERM's default action, in a worker still
+            # starting or past its drain; nothing was in flight there.
+            if code not in (0, -signal.SIGTERM):
                 log.warning("worker %d (pid %d) exited %d while stopping", slot, pid, code)
                 self._code = self._code or 1
             return

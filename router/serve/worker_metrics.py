@@ -30,6 +30,9 @@ WORKER_LABEL = "worker"
 # A sibling busy with a long request still answers between two of its callbacks; one that has
 # not within this long is reported down for this scrape rather than holding the scrape.
 SIBLING_TIMEOUT_S = 2.0
+# Ends a sibling's answer: one cut short (the sibling killed while writing) is otherwise a valid
+# exposition with series missing, or a line cut in two that fails the whole scrape.
+END_MARK = b"# end of worker registry\n"
 
 
 def metrics_socket(run_dir: Path, slot: int) -> Path:
@@ -76,7 +79,9 @@ async def _read_sibling(path: Path) -> str | None:
                 data = await reader.read()
             finally:
                 writer.close()
-        return data.decode()
+        if not data.endswith(END_MARK):
+            return None  # cut short: killed while answering
+        return data[: -len(END_MARK)].decode()
     except (OSError, TimeoutError, UnicodeDecodeError):
         return None  # being replaced, or stuck: reported through prefixgate_worker_up
 
@@ -121,7 +126,7 @@ class FleetMetrics:
 
         async def answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
-                writer.write(self._render())
+                writer.writelines((self._render(), END_MARK))
                 await writer.drain()
             except OSError:
                 pass  # the scraping sibling gave up

@@ -5,6 +5,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import orjson
 import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
@@ -69,9 +70,11 @@ async def test_closing_writes_what_is_held_first_and_other_calls_reach_the_socke
 
 
 @contextlib.asynccontextmanager
-async def serving(app: Any) -> AsyncIterator[int]:
+async def serving(app: Any, keep_alive: float | None = None) -> AsyncIterator[int]:
     sock = bind_socket()
     config = uvicorn_config(app, "127.0.0.1", sock.getsockname()[1], log_level="warning")
+    if keep_alive is not None:
+        config.timeout_keep_alive = keep_alive  # type: ignore[assignment]
     assert config.http is GatewayHttpProtocol
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -250,5 +253,98 @@ async def test_over_a_socket_a_request_answered_before_its_body_ends_closes_the_
                 assert head.startswith(b"HTTP/1.1 408")
                 assert await reader.readexactly(2) == b"{}"
                 assert await reader.read(1 << 16) == b""  # closed: no wait for the rest
+        finally:
+            writer.close()
+
+
+async def test_over_a_socket_a_request_head_past_the_limit_is_refused_with_431_and_closed(
+) -> None:
+    """The parser keeps whatever head a client sends: without a limit, one connection streaming
+    header lines that never end grows the worker's memory until it is killed."""
+    from router.serve.http_protocol import MAX_HEAD_BYTES
+
+    reached: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    line = b"x-filler: " + b"a" * 1000 + b"\r\n"
+    async with serving(app) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET /big HTTP/1.1\r\nhost: x\r\n")
+            with contextlib.suppress(ConnectionError):
+                for _ in range(MAX_HEAD_BYTES // len(line) + 2):  # never the blank line
+                    writer.write(line)
+                    await writer.drain()
+            async with asyncio.timeout(5):
+                answer = await reader.read()  # to the end: the connection closes
+        finally:
+            writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert b"connection: close" in head.lower()
+    assert orjson.loads(body)["error"]["code"] == "request_header_fields_too_large"
+    assert reached == []
+
+
+async def test_over_a_socket_a_head_within_the_limit_and_a_large_body_are_served() -> None:
+    """The limit is on the head alone: a big body in the same segments as a head is not."""
+    from router.serve.http_protocol import MAX_HEAD_BYTES
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        size = 0
+        while True:
+            message = await receive()
+            size += len(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = str(size).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    headers = b"".join(b"x-h%d: %s\r\n" % (i, b"a" * 900) for i in range(MAX_HEAD_BYTES // 1000))
+    body = b"b" * (4 * MAX_HEAD_BYTES)
+    request = (b"POST / HTTP/1.1\r\nhost: x\r\n" + headers
+               + b"content-length: %d\r\n\r\n" % len(body) + body)
+    async with serving(app) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(request + request)  # the second one pipelined behind the first
+            async with asyncio.timeout(5):
+                for _ in range(2):
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    assert head.startswith(b"HTTP/1.1 200"), head
+                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                    assert await reader.readexactly(length) == str(len(body)).encode()
+        finally:
+            writer.close()
+
+
+@pytest.mark.parametrize("sent", [b"", b"GET / HTTP/1.1\r\nhost: x\r\n"])
+async def test_over_a_socket_a_connection_that_never_completes_a_head_is_closed(
+    sent: bytes,
+) -> None:
+    """uvicorn times out a kept-alive connection between requests only: one that sends nothing,
+    or a head a byte at a time (slowloris), would hold its socket and file descriptor for good.
+    It gets the keep-alive timeout (made short here) to complete a head."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        raise AssertionError("no request reaches the app")
+
+    async with serving(app, keep_alive=0.05) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(sent)
+            async with asyncio.timeout(5):
+                assert await reader.read() == b""  # closed
         finally:
             writer.close()

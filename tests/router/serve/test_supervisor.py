@@ -29,6 +29,7 @@ from router.serve.private_redis import private_redis
 from router.serve.supervisor import (
     PRIVATE_REDIS_TIMEOUT_MS,
     RestartPolicy,
+    Supervisor,
     needs_private_redis,
     shared_config,
 )
@@ -361,3 +362,19 @@ def test_a_config_error_found_at_start_up_in_the_workers_exits_2_without_restart
     assert done.returncode == 2, done.stderr
     assert "prefixgate: discovery.apiServer: not set" in done.stderr
     assert "restarting" not in done.stderr, "not restarted in a loop"
+
+
+@pytest.mark.parametrize(("code", "exit_code"), [(0, 0), (-signal.SIGTERM, 0), (1, 1)])
+def test_a_worker_ended_by_the_stop_signal_itself_is_a_clean_stop(
+    tmp_path: Path, code: int, exit_code: int
+) -> None:
+    """A worker still starting (or already past its drain) has SIGTERM's default action and
+    dies of the SIGTERM the stop sends it: nothing was in flight there, and the gateway's exit
+    code (systemd marks a unit failed on 1) must not say otherwise."""
+    config = gateway_config(["http://127.0.0.1:9"], server={"workers": 2})
+    supervisor = Supervisor(config, tmp_path, "info", None)
+    supervisor.stop("signal")  # no worker started: nothing is sent
+    supervisor._exited(0, 12345, code)
+    supervisor._wake_r.close()
+    supervisor._wake_w.close()
+    assert supervisor._code == exit_code

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
@@ -102,3 +103,34 @@ async def test_merging_runs_off_the_event_loop_and_rendering_on_it(
         await workers[0].scrape()
     assert rendered == [loop_thread, loop_thread]
     assert len(merged) == 1 and merged[0] is not loop_thread
+
+
+@pytest.mark.parametrize("cut", ["mid-line", "at-a-line-end"])
+async def test_a_sibling_cut_off_mid_answer_is_reported_down_not_half_merged(
+    tmp_path: Path, cut: str
+) -> None:
+    """A sibling killed while writing its registry (OOM) leaves part of it: merged as it is, a
+    line cut in two would fail the whole scrape, and a cut at a line end would pass for a whole
+    answer with series (histogram buckets) missing. It is down for this scrape instead."""
+    whole = generate_latest(_registry(7, 0))
+    end = whole.index(b'prefixgate_requests_total{status="200"}')
+    part = whole[: end + 20] if cut == "mid-line" else whole[:end]
+
+    async def answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(part)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_unix_server(
+        answer, path=str(worker_metrics.metrics_socket(tmp_path, 1))
+    )
+    try:
+        scraper = FleetMetrics(_not_found, lambda: generate_latest(_registry(1, 0)), tmp_path, 0, 2)
+        samples = _samples(await scraper.scrape())
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert samples[("prefixgate_worker_up", (("worker", "1"),))] == 0
+    assert samples[("prefixgate_worker_up", (("worker", "0"),))] == 1
+    assert not [key for key in samples if ("worker", "1") in key[1]
+                and key[0] != "prefixgate_worker_up"]
