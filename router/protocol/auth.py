@@ -170,9 +170,20 @@ def _one_key(key: object, env: str | None, environ: Mapping[str, str], where: st
     if key is not None and env is not None:
         raise ConfigError(f"{where}: give apiKey or apiKeyEnv, not both")
     if env is not None:
-        return _from_env(environ, env, f"{where}.apiKeyEnv")
-    get = getattr(key, "get_secret_value", None)
-    return str(get()) if get is not None else None
+        where, value = f"{where}.apiKeyEnv", _from_env(environ, env, f"{where}.apiKeyEnv")
+    else:
+        get = getattr(key, "get_secret_value", None)
+        if get is None:
+            return None
+        where, value = f"{where}.apiKey", str(get()).strip()
+    # Trimmed like a client key: a YAML block scalar's newline would otherwise end the
+    # Authorization line early. Never echoed in the error.
+    if not value:
+        raise ConfigError(f"{where} is empty")
+    if not value.isprintable():
+        raise ConfigError(f"{where} holds a control character (a line break?)")
+    # Header values stand for latin-1 bytes: text beyond it goes as its UTF-8 bytes.
+    return value.encode().decode("latin-1")
 
 
 def build_upstream_keys(pool: PoolConfig, environ: Mapping[str, str]) -> UpstreamKeys:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -48,13 +48,23 @@ DROP_REQUEST_HEADERS = frozenset(
 DROP_RESPONSE_HEADERS = frozenset(
     h.encode()
     for h in (
-        "connection", "keep-alive", "transfer-encoding", "upgrade", "trailer", "server",
-        "date", DESTINATION_HEADER, REQUEST_ID_HEADER, DECISION_HEADER,
+        "connection", "keep-alive", "proxy-authenticate", "proxy-connection", "te",
+        "transfer-encoding", "upgrade", "trailer", "server", "date", DESTINATION_HEADER,
+        REQUEST_ID_HEADER, DECISION_HEADER,
     )
 )
 FAIRNESS_HEADERS = frozenset(
     h.encode() for h in ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
 )
+
+
+def _dropped(raw: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes]) -> frozenset[bytes]:
+    """``drop`` and the fields the message's Connection header names: hop-by-hop for this
+    message alone, removed by whoever forwards it (RFC 9110 7.6.1)."""
+    named = [value for name, value in raw if name.lower() == b"connection"]
+    if not named:
+        return drop
+    return drop | {o.strip().lower() for value in named for o in value.split(b",")}
 
 
 class RequestHeaders(Mapping[str, str]):
@@ -113,12 +123,13 @@ def request_id_of(headers: Mapping[str, str], fresh: RequestIds | None = None) -
 
 
 def response_headers(
-    raw: Iterable[tuple[bytes, bytes]],
+    raw: Sequence[tuple[bytes, bytes]],
     endpoint_id: str,
     request_id: str,
     explanation: Mapping[str, Any] | None = None,
 ) -> list[tuple[bytes, bytes]]:
-    headers = [(k.lower(), v) for k, v in raw if k.lower() not in DROP_RESPONSE_HEADERS]
+    drop = _dropped(raw, DROP_RESPONSE_HEADERS)
+    headers = [(k.lower(), v) for k, v in raw if k.lower() not in drop]
     headers.append((DESTINATION_HEADER.encode(), endpoint_id.encode()))
     headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
     if explanation is not None:
@@ -144,9 +155,9 @@ class ForwardedHeaders:
         self.keys = keys
 
     def base(
-        self, raw: Iterable[tuple[bytes, bytes]], request_id: str, tenant: str | None
+        self, raw: Sequence[tuple[bytes, bytes]], request_id: str, tenant: str | None
     ) -> list[tuple[str, str]]:
-        drop = self._drop
+        drop = _dropped(raw, self._drop)
         headers = [
             (k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.lower() not in drop
         ]

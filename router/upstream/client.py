@@ -83,7 +83,8 @@ def _target(url: str) -> _Target:
     tls = parts.scheme == "https"
     port = parts.port or (443 if tls else 80)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return _Target(parts.hostname, port, tls, path, parts.netloc)
+    # Host is the URL's host and port only (RFC 9110 7.2): any user:password@ stays out.
+    return _Target(parts.hostname, port, tls, path, parts.netloc.rpartition("@")[2])
 
 
 class UpstreamReply:

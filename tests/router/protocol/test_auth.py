@@ -257,3 +257,31 @@ def test_a_key_outside_latin_1_matches_its_utf8_bytes_not_question_marks() -> No
         assert auth.authenticate({"authorization": f"Bearer {as_received}"}) == "a"
         with pytest.raises(AuthenticationError):
             auth.authenticate({"x-api-key": guess})
+
+
+def test_upstream_keys_are_trimmed_and_an_empty_or_broken_one_is_refused() -> None:
+    """A client key is trimmed and refused empty; an upstream key was taken as written: a
+    YAML block scalar's trailing newline went into the ``Authorization`` line (a request the
+    replica rejects, or a header injected), and ``apiKey: ""`` sent ``Bearer `` in place of
+    the pool's key."""
+    pool = PoolConfig.model_validate(
+        {"apiKey": " pool-key\n", "endpoints": [{"url": "http://127.0.0.1:1"}]}
+    )
+    keys = build_upstream_keys(pool, {})
+    assert keys.header("127.0.0.1:1") == ("authorization", "Bearer pool-key")
+    # Header values stand for latin-1 bytes (router.upstream.client writes them so): a key
+    # beyond latin-1 goes as its UTF-8 bytes, as a tenant name does, not as a failed request.
+    unicode = build_upstream_keys(PoolConfig.model_validate({"apiKey": "sk-ключ"}), {})
+    as_bytes = "sk-ключ".encode().decode("latin-1")
+    assert unicode.header("e") == ("authorization", f"Bearer {as_bytes}")
+    for data, where in (
+        ({"apiKey": ""}, "pool.apiKey"),
+        ({"endpoints": [{"url": "http://127.0.0.1:1", "apiKey": "  "}]}, "pool.endpoints[0]"),
+        ({"apiKey": "sk-a\r\nx-injected: 1"}, "pool.apiKey"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            build_upstream_keys(PoolConfig.model_validate(data), {})
+        assert where in str(info.value) and "sk-a" not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        build_upstream_keys(PoolConfig.model_validate({"apiKeyEnv": "K"}), {"K": "a\nb"})
+    assert "pool.apiKeyEnv" in str(info.value)

@@ -69,3 +69,22 @@ def test_request_headers_answer_as_starlettes_do() -> None:
     assert ours["X-SESSION-ID"] == "s1" and ours.get("absent", "d") == "d"
     assert list(ours) == ["x-session-id", "content-type", "x-caf\xe9"] and len(ours) == 3
     assert ours.raw is raw
+
+
+def test_headers_a_connection_header_names_are_hop_by_hop_both_ways() -> None:
+    """RFC 9110 7.6.1: a proxy removes the fields its Connection header names, and the
+    proxy-only fields, before forwarding, whichever way the message goes."""
+    sent = [
+        (b"Connection", b"keep-alive, X-Hop-A"),
+        (b"connection", b"x-hop-b"),
+        (b"X-Hop-A", b"1"),
+        (b"x-hop-b", b"2"),
+        (b"x-kept", b"3"),
+    ]
+    forwarded = dict(ForwardedHeaders(UpstreamKeys(), False, False).base(sent, "rid", None))
+    assert "x-kept" in forwarded
+    assert not {"X-Hop-A", "x-hop-b", "Connection", "connection"} & set(forwarded)
+    answered = [*sent, (b"Proxy-Authenticate", b"Basic"), (b"Proxy-Connection", b"close")]
+    back = dict(response_headers(answered, "e1", "rid"))
+    assert b"x-kept" in back
+    assert not {b"x-hop-a", b"x-hop-b", b"proxy-authenticate", b"proxy-connection"} & set(back)

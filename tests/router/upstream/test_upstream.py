@@ -108,6 +108,23 @@ async def test_requests_reuse_one_kept_alive_connection() -> None:
     await client.aclose()
 
 
+async def test_the_host_header_carries_no_credentials_from_the_endpoint_url() -> None:
+    """``Host`` is the URL's host and port (RFC 9110 7.2): a URL's ``user:password@`` went
+    into it whole, handing the endpoint (and its access logs) the credentials."""
+    client = UpstreamClient(8, 2)
+    async with serve(keep_answering) as server:
+        url = server.url.replace("http://", "http://user:secret@")
+        reply = await asyncio.wait_for(client.request("GET", f"{url}/v1/models", []), 2)
+        await reply.read_all()
+        reply.close()
+        port = server.url.rsplit(":", 1)[1]
+        assert server.requests[0].startswith(
+            b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:%s\r\n" % port.encode()
+        )
+        assert b"secret" not in server.requests[0]
+    await client.aclose()
+
+
 async def test_a_large_body_is_written_a_slice_at_a_time_and_arrives_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
