@@ -39,6 +39,7 @@ from flow_control.saturation import (
     ThresholdSaturationDetector,
     default_staleness,
 )
+from flow_control.tickets import IssuedTickets
 from flow_control.waiting import WaitingRoom
 from router.core.endpoints import EndpointSnapshot
 from router.core.errors import NoEndpointsError, SaturatedError, SLORejectedError
@@ -90,14 +91,8 @@ class FlowController:
         self._bands = [self._band(str(b.priority), b.priority, b) for b in bands]
         self._default_band = self._band("default", None, config.default_band)
         self._room = WaitingRoom(config, self._metrics, self._resolver.objectives.ttl)
-        self._issued: dict[str, int] = {}  # tickets not yet released, per model
-        # Of those, the ones whose request has not taken an endpoint yet (Ticket.leased): no
-        # endpoint's in-flight count shows them.
-        self._unplaced: dict[str, int] = {}
-        # Where those may land: their model's candidates when the last was issued. Models
-        # share endpoints (a base model and its adapters), so one model's unplaced tickets
-        # take room in another's pool too.
-        self._placing: dict[str, list[EndpointSnapshot]] = {}
+        # Tickets not yet released, and those whose request has taken no endpoint yet.
+        self._tickets = IssuedTickets()
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._stopped = False
@@ -191,17 +186,8 @@ class FlowController:
         return self._bands[i - 1] if i else self._default_band
 
     def _saturated(self, model: str, snapshots: list[EndpointSnapshot]) -> bool:
-        # Counted, not inferred from in_flight: that one also holds other gateways' requests,
-        # and not those of endpoints that have left the candidates while their streams go on.
-        # Another model's unplaced tickets count too when its pool overlaps this one: they
-        # may take the room here as well.
-        unplaced = self._unplaced
-        pending = unplaced.get(model, 0)
-        if len(unplaced) > (model in unplaced):
-            ids = {s.id for s in snapshots}
-            for other, count in unplaced.items():
-                if other != model and any(s.id in ids for s in self._placing.get(other, ())):
-                    pending += count
+        # Counted, not inferred from in_flight (see flow_control/tickets.py).
+        pending = self._tickets.pending(model, snapshots)
         saturated = self._detector.saturated(snapshots, pending)
         self._metrics.set_saturated(model, saturated)
         return saturated
@@ -218,29 +204,19 @@ class FlowController:
         path: Literal["fast", "queued"],
         snapshots: list[EndpointSnapshot],
     ) -> Ticket:
-        model = request.model
-        self._issued[model] = self._issued.get(model, 0) + 1
-        self._unplaced[model] = self._unplaced.get(model, 0) + 1
-        self._placing[model] = snapshots
+        self._tickets.issue(request.model, snapshots)
         self._resolver.boost.served(request.session_id)
         band.wait.observe(waited)
         (band.fast if path == "fast" else band.queued).inc()
         return Ticket(request, waited, self._on_release, self._on_leased)
 
     def _on_leased(self, ticket: Ticket) -> None:
-        self._placed(ticket.request.model)
-
-    def _placed(self, model: str) -> None:
-        _decrement(self._unplaced, model)
-        if model not in self._unplaced:
-            self._placing.pop(model, None)
+        self._tickets.placed(ticket.request.model)
 
     def _on_release(self, ticket: Ticket) -> None:
         request = ticket.request
-        _decrement(self._issued, request.model)
         leased = ticket.was_leased
-        if not leased:
-            self._placed(request.model)
+        self._tickets.released(request.model, leased)
         # A turn that just ended is what makes its session live for the next one.
         self._resolver.boost.served(request.session_id)
         queues = self._room.queues
@@ -398,12 +374,4 @@ class FlowController:
 
     def outstanding(self, model: str) -> int:
         """Tickets issued for ``model`` and not yet released."""
-        return self._issued.get(model, 0)
-
-
-def _decrement(counts: dict[str, int], model: str) -> None:
-    left = counts.get(model, 0) - 1
-    if left > 0:
-        counts[model] = left
-    else:
-        counts.pop(model, None)
+        return self._tickets.outstanding(model)

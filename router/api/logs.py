@@ -8,7 +8,8 @@ record (a queue's notify, a thread switch, the GIL handed over and back, a write
 per line), it cost the process more CPU than the rest of the access log.
 
 Every request gets one access line on the ``prefixgate.access`` logger with its fields: the
-JSON formatter merges them into the object, the text one appends them as ``key=value`` pairs.
+JSON formatter merges them into the object, the text one appends them as ``key=value`` pairs
+(router/api/logfmt.py).
 When logging would hand that line to the writer's queue alone (as ``configure_logging`` sets
 it up), the loop skips ``logging`` and queues a tuple: a ``LogRecord`` (the clock, the pid, the
 thread's and process's names) and the handlers' locks cost more than the rest of the request's
@@ -19,7 +20,6 @@ a header: keys cannot leak through the access log.
 from __future__ import annotations
 
 import logging
-import re
 import sys
 import threading
 import time
@@ -31,19 +31,15 @@ import orjson
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.api.logfmt import Words, access_logfmt, logfmt
 from router.protocol.exchange import Exchange, ExchangeFields
 
 ACCESS_LOGGER = "prefixgate.access"
 LogFormat = Literal["text", "json"]
 QUEUE_SIZE = 10_000
 FLUSH_INTERVAL_S = 0.05
-# Strings remembered with their logfmt text (see Words); past this many, forgotten.
-WORDS_SIZE = 1024
 
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# A logfmt value with one of these (or empty, or unprintable) is quoted.
-_QUOTED = re.compile(r'[ "=\\]')
-_NUMBERS = frozenset({int, float, bool})
 
 # A request's access line as queued by the loop: its exchange, the perf_counter when it
 # finished, and the wall-clock time (a record's ``created``).
@@ -54,55 +50,6 @@ Queued = logging.LogRecord | AccessEntry
 def _fields(record: logging.LogRecord) -> Mapping[str, Any] | None:
     fields = getattr(record, "fields", None)
     return fields if isinstance(fields, Mapping) else None
-
-
-def logfmt_value(value: object) -> str:
-    if value is None:
-        return "-"
-    text = str(value)
-    if type(value) in _NUMBERS:
-        return text  # never quoted: skip the checks
-    if not text or _QUOTED.search(text) or not text.isprintable():
-        return orjson.dumps(text).decode()
-    return text
-
-
-def logfmt(fields: Mapping[str, Any]) -> str:
-    return " ".join(f"{key}={logfmt_value(value)}" for key, value in fields.items())
-
-
-class Words:
-    """The logfmt text of strings that come back line after line (an api, a model, a tenant, an
-    endpoint, an outcome): checked for quoting once rather than once a line. Bounded: when
-    ``size`` are known it starts over."""
-
-    __slots__ = ("_known", "_size")
-
-    def __init__(self, size: int = WORDS_SIZE) -> None:
-        self._known: dict[str | None, str] = {None: "-"}
-        self._size = size
-
-    def __call__(self, value: str | None) -> str:
-        text = self._known.get(value)
-        if text is None:
-            if len(self._known) >= self._size:
-                self._known = {None: "-"}
-            text = self._known[value] = logfmt_value(value)
-        return text
-
-
-def access_logfmt(ex: Exchange, finished: float, word: Words) -> str:
-    """``logfmt(ex.fields(finished))`` without the mapping, with each value's type known; the
-    same fields in the same order (a test holds the two equal)."""
-    stream, ttfb, match = ex.stream, ex.ttfb, ex.prefix_match
-    return (
-        f"request_id={logfmt_value(ex.request_id)} api={word(ex.api)} model={word(ex.model)}"
-        f" stream={'-' if stream is None else stream} tenant={word(ex.tenant)}"
-        f" endpoint={word(ex.endpoint)} status={ex.status} outcome={word(ex.outcome)}"
-        f" attempts={ex.attempts} ttfb_ms={'-' if ttfb is None else round(ttfb * 1000, 2)}"
-        f" duration_ms={round((finished - ex.started) * 1000, 2)}"
-        f" prefix_match={'-' if match is None else round(match, 3)}"
-    )
 
 
 class Stamps:

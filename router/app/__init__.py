@@ -42,7 +42,7 @@ from router.index.token_counts import TokenCounts
 from router.pool.discovery import Forget, KubernetesDiscovery, LivePool
 from router.pool.metrics import GatewayMetrics
 from router.pool.scraper import CapacityCallback, EndpointMonitor, MonitorSettings
-from router.precise.routing import PreciseRuntime
+from router.precise.runtime import PreciseRuntime
 from router.protocol.auth import UpstreamKeys, build_authenticator, build_upstream_keys
 from router.scheduling.plugins import PluginRegistry, default_registry, endpoint_forgetters
 from router.scheduling.routing import Router

@@ -27,7 +27,8 @@ from router.estimators.live_sessions import LiveSessions
 from router.estimators.token_density import TokenDensity
 from router.index.stores import Candidates, Stores
 from router.pool.metrics import GatewayMetrics
-from router.precise.routing import PreciseRouter, PreciseRuntime, precise_enabled
+from router.precise.routing import PreciseRouter, precise_enabled
+from router.precise.runtime import PreciseRuntime
 from router.scheduling.disagg import Disaggregator, build_disagg_profiles
 from router.scheduling.filters import DECODE_ROLES
 from router.scheduling.plugins import PluginContext, PluginRegistry, build_profile

@@ -15,7 +15,7 @@ chain walk a few integer operations per block, as in the approximate index.
 
 Speculative entries: right after a pick, the request's keys are marked as held by the chosen
 endpoint for a short TTL, so the rest of a same-prefix burst follows it before the engine has
-computed (and announced) the blocks.
+computed (and announced) the blocks (router/precise/speculation.py).
 
 Memory is bounded: per endpoint at most ``max_blocks`` mappings (a consistent stream never holds
 more than the replica's ``num_gpu_blocks``; past the bound the oldest are dropped and counted),
@@ -26,11 +26,12 @@ and a bounded number of speculative keys.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from router.precise.keys import KEY_SEED, BlockExtras, block_keys
+from router.precise.speculation import SpeculativeEntries
 
 __all__ = ["KEY_SEED", "EngineHash", "IndexStats", "PreciseIndex", "block_keys"]
 
@@ -51,7 +52,6 @@ class _Endpoint:
     copies: dict[EngineHash, int] = field(default_factory=dict)
     key_refs: dict[int, int] = field(default_factory=dict)
     recent: OrderedDict[EngineHash, int] = field(default_factory=OrderedDict)
-    spec_until: dict[int, float] = field(default_factory=dict)
     trusted: bool = False
     reason: str = "no events yet"
     # Untrusted because the stream itself looks broken (silent, disconnected), not because this
@@ -89,16 +89,9 @@ class PreciseIndex:
         self.block_size = block_size
         self._max_blocks = max_blocks
         self._recent_limit = max(0, recent_removed)
-        self._max_spec = max(1, max_speculative)
-        self._clock = clock
         self._eps: dict[str, _Endpoint] = {}
         self._holders: dict[int, int] = {}
-        self._spec: dict[int, int] = {}
-        # The part of _spec whose request has produced its first byte: its prefill is done, so
-        # the replica holds those blocks even if their events have not arrived yet.
-        self._settled: dict[int, int] = {}
-        self._spec_queue: deque[tuple[float, str, list[int]]] = deque()
-        self._spec_count = 0
+        self._spec = SpeculativeEntries(max_speculative, clock)
         self._adapters: set[str] = set()
         self.stats = IndexStats()
 
@@ -284,9 +277,8 @@ class PreciseIndex:
         if endpoint_id not in self._eps:
             return
         self.cleared(endpoint_id)
-        ep = self._eps.pop(endpoint_id)
-        for key in ep.spec_until:
-            self._drop_spec_bit(key, ep.bit)
+        del self._eps[endpoint_id]
+        self._spec.forget(endpoint_id)
 
     def _trim(self, endpoint_id: str, ep: _Endpoint) -> None:
         while len(ep.to_key) > ep.capacity:
@@ -301,53 +293,11 @@ class PreciseIndex:
         """Mark ``keys`` as about to be held by ``endpoint_id`` for ``ttl`` seconds."""
         if not keys or ttl <= 0:
             return
-        ep = self._ep(endpoint_id)
-        now = self._clock()
-        self._expire(now)
-        until = now + ttl
-        batch = list(keys)
-        for key in batch:
-            if key not in ep.spec_until:
-                self._spec[key] = self._spec.get(key, 0) | ep.bit
-            ep.spec_until[key] = until
-        self._spec_queue.append((until, endpoint_id, batch))
-        self._spec_count += len(batch)
-        while self._spec_count > self._max_spec and self._spec_queue:
-            self._expire_one()
-
-    def _expire(self, now: float) -> None:
-        queue = self._spec_queue
-        while queue and queue[0][0] <= now:
-            self._expire_one()
-
-    def _expire_one(self) -> None:
-        until, endpoint_id, batch = self._spec_queue.popleft()
-        self._spec_count -= len(batch)
-        ep = self._eps.get(endpoint_id)
-        if ep is None:
-            return
-        for key in batch:
-            # A later pick may have extended the entry; only the newest batch removes it.
-            if ep.spec_until.get(key) == until:
-                del ep.spec_until[key]
-                self._drop_spec_bit(key, ep.bit)
-
-    def _drop_spec_bit(self, key: int, bit: int) -> None:
-        for table in (self._spec, self._settled):
-            mask = table.get(key, 0) & ~bit
-            if mask:
-                table[key] = mask
-            else:
-                table.pop(key, None)
+        self._spec.add(endpoint_id, self._ep(endpoint_id).bit, keys, ttl)
 
     def settle(self, endpoint_id: str, keys: Sequence[int]) -> None:
         """The request that speculated ``keys`` on ``endpoint_id`` has been prefilled."""
-        ep = self._eps.get(endpoint_id)
-        if ep is None:
-            return
-        for key in keys:
-            if key in ep.spec_until:
-                self._settled[key] = self._settled.get(key, 0) | ep.bit
+        self._spec.settle(endpoint_id, keys)
 
     # -- lookups ------------------------------------------------------------------------
 
@@ -369,9 +319,7 @@ class PreciseIndex:
         active = 0
         for bit in bits.values():
             active |= bit
-        if speculative and self._spec:
-            self._expire(self._clock())
-        spec = (self._settled if settled_only else self._spec) if speculative else {}
+        spec = self._spec.current(settled_only) if speculative else {}
         holders = self._holders if confirmed else {}
         for i, key in enumerate(keys):
             held = (holders.get(key, 0) | spec.get(key, 0)) & active
@@ -402,7 +350,7 @@ class PreciseIndex:
         return len(ep.to_key) if ep is not None else 0
 
     def speculative_entries(self) -> int:
-        return self._spec_count
+        return self._spec.count
 
     def endpoints(self) -> list[str]:
         return list(self._eps)

@@ -11,13 +11,11 @@ docs/precise-routing.md; memory and cost: docs/benchmarks/precise.md.
 from __future__ import annotations
 
 import itertools
-import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
 from prometheus_client import CollectorRegistry, Counter
 
 from router.index.circuit_breaker import CircuitBreaker
@@ -39,11 +37,21 @@ from router.precise.event_codec import (
     Stored,
     block_extras,
 )
-from router.precise.index import EngineHash, PreciseIndex, block_keys
+from router.precise.index import PreciseIndex, block_keys
 from router.precise.redis_scripts import APPLY, FORGET, GC, MATCH, SPECULATE
+from router.precise.shared_updates import (
+    EventBatch,
+    Purge,
+    Speculation,
+    Update,
+    UpdateKey,
+    hash_id,
+    pack_ids,
+    pack_keys,
+    update_cost,
+)
 
 DEFAULT_KEY_TTL_SECONDS = 86_400.0
-_MASK64 = (1 << 64) - 1
 # Sends of one call at most: a script told to move (a garbage map it was not given) is sent
 # again with the name it was told.
 _SENDS = 3
@@ -60,44 +68,6 @@ class RemoteMatch:
     @property
     def held(self) -> int:
         return max(self.confirmed if self.trusted else 0, self.speculative)
-
-
-@dataclass(slots=True)
-class _Events:
-    seq: int
-    ts: float
-    ops: list[AppliedOp]
-    capacity: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Speculation:
-    keys: bytes
-    ttl_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Purge:
-    pass
-
-
-_Item = _Events | _Speculation | _Purge
-_Key = tuple[str, str, int]  # (kind, endpoint id, sequence of the put or last key)
-
-
-def hash_id(engine_hash: EngineHash) -> bytes:
-    """An engine hash as 8 bytes: ints as they are (mod 2**64), bytes hashed (sha256 ones)."""
-    if isinstance(engine_hash, int):
-        return (engine_hash & _MASK64).to_bytes(8, "little")
-    return xxhash.xxh64_digest(engine_hash)
-
-
-def pack_keys(keys: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(keys)}Q", *keys)
-
-
-def _pack_ids(hashes: Sequence[EngineHash]) -> bytes:
-    return b"".join(hash_id(h) for h in hashes)
 
 
 class SharedPreciseIndex:
@@ -153,9 +123,9 @@ class SharedPreciseIndex:
             registry=registry if registry is not None else CollectorRegistry(),
         )
         # Event batches must never be coalesced: each put gets its own key.
-        self._queue: UpdateQueue[_Key, _Item] = UpdateQueue(
+        self._queue: UpdateQueue[UpdateKey, Update] = UpdateQueue(
             self._ship, op="precise_update", link=self._link, max_items=max_pending,
-            max_batch=16, max_batch_cost=64 << 10, cost=_cost, keep=lambda k: k[0] == "purge",
+            max_batch=16, max_batch_cost=64 << 10, cost=update_cost, keep=lambda k: k[0] == "purge",
         )
 
     @property
@@ -171,21 +141,22 @@ class SharedPreciseIndex:
         """A batch the local subscriber just applied (router.precise.events.BatchMirror)."""
         capacity = self.local.capacity(endpoint_id)
         self._delivered.add(endpoint_id)
-        self._queue.put(("events", endpoint_id, next(self._puts)), _Events(seq, ts, ops, capacity))
+        item = EventBatch(seq, ts, ops, capacity)
+        self._queue.put(("events", endpoint_id, next(self._puts)), item)
 
     def speculated(self, endpoint_id: str, keys: Sequence[int], ttl: float) -> None:
         """Share the speculative entries of a pick (the local index has its own)."""
         if not keys or ttl <= 0:
             return
         # A later pick of the same chain on the same endpoint supersedes this one.
-        item = _Speculation(pack_keys(keys), max(1, int(ttl * 1000)))
+        item = Speculation(pack_keys(keys), max(1, int(ttl * 1000)))
         self._queue.put(("spec", endpoint_id, keys[-1]), item)
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
         """Purge an endpoint that left the pool, here and in Redis."""
         self.local.forget(endpoint_id)
         self._queue.discard_if(lambda key: key[1] == endpoint_id)
-        self._queue.put(("purge", endpoint_id, 0), _Purge())
+        self._queue.put(("purge", endpoint_id, 0), Purge())
 
     async def flush(self) -> None:
         await self._queue.flush()
@@ -198,15 +169,15 @@ class SharedPreciseIndex:
         """The garbage map of ``slot`` ('': a name no map has)."""
         return self._p + "d:" + slot
 
-    def _call(self, key: _Key, item: _Item, keep: Sequence[str] | None) -> ScriptCall:
+    def _call(self, key: UpdateKey, item: Update, keep: Sequence[str] | None) -> ScriptCall:
         """A script call for ``item``; ``keep``: every endpoint's keys, when their TTL is due."""
         eid, p = key[1], self._p
-        if isinstance(item, _Speculation):
+        if isinstance(item, Speculation):
             return SPECULATE, [self._k("z:", eid)], [p, item.ttl_ms, self._max_spec, item.keys]
         base = [self._k("h"), self._k("s"), self._k("g"), self._k("i:", eid),
                 self._k("m:", eid), self._k("k:", eid)]
         old, gc = self._garbage(self._slots.get(eid, "")), self._garbage(self._gc_next)
-        if isinstance(item, _Purge):
+        if isinstance(item, Purge):
             if not eid:
                 return GC, [*base[:3], gc], [p]
             return FORGET, [*base, self._k("z:", eid), old, gc], [p, eid, self._ttl_ms]
@@ -216,15 +187,15 @@ class SharedPreciseIndex:
         ]
         for op in item.ops:
             if isinstance(op, Mapped):
-                args += ["S", _pack_ids(op.block_hashes), pack_keys(op.keys)]
+                args += ["S", pack_ids(op.block_hashes), pack_keys(op.keys)]
             elif isinstance(op, Removed):
-                args += ["R", _pack_ids(op.block_hashes), ""]
+                args += ["R", pack_ids(op.block_hashes), ""]
             elif isinstance(op, Cleared):
                 args += ["C", "", ""]
             # A Stored left here could not be mapped even with Redis' help: skipped.
         return APPLY, [*base, old, gc, *(keep or ())], args
 
-    async def _ship(self, batch: list[tuple[_Key, _Item]]) -> None:
+    async def _ship(self, batch: list[tuple[UpdateKey, Update]]) -> None:
         """One pipelined round trip (two when a late replica must learn parents first, one more
         every few hours to read the keys to refresh, one more when a script needed a garbage
         map other than the one it was given)."""
@@ -258,7 +229,7 @@ class SharedPreciseIndex:
             self._delivered.clear()
 
     async def _send(
-        self, batch: list[tuple[_Key, _Item]], keep: Sequence[str] | None
+        self, batch: list[tuple[UpdateKey, Update]], keep: Sequence[str] | None
     ) -> list[Any]:
         calls = [self._call(key, item, keep) for key, item in batch]
         results: list[Any] = await self._link.call(
@@ -289,17 +260,17 @@ class SharedPreciseIndex:
         for eid, at in zip(slots, ats, strict=True):
             # No 'at' (the meta of an older release): kept.
             if at is not None and now - int(at) > self._ttl_seconds and eid not in shipping:
-                self._queue.put(("purge", eid, 0), _Purge())
+                self._queue.put(("purge", eid, 0), Purge())
             else:
                 keys += [self._k(kind, eid) for kind in ("i:", "m:", "k:")]
         return keys
 
     def _read_answers(
-        self, batch: list[tuple[_Key, _Item]], results: list[Any]
-    ) -> tuple[list[tuple[_Key, _Item]], int, bool]:
+        self, batch: list[tuple[UpdateKey, Update]], results: list[Any]
+    ) -> tuple[list[tuple[UpdateKey, Update]], int, bool]:
         """What the scripts answered: the calls to send again (told to move: nothing done),
         how many failed, and whether an event batch's script ran."""
-        again: list[tuple[_Key, _Item]] = []
+        again: list[tuple[UpdateKey, Update]] = []
         failed, applied = 0, False
         for (key, item), result in zip(batch, results, strict=True):
             eid = key[1]
@@ -323,7 +294,7 @@ class SharedPreciseIndex:
                 if eid:
                     self._slots.pop(eid, None)
                 if left > 0:
-                    self._queue.put(("purge", "", 0), _Purge())  # the rest, bounded steps
+                    self._queue.put(("purge", "", 0), Purge())  # the rest, bounded steps
         return again, failed, applied
 
     def _learn_slot(self, eid: str, slot: str) -> None:
@@ -332,11 +303,11 @@ class SharedPreciseIndex:
         else:
             self._slots.pop(eid, None)
 
-    async def _resolve_parents(self, batch: list[tuple[_Key, _Item]]) -> None:
+    async def _resolve_parents(self, batch: list[tuple[UpdateKey, Update]]) -> None:
         """Map the blocks the local index could not (unknown parent) with keys from Redis."""
         wanted: dict[str, set[bytes]] = {}
         for (_, eid, _), item in batch:
-            if isinstance(item, _Events):
+            if isinstance(item, EventBatch):
                 for op in item.ops:
                     if isinstance(op, Stored) and op.parent is not None:
                         wanted.setdefault(eid, set()).add(hash_id(op.parent))
@@ -360,7 +331,7 @@ class SharedPreciseIndex:
             for (eid, ids), vals in zip(order, found, strict=True)
         }
         for (_, eid, _), item in batch:
-            if isinstance(item, _Events):
+            if isinstance(item, EventBatch):
                 item.ops = [self._map(eid, op, known.setdefault(eid, {})) for op in item.ops]
 
     def _map(self, eid: str, op: AppliedOp, known: dict[bytes, int]) -> AppliedOp:
@@ -399,14 +370,3 @@ class SharedPreciseIndex:
             eid: RemoteMatch(bool(raw[3 * j]), int(raw[3 * j + 1]), int(raw[3 * j + 2]))
             for j, eid in enumerate(ids)
         }
-
-
-def _cost(key: _Key, item: _Item) -> int:
-    if isinstance(item, _Speculation):
-        return len(item.keys) + 64
-    if isinstance(item, _Events):
-        blocks = (op.block_hashes for op in item.ops if not isinstance(op, Cleared))
-        return 64 + sum(24 * len(b) for b in blocks)
-    return 64
-
-

@@ -342,7 +342,7 @@ async def test_nothing_is_left_behind_after_many_flows() -> None:
     tasks = await queue_all(ctl, [req(f"r{i}", f"tenant{i}", priority=i % 3) for i in range(50)])
     await serve_one_by_one(held, tasks)
     assert ctl.queued == 0 and ctl.queued_bytes == 0 and ctl.active_flows() == 0
-    assert not ctl._room.queues and not ctl._issued
+    assert not ctl._room.queues and not ctl._tickets.issued
     assert len(ctl._room._deadlines) <= 64
 
 
@@ -565,7 +565,7 @@ async def test_models_sharing_an_endpoint_share_its_room() -> None:
     await settle()
     assert other.done()
     other.result().release()
-    assert ctl.outstanding("m") == ctl.outstanding("n") == 0 and not ctl._unplaced
+    assert ctl.outstanding("m") == ctl.outstanding("n") == 0 and not ctl._tickets.unplaced
 
 
 @pytest.mark.parametrize("freed_by", ["release", "first-byte"])
@@ -599,7 +599,7 @@ async def test_a_place_freed_on_a_shared_endpoint_goes_to_the_highest_priority(
     if freed_by == "first-byte":
         lease.release()
         held.release()
-    assert ctl.queued == 0 and not ctl._issued and not ctl._unplaced
+    assert ctl.queued == 0 and not ctl._tickets.issued and not ctl._tickets.unplaced
 
 
 async def test_a_sheddable_request_is_shed_when_the_work_ahead_takes_the_room() -> None:
@@ -635,4 +635,4 @@ async def test_models_sharing_endpoints_take_turns_at_equal_priority() -> None:
         ctl, [req("m1"), req("m2"), req("m3"), FlowRequest(model="n", session_id="n1")]
     )
     assert await serve_one_by_one(held, tasks) == ["m1", "n1", "m2", "m3"]
-    assert not ctl._unplaced and not ctl._placing
+    assert not ctl._tickets.unplaced and not ctl._tickets.placing

@@ -77,7 +77,7 @@ async def test_a_lease_given_up_before_its_first_byte_dispatches_once() -> None:
     await settle()
     assert second.done()
     second.result().release()
-    assert ctl.queued == 0 and not ctl._unplaced
+    assert ctl.queued == 0 and not ctl._tickets.unplaced
 
 
 async def test_a_queue_whose_pool_stays_empty_gets_the_admission_answer() -> None:
@@ -148,7 +148,7 @@ async def test_a_newcomer_does_not_pass_another_models_higher_priority_for_room(
     await settle()
     assert low.done()
     low.result().release()
-    assert ctl.queued == 0 and not ctl._unplaced
+    assert ctl.queued == 0 and not ctl._tickets.unplaced
 
 
 async def test_what_goes_first_for_a_newcomer_is_only_what_outranks_it() -> None:

@@ -12,6 +12,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
+from router.api.logfmt import logfmt
 from router.api.logs import (
     ACCESS_LOGGER,
     AccessLog,
@@ -21,9 +22,6 @@ from router.api.logs import (
     LogDrops,
     LogFormat,
     TextFormatter,
-    Words,
-    access_logfmt,
-    logfmt,
     make_formatter,
 )
 from router.protocol.exchange import Exchange, ExchangeFields
@@ -85,16 +83,6 @@ def test_a_queued_entry_is_written_as_the_same_line_as_its_record(fmt: LogFormat
     formatter = make_formatter(fmt)
     for ex in variants():
         assert formatter.access_line(ex, 10.5, CREATED) == formatter.format(emitted(ex, 10.5))
-
-
-def test_a_text_line_quotes_what_needs_it_each_time_past_the_words_bound() -> None:
-    words = Words(size=3)
-    lines = [
-        access_logfmt(Exchange("chat", "r", 0.0, model=model), 1.0, words)
-        for model in ["a b", "m1", "m2", "m3", "a b"]
-    ]
-    assert [line.split(" ")[2:4] for line in (lines[0], lines[-1])] == [['model="a', 'b"']] * 2
-    assert "model=m3" in lines[3]
 
 
 @contextlib.contextmanager
