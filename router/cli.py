@@ -13,6 +13,9 @@ from router.config.model import GatewayConfig, load_config, parse_config
 from router.core.endpoints import endpoint_id_from_url
 from router.core.errors import ConfigError
 
+# logging's and uvicorn's names; anything else is a usage error, not a traceback.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
 
 def _serve_config(args: argparse.Namespace) -> GatewayConfig:
     if args.config:
@@ -35,7 +38,17 @@ def _serve_config(args: argparse.Namespace) -> GatewayConfig:
         data.pop("plugins", None)
         data.pop("schedulingProfiles", None)
         data["strategy"] = args.strategy
-    return parse_config(data)
+    return _with_endpoints(parse_config(data))
+
+
+def _with_endpoints(config: GatewayConfig) -> GatewayConfig:
+    """A gateway with no endpoint and no discovery could only answer 503: refuse to start."""
+    if not config.pool.endpoints and config.discovery is None:
+        raise ConfigError(
+            "pool.endpoints: no endpoints to route to (give pool.endpoints, --backend URL "
+            "or discovery)"
+        )
+    return config
 
 
 def _add_backends(data: dict[str, Any], backends: Sequence[str]) -> None:
@@ -119,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=None,
         help="processes serving the port (default: server.workers, 1); see docs/scale-out.md",
     )
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
     serve.add_argument(
         "--log-format", choices=["text", "json"], default=None,
         help="log lines as text or JSON objects (default: server.logFormat, text)",
@@ -132,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     epp.add_argument("--port", type=int, default=None, help="ext_proc gRPC port (9002)")
     epp.add_argument("--health-port", type=int, default=None, help="gRPC health port (9003)")
     epp.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (9090)")
-    epp.add_argument("--log-level", default="info")
+    epp.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
     epp.set_defaults(func=_cmd_epp)
 
     sim = sub.add_parser("sim", help="run simulated vLLM replicas")

@@ -209,3 +209,38 @@ def test_docs_index_lists_every_page() -> None:
         if p.name != "README.md" and f"]({p.name})" not in index
     ]
     assert not missing, f"docs/README.md does not link {missing}"
+
+
+def _commented_keys(page: Path) -> list[tuple[str, str]]:
+    """The ``# key: value`` lines of a page's YAML examples, each with its key's full path: a
+    key left commented out in a reference example reads as "this is the default"."""
+    found = []
+    for block in re.findall(r"```yaml\n(.*?)```", page.read_text(encoding="utf-8"), re.S):
+        stack: list[tuple[int, str]] = []
+        for line in block.splitlines():
+            match = re.match(r"(\s*)(#\s*)?([a-z][A-Za-z]*):\s*([^#]*)", line)
+            if not match:
+                continue
+            indent, commented, key, value = match.groups()
+            stack = [(i, k) for i, k in stack if i < len(indent)]
+            path = ".".join([k for _, k in stack] + [key])
+            if commented:
+                found.append((path, value.strip()))
+            else:
+                stack.append((len(indent), key))
+    return found
+
+
+def test_keys_commented_out_in_the_reference_show_their_default() -> None:
+    wrong = []
+    for path, text in _commented_keys(ROOT / "docs" / "configuration.md"):
+        model: type[BaseModel] | None = GatewayConfig
+        *sections, key = path.split(".")
+        for section in sections:
+            model = _fields(model)[section] if model is not None else None
+        if model is None or text in ("", "..."):
+            continue
+        field = next(f for n, f in model.model_fields.items() if (f.alias or n) == key)
+        if field.default is not None and yaml.safe_load(text) != field.default:
+            wrong.append(f"{path}: {text} (default {field.default!r})")
+    assert not wrong, f"docs/configuration.md: {wrong}"

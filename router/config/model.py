@@ -52,6 +52,9 @@ class PrefixIndexConfig(Strict):
     @model_validator(mode="after")
     def _redis_url(self) -> PrefixIndexConfig:
         check_redis_url(self.url, self.backend, self.cluster)
+        # Every Redis key tag is built from it (router/index/redis_link.py).
+        if not self.namespace or any(c in self.namespace for c in "{} "):
+            raise ValueError("namespace: must be non-empty, without braces or spaces")
         if self.backend == "replicated" and self.cluster:
             raise ValueError("cluster: the replicated backend publishes on one Redis server")
         return self
@@ -305,6 +308,10 @@ class GatewayConfig(Strict):
         return self
 
 
+# A section's own check says which of its keys is wrong by starting with it ("url: ...").
+_KEY_FIRST = re.compile(r"([a-z][A-Za-z0-9]*): (.*)", re.S)
+
+
 def format_validation_error(error: ValidationError, prefix: str = "") -> str:
     lines = []
     for item in error.errors():
@@ -314,6 +321,13 @@ def format_validation_error(error: ValidationError, prefix: str = "") -> str:
         message = item["msg"]
         if item["type"] == "extra_forbidden":
             message = "unknown key"
+        elif item["type"] == "value_error":
+            message = message.removeprefix("Value error, ")
+            # The key a section's check names joins the path: pool.x.url, not pool.x: url.
+            named = _KEY_FIRST.fullmatch(message)
+            if named and (not item["loc"] or item["loc"][-1] != named[1]):
+                path = f"{path}.{named[1]}" if path else named[1]
+                message = named[2]
         lines.append(f"{path or '<root>'}: {message}")
     return "; ".join(lines)
 
@@ -326,7 +340,10 @@ def parse_config(data: Any) -> GatewayConfig:
     if is_llmd(data):
         data = translate_llmd(data)
     try:
-        return GatewayConfig.model_validate(data)
+        # Strict types: YAML already gives bools and numbers their types, so a quoted "no"
+        # or "8080", or a bool where a number goes, is a mistake to report, not to convert.
+        # Keys by their documented camelCase only (Python code builds models by field name).
+        return GatewayConfig.model_validate(data, strict=True, by_alias=True, by_name=False)
     except ValidationError as exc:
         raise ConfigError(f"invalid config: {format_validation_error(exc)}") from exc
 

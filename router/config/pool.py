@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from router.core.endpoints import endpoint_id_from_url
 from router.core.strict import Strict
@@ -45,6 +45,13 @@ class OutlierDetectionConfig(Strict):
     base_ejection_seconds: float = Field(30.0, gt=0)
     max_ejection_seconds: float = Field(300.0, gt=0)
     max_ejection_percent: float = Field(50.0, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _ejection_bounds(self) -> OutlierDetectionConfig:
+        # Ejections grow from the base up to the max: a max below the base contradicts it.
+        if self.max_ejection_seconds < self.base_ejection_seconds:
+            raise ValueError("maxEjectionSeconds: must not be less than baseEjectionSeconds")
+        return self
 
 
 class PoolConfig(Strict):

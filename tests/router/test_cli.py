@@ -76,3 +76,22 @@ def test_a_config_error_found_at_start_up_exits_2_with_its_message(tmp_path: Pat
     )
     assert done.returncode == 2, done.stderr
     assert "prefixgate: discovery.apiServer: not set" in done.stderr
+
+
+def test_an_unknown_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """Not a traceback from logging: argparse names the flag and the levels it takes."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", "--log-level", "verbose"])
+    assert info.value.code == 2
+    assert "--log-level" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--log-level", "WARNING"])
+    assert args.log_level == "warning"
+
+
+def test_a_config_with_no_endpoints_and_no_discovery_fails_at_start_up(tmp_path: Path) -> None:
+    """Nothing to route to, ever: every request would be a 503 while /health says alive."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text("server: {port: 0}\nstrategy: weighted\n")
+    with pytest.raises(ConfigError, match=r"pool\.endpoints: .*--backend.*discovery"):
+        _serve_config(_args("--config", str(path)))
+    assert _serve_config(_args("--config", str(path), "--backend", "http://127.0.0.1:9"))

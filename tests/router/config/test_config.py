@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +128,63 @@ def test_a_weight_must_be_finite(weight: float) -> None:
                 {"pluginRef": "max-score-picker"},
             ]}],
         })
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"prefixIndex": {"backend": "redis"}}, "prefixIndex.url: the redis backend needs url"),
+        ({"strategy": "nope"}, "invalid config: strategy: unknown 'nope'"),
+        ({"discovery": {"labelSelector": {"a": "b"}}}, "discovery.targetPorts: needed with"),
+        ({"precisePrefix": {"index": {"namespace": ""}}}, "precisePrefix.index.namespace: must"),
+        ({"auth": {"apiKeys": [{"tenant": "t"}]}}, "auth.apiKeys[0]: give key or keyEnv"),
+    ],
+)
+def test_a_check_across_keys_names_the_full_key_path(data: dict[str, Any], message: str) -> None:
+    """A section's own check names the key inside the section: the message carries its whole
+    path, as a single key's error does, without pydantic's "Value error, " prefix."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert message in str(info.value)
+    assert "Value error" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"server": {"accessLog": "no"}}, "server.accessLog"),
+        ({"pool": {"outlierDetection": {"enabled": "false"}}}, "pool.outlierDetection.enabled"),
+        ({"server": {"port": "8080"}}, "server.port"),
+        ({"server": {"workers": True}}, "server.workers"),
+    ],
+)
+def test_values_are_not_coerced_from_another_type(data: dict[str, Any], key: str) -> None:
+    """A quoted "false" or "no" is a string in YAML: reading it as a bool guesses what the
+    operator meant, and a bool read as the number 1 is a typo nobody sees."""
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        parse_config(data)
+
+
+def test_the_longest_ejection_is_not_shorter_than_the_first() -> None:
+    with pytest.raises(ConfigError, match=r"pool\.outlierDetection\.maxEjectionSeconds"):
+        parse_config({"pool": {"outlierDetection": {
+            "baseEjectionSeconds": 60, "maxEjectionSeconds": 30,
+        }}})
+    config = parse_config({"pool": {"outlierDetection": {
+        "baseEjectionSeconds": 30, "maxEjectionSeconds": 30,
+    }}})
+    assert config.pool.outlier_detection.max_ejection_seconds == 30
+
+
+@pytest.mark.parametrize("namespace", ["", "a b", "{tag}"])
+def test_prefix_index_namespace_is_checked_at_load(namespace: str) -> None:
+    """Redis key tags are built from it: it fails at load, not when the first store opens."""
+    with pytest.raises(ConfigError, match=r"prefixIndex\.namespace"):
+        parse_config({"prefixIndex": {"namespace": namespace}})
+
+
+def test_keys_have_one_spelling() -> None:
+    """The documented camelCase only: a snake_case key (the Python field's name) is unknown,
+    so one config cannot spell a key two ways in two places."""
+    with pytest.raises(ConfigError, match=r"server\.max_body_bytes: unknown key"):
+        parse_config({"server": {"max_body_bytes": 4096}})

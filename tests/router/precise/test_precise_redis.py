@@ -471,12 +471,12 @@ async def test_bytes_per_entry(redis_url: str, redis_namespace: str) -> None:
 @pytest.mark.parametrize(
     ("index", "message"),
     [
-        ({"backend": "redis"}, "precisePrefix.index: .*url"),
+        ({"backend": "redis"}, r"precisePrefix\.index\.url: the redis backend"),
         ({"backend": "disk"}, "precisePrefix.index.backend"),
         ({"bogus": 1}, "precisePrefix.index.bogus: unknown key"),
         ({"timeoutMs": 0}, "precisePrefix.index.timeoutMs"),
-        ({"url": "http://x"}, "precisePrefix.index: .*url"),
-        ({"namespace": "a{b}"}, "precisePrefix.index: .*namespace"),
+        ({"url": "http://x"}, r"precisePrefix\.index\.url: must be"),
+        ({"namespace": "a{b}"}, r"precisePrefix\.index\.namespace: must"),
     ],
 )
 def test_config_rejects_bad_index_settings(index: dict[str, Any], message: str) -> None:
