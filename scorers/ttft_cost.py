@@ -264,7 +264,7 @@ def _slot_wait_s(endpoint: EndpointSnapshot) -> float:
         return 0.0
     occupants = max(float(endpoint.in_flight), endpoint.running + endpoint.waiting)
     excess = occupants + 1 - limit
-    return excess * endpoint.slot_hold_s / limit if excess > 0 else 0.0
+    return excess * endpoint.hold_s / limit if excess > 0 else 0.0
 
 
 def _kv_claim(request: RoutingRequest, endpoint: EndpointSnapshot, uncached: int) -> int:

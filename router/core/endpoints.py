@@ -100,15 +100,13 @@ class EndpointSnapshot(NamedTuple):
     recent_prefill_tokens: float = 0.0
     # The gateway's in-flight requests when ``waiting`` was scraped (EngineMetrics).
     scraped_in_flight: int = 0
-    # The engine's learned sequence-slot limit (0: unknown) and how long a request holds a
-    # slot there (router/core/slots.py).
+    # The engine's learned sequence-slot limit (0: unknown: router/core/slots.py).
     slot_limit: int = 0
-    slot_hold_s: float = 0.0
-    # The KV cache this gateway's requests in flight there hold (their kv_claim tokens), the
-    # same at the last scrape (EngineMetrics.gateway_kv_tokens), and how long a request holds
-    # its place there (router/core/slots.py), known limit or not.
+    # The KV cache this gateway's requests in flight there hold (their kv_claim tokens), and
+    # the same at the last scrape (EngineMetrics.gateway_kv_tokens).
     in_flight_kv_tokens: int = 0
     scraped_kv_tokens: int = 0
+    # How long a request holds its place there, a sequence slot and its KV (SlotLimit.hold).
     hold_s: float = 0.0
     # session -> [its requests in flight there, the KV they hold] (EndpointState.session_kv,
     # not a copy: read while scoring, which does not yield to the event loop).
@@ -207,7 +205,6 @@ class EndpointState:
         endpoint = self.endpoint
         slots = self.slots
         limit = slots.limit_at(now, fleet_slots)
-        hold = slots.hold(now)
         return EndpointSnapshot(
             endpoint.id,
             endpoint.url,
@@ -224,9 +221,8 @@ class EndpointState:
             self.recent_prefill_tokens(now) + recent,
             m.gateway_in_flight,
             limit,
-            hold if limit else 0.0,
             self.in_flight_kv_tokens,
             m.gateway_kv_tokens,
-            hold,
+            slots.hold(now),
             self.session_kv,
         )

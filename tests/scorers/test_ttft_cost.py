@@ -97,7 +97,7 @@ def test_kv_wait(usage: float, in_flight_kv: int, scraped_kv: int, expected_s: f
 
 def test_kv_wait_and_slot_wait_overlap() -> None:
     """Both are waits for admission, side by side: the longer one counts, not their sum."""
-    full = snap("a", kv_usage=1.0, hold_s=20.0, slot_limit=4, slot_hold_s=20.0, running=4)
+    full = snap("a", kv_usage=1.0, hold_s=20.0, slot_limit=4, running=4)
     terms = scorer().terms(req(tokens=8_000), full)
     assert terms.kv_wait_s == pytest.approx(1.0) and terms.slot_wait_s == pytest.approx(5.0)
     base = scorer(kv_wait_weight=0, slot_wait_weight=0).terms(req(tokens=8_000), full)
@@ -281,7 +281,7 @@ def test_a_full_engine_costs_the_wait_for_a_slot_whatever_it_holds() -> None:
     idle = snap("idle")
 
     def home(in_flight: int) -> EndpointSnapshot:
-        return snap("home", in_flight=in_flight, slot_limit=16, slot_hold_s=3.0)
+        return snap("home", in_flight=in_flight, slot_limit=16, hold_s=3.0)
 
     s = scorer()
     assert s.terms(request, home(15)).slot_wait_s == 0.0, "a slot is free"
@@ -289,11 +289,11 @@ def test_a_full_engine_costs_the_wait_for_a_slot_whatever_it_holds() -> None:
     assert s.terms(request, home(20)).slot_wait_s == pytest.approx(5 * 3.0 / 16)
     assert s.score(request, [home(16), idle])[0] == 1.0, "one slot's wait beats the recompute"
     assert s.score(request, [home(24), idle])[1] == 1.0, "nine slots' wait does not"
-    unknown = snap("home", in_flight=20, slot_hold_s=3.0)
+    unknown = snap("home", in_flight=20, hold_s=3.0)
     assert s.terms(request, unknown).slot_wait_s == 0.0, "no limit learned, no wait priced"
     assert scorer(slot_wait_weight=0).terms(request, home(20)).slot_wait_s == 0.0
     # Strangers' requests, running or waiting in the scrape, take slots too.
-    crowded = snap("home", running=16, waiting=3, slot_limit=16, slot_hold_s=3.0)
+    crowded = snap("home", running=16, waiting=3, slot_limit=16, hold_s=3.0)
     assert s.terms(request, crowded).slot_wait_s == pytest.approx(4 * 3.0 / 16)
 
 

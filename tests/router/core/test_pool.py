@@ -60,7 +60,7 @@ def test_leases_time_how_long_an_answer_holds_a_slot_and_snapshots_carry_the_lim
         full.slots.observe_scrape(8, 2, 0.5, 8, now)
     by_id = {s.id: s for s in pool.candidates("m")}
     full_now = by_id[full.endpoint.id]
-    assert (full_now.slot_limit, full_now.slot_hold_s) == (8, 3.0)
+    assert (full_now.slot_limit, full_now.hold_s) == (8, 3.0)
     assert by_id[fresh.endpoint.id].slot_limit == 8, "not seen full: the fleet's limit"
     clock.now += 61.0
     limits = [s.slot_limit for s in pool.candidates("m")]
