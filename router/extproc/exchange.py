@@ -44,7 +44,7 @@ from router.extproc.metrics import ExtProcMetrics
 from router.extproc.paths import api_for, stored_response_id
 from router.protocol.headers import DESTINATION_HEADER, request_id_of
 from router.protocol.parsing import Api, ParsedRequest
-from router.scheduling.disagg import PREFILLER_HEADER
+from router.scheduling.disagg import PREFILLER_HEADER, wants_prompt_logprobs
 
 log = logging.getLogger("prefixgate.extproc")
 
@@ -221,20 +221,25 @@ class Exchange:
         rank, lease, learn. Returns the destination and the body to forward (the client's,
         unless parsing dropped fields only the gateway sets)."""
         # The picker only names a prefiller (the decode endpoint's sidecar sends the prefill
-        # request): nothing here reads the decoded body.
-        prepared = await self._gw.preparer.prepare(api, body, decodes_payload=False)
+        # request): with disaggregation it reads the decoded body for prompt logprobs alone.
+        disagg = self._gw.proxy.disagg is not None
+        prepared = await self._gw.preparer.prepare(api, body, decodes_payload=disagg)
         self._api = api
         router = self._gw.router
         request_id = request_id_of(self._headers)
         routing = router.routing_request(prepared.parsed, self._headers, request_id, prepared)
         self._ticket = await router.admit(routing, self._headers, len(body))
         ranked = await router.rank(routing, self._allowed())
-        picked = ranked[0].id
+        # Before the decode lease, which must know whether its endpoint pulls the KV.
+        if await self._choose_prefiller(prepared.parsed, routing, ranked[0]):
+            # Ranked before the prefill pool was: the lease reads the queues as they are now.
+            ranked = [n for c in ranked if (n := router.current(routing.model, c.id)) is not None]
+            if not ranked:
+                raise NoEndpointsError("no decode endpoint left to route to")
         self._lease = router.lease(routing, ranked[0])
-        router.picked(routing, picked)
+        router.picked(routing, ranked[0].id)
         self._routing = routing
         self._count_tokens(prepared.parsed, routing, ranked[0])
-        await self._choose_prefiller(routing, ranked[0])
         destination = ",".join(e.id for e in ranked[: 1 + self._settings.fallback_endpoints])
         return self._routed(destination, "routed"), prepared.parsed.body
 
@@ -250,21 +255,34 @@ class Exchange:
             endpoint, answer_seen=self._response_mode != _MODE.NONE,
         )
 
-    async def _choose_prefiller(self, routing: RoutingRequest, decode: EndpointSnapshot) -> None:
+    async def _choose_prefiller(
+        self, parsed: ParsedRequest, routing: RoutingRequest, decode: EndpointSnapshot
+    ) -> bool:
         """With disaggregation, Envoy reaches one destination: the decode endpoint, whose
         routing sidecar runs the prefill step on the endpoint named in x-prefiller-host-port
-        (llm-d's sidecar mode, whatever ``disaggregation.mode`` says for the HTTP gateway)."""
+        (llm-d's sidecar mode, whatever ``disaggregation.mode`` says for the HTTP gateway).
+        The HTTP gateway's rules (router/scheduling/disagg.py): no split for prompt logprobs,
+        decode alone when the prefiller left the pool, the decode marked ``remote_prefill``.
+        Whether the prefill pool was ranked (after the decode pool, with an await between)."""
         disagg = self._gw.proxy.disagg
         if disagg is None:
-            return
+            return False
+        if wants_prompt_logprobs(parsed.api, parsed.payload):
+            disagg.metrics.decisions.labels("decode_only").inc()
+            return False
         choice = await disagg.choose_prefiller(routing, decode)
         if choice is None:
-            return
+            return False
         prefill_routing, prefill = choice
         router = self._gw.router
-        self._prefill_lease = router.lease(prefill_routing, prefill)
+        try:
+            self._prefill_lease = router.lease(prefill_routing, prefill)
+        except KeyError:  # it left the pool while the prefill pool was ranked: decode alone
+            return True
         router.picked(prefill_routing, prefill.id)
         self._extra = {PREFILLER_HEADER: prefill.id}
+        routing.remote_prefill = True
+        return True
 
     def _eligible_any(self) -> list[EndpointSnapshot]:
         found = {c.id: c for m in self._gw.pool.models() for c in self._candidates(m)}
