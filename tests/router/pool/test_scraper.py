@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import httpx
 import orjson
@@ -316,6 +316,19 @@ async def test_requests_waiting_behind_a_prefill_teach_no_slot_limit() -> None:
     assert limit == 0.0
 
 
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def serving(handle: Handler) -> AsyncIterator[str]:
+    """A loopback server answering with ``handle``; yields its URL."""
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
 @contextlib.asynccontextmanager
 async def counting_replica(queries: list[float], health: int = 200) -> AsyncIterator[str]:
     """A replica whose /metrics reads ``queries[0]`` as vLLM's prefix-cache query count (a
@@ -340,11 +353,8 @@ async def counting_replica(queries: list[float], health: int = 200) -> AsyncIter
                 await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
+    async with serving(handle) as url:
+        yield url
 
 
 async def test_a_replica_whose_counters_went_back_restarted_and_its_prefixes_are_forgotten(
@@ -504,11 +514,8 @@ async def listing_replica(listing: list[bytes | None]) -> AsyncIterator[str]:
                 await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
+    async with serving(handle) as url:
+        yield url
 
 
 async def test_adapters_loaded_and_unloaded_at_runtime_are_followed() -> None:
