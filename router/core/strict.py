@@ -1,5 +1,5 @@
-"""The one base of every config model: unknown keys and non-finite numbers fail, camelCase
-keys, frozen values.
+"""The one base of every config model: unknown keys and non-finite numbers fail, values are
+not coerced from another type, camelCase keys, frozen values.
 
 It lives in core so that every section's models (the gateway's, flow control's, precise
 routing's, the scorers' parameters) can share it without importing each other.
@@ -15,10 +15,17 @@ from pydantic.alias_generators import to_camel
 
 class Strict(BaseModel):
     # Non-finite numbers fail too: a bound like ``ge=0`` lets an infinite timeout or weight
-    # through, and an infinite weight times a zero score is NaN.
+    # through, and an infinite weight times a zero score is NaN. Strict types, for every model
+    # (plugin parameters too, which no section's validation reaches): YAML already gives bools
+    # and numbers their types, so a quoted "2" or "no", or a bool for a number, is a mistake to
+    # report, not to convert. An int still fills a float.
     model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True,
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        frozen=True,
         allow_inf_nan=False,
+        strict=True,
     )
 
 

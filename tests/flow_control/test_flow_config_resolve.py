@@ -83,6 +83,15 @@ def test_camel_case_keys_parse() -> None:
         ({"saturationDetector": {"kvCacheUtilThreshold": 1.5}},
          "flowControl.saturationDetector.kvCacheUtilThreshold:"),
         ({"sessionBoost": {"bogus": 1}}, "flowControl.sessionBoost.bogus: unknown key"),
+        # Values keep their YAML types: a quoted number or bool is a mistake, not converted.
+        ({"enabled": "yes"}, "flowControl.enabled: Input should be a valid boolean"),
+        ({"enabled": 1}, "flowControl.enabled: Input should be a valid boolean"),
+        ({"maxRequests": "7"}, "flowControl.maxRequests: Input should be a valid integer"),
+        (
+            {"priorityBands": [{"priority": 1, "programAware": {"serviceWeight": "0.5"}}]},
+            "flowControl.priorityBands[0].programAware.serviceWeight: Input should be a valid "
+            "number",
+        ),
     ],
 )
 def test_validation_errors_name_the_key(data: object, expected: str) -> None:

@@ -5,6 +5,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from router.config.model import parse_config
 from router.core.endpoints import EndpointSnapshot
@@ -406,3 +407,16 @@ def test_a_new_session_is_placed_by_the_queue_its_later_requests_will_meet() -> 
     assert s.score(placing, calm)[0] == 1.0
     assert scorer(placement_horizon_weight=0.0).score(placing, endpoints)[0] == 1.0
     assert "horizon_s" in s.explain(placing, endpoints[0])
+
+
+@pytest.mark.parametrize("value", ["2", "2.0", True])
+def test_parameters_are_not_coerced_from_another_type(value: object) -> None:
+    # Built from a plugin's YAML parameters, which already give numbers their types.
+    with pytest.raises(ValidationError) as info:
+        TTFTCostParameters.model_validate({"recomputeWeight": value})
+    assert info.value.errors()[0]["loc"] == ("recomputeWeight",)
+
+
+def test_parameters_take_an_int_for_a_float_and_a_literal_from_a_string() -> None:
+    params = TTFTCostParameters.model_validate({"recomputeWeight": 2, "evictionRoom": "index"})
+    assert (params.recompute_weight, params.eviction_room) == (2.0, "index")

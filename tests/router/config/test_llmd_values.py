@@ -86,6 +86,27 @@ def test_values_llm_d_refuses_fail_naming_the_plugin_parameter(
         parse_config(one(type_, **parameters))
 
 
+@pytest.mark.parametrize(
+    ("type_", "parameters", "key", "expected"),
+    [
+        ("load-aware-scorer", {"threshold": "2"}, "threshold", "int"),
+        ("no-hit-lru-scorer", {"lruSize": True}, "lruSize", "int"),
+        ("approx-prefix-cache-producer", {"autoTune": "false"}, "autoTune", "bool"),
+        ("approx-prefix-cache-producer", {"autoTune": 0}, "autoTune", "bool"),
+        ("utilization-detector", {"kvCacheUtilThreshold": "0.9"}, "kvCacheUtilThreshold", "float"),
+        ("program-aware-fairness", {"lasWeightService": "0.5"}, "lasWeightService", "float"),
+    ],
+)
+def test_a_value_of_another_type_fails_naming_the_plugin_parameter(
+    type_: str, parameters: dict[str, Any], key: str, expected: str
+) -> None:
+    """As llm-d's JSON decoding into Go structs: a quoted number or bool is not converted."""
+    with pytest.raises(
+        ConfigError, match=rf"^plugins\[0\]\.parameters\.{key}: expected {expected}, got"
+    ):
+        parse_config(one(type_, **parameters))
+
+
 @pytest.mark.parametrize("strategy", ["encoded_endpoint_header", "session_id"])
 def test_session_affinity_strategies_llm_d_knows_load(strategy: str) -> None:
     config = parse_config(one("session-affinity-scorer", strategy=strategy))

@@ -57,6 +57,22 @@ def test_default_picker_is_max_score() -> None:
             [],
             "recomputeWeightMax (1.5) is below recomputeWeight (2.0)",
         ),
+        # Values keep their YAML types, as in the gateway's own sections: no coercion.
+        (
+            [{"type": "ttft-cost-scorer", "parameters": {"recomputeWeight": "2"}}],
+            [],
+            "plugins[0].parameters.recomputeWeight: Input should be a valid number",
+        ),
+        (
+            [{"type": "load-aware-scorer", "parameters": {"threshold": True}}],
+            [],
+            "plugins[0].parameters.threshold: Input should be a valid integer",
+        ),
+        (
+            [{"type": "no-hit-lru-scorer", "parameters": {"lruSize": "64"}}],
+            [],
+            "plugins[0].parameters.lruSize: Input should be a valid integer",
+        ),
         (
             [{"type": "queue-scorer"}, {"type": "queue-scorer"}],
             [],
