@@ -7,8 +7,9 @@ attempt's 5xx is the answer too, as is a 5xx with no endpoint left to try. Conne
 timeouts and 5xx (never 4xx) count towards the endpoint's outlier ejection.
 
 The first attempt's pick is recorded before it is sent, so that the next requests of a burst
-already see it (a failed attempt's record stays); a retry's is recorded once its endpoint has
-answered, and not when that answer is a 5xx (docs/reliability.md).
+already see it; should that attempt fail before its first byte, the prefix index's record is
+withdrawn (the blocks it added: the endpoint prefilled nothing). A retry's is recorded once its
+endpoint has answered, and not when that answer is a 5xx (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -90,14 +91,17 @@ class Failover:
                 refused = None
             sent += 1
             ex.attempts += 1
-            if ex.attempts > 1:
-                self._metrics.retries.inc()
-            else:
+            recorded = ex.attempts == 1
+            if recorded:
                 self._router.picked(routing, endpoint.id)
+            else:
+                self._metrics.retries.inc()
             try:
                 attempt = await send(endpoint)
             except UPSTREAM_ERRORS as exc:
                 self._unreached(routing, endpoint.id, lease, exc)
+                if recorded:
+                    self._router.unpicked(routing, endpoint.id)
                 last_error = exc
                 continue
             except BaseException:  # the client left, say: no failure of the endpoint's
@@ -109,6 +113,8 @@ class Failover:
                     self._router.picked(routing, endpoint.id)
             else:
                 self.failed(lease, endpoint.id, "5xx")
+                if recorded:
+                    self._router.unpicked(routing, endpoint.id)
                 refused = Answered(attempt, endpoint, lease)
                 continue
             return Answered(attempt, endpoint, lease)

@@ -185,6 +185,14 @@ class PickObserver(Protocol):
     def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None: ...
 
 
+@runtime_checkable
+class UnpickObserver(Protocol):
+    """Takes back what it learnt from a pick whose attempt failed before its first byte (a
+    connect error, a timeout, a 5xx): the endpoint prefilled nothing of the request."""
+
+    def on_unpick(self, request: RoutingRequest, endpoint_id: str) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class WeightedScorer:
     name: str
@@ -278,3 +286,12 @@ class Scheduler:
                 observer.on_pick(request, endpoint_id)
             except Exception:  # an update must never fail the request it learns from
                 log.exception("pick observer %r failed", observer)
+
+    def unpicked(self, request: RoutingRequest, endpoint_id: str) -> None:
+        for observer in self._observers:
+            if not isinstance(observer, UnpickObserver):
+                continue
+            try:
+                observer.on_unpick(request, endpoint_id)
+            except Exception:  # as on_pick: never the request's failure
+                log.exception("pick observer %r failed to withdraw", observer)

@@ -37,6 +37,12 @@ class PrefixIndex(Protocol):
         """
         ...
 
+    def withdraw(self, endpoint_id: str, hashes: Sequence[int], held: int) -> None:
+        """Undo :meth:`record` of ``hashes`` on ``endpoint_id`` for a request whose attempt
+        failed before its first byte (nothing was prefilled there): drop the chain's blocks
+        past its first ``held``, the ones the endpoint held before (they stay, as recent)."""
+        ...
+
     async def forget_endpoint(self, endpoint_id: str) -> None:
         """Drop everything known about an endpoint that left the pool."""
         ...
@@ -159,6 +165,9 @@ class InMemoryPrefixIndex:
         self._default_capacity = default_capacity
         self._step = max(0, max_blocks_per_step)
         self.pending_pieces = 0  # pieces of long records scheduled but not touched yet
+        # (endpoint, chain's last hash) -> its record's pieces scheduled; the withdrawn ones
+        self._pieces: dict[tuple[str, int], int] = {}
+        self._withdrawn: set[tuple[str, int]] = set()
         self._holders: dict[int, int] = {}
         self._bits: dict[str, int] = {}
         self._lru: dict[str, _Lru] = {}
@@ -229,9 +238,27 @@ class InMemoryPrefixIndex:
             except RuntimeError:  # no loop (a script, a test): all of it now
                 self._touch(endpoint_id, hashes, 0, fresh)
                 return
-            self.pending_pieces += 1
+            self._schedule(endpoint_id, hashes)
             bit = self._bits[endpoint_id]
             loop.call_soon(self._resume, endpoint_id, hashes, end, bit, fresh)
+
+    def _schedule(self, endpoint_id: str, hashes: Sequence[int]) -> None:
+        self.pending_pieces += 1
+        key = (endpoint_id, hashes[-1])
+        self._pieces[key] = self._pieces.get(key, 0) + 1
+
+    def _unschedule(self, endpoint_id: str, hashes: Sequence[int]) -> bool:
+        """A piece of the chain's record is due: False when the record was withdrawn."""
+        self.pending_pieces -= 1
+        key = (endpoint_id, hashes[-1])
+        left = self._pieces.pop(key) - 1
+        if left:
+            self._pieces[key] = left
+        if key not in self._withdrawn:
+            return True
+        if not left:
+            self._withdrawn.discard(key)
+        return False
 
     def _resume(
         self, endpoint_id: str, hashes: Sequence[int], end: int, bit: int, fresh: float
@@ -239,13 +266,14 @@ class InMemoryPrefixIndex:
         """The next piece of a long record: one touch spread over turns of the loop, so its
         freshness is the one judged when it began (judged anew, a chain longer than the fresh
         window would outlive its own head's freshness and each piece re-touch all of it)."""
-        self.pending_pieces -= 1
+        if not self._unschedule(endpoint_id, hashes):
+            return  # withdrawn meanwhile: the rest of the chain must not come back
         if self._bits.get(endpoint_id) != bit:
             return  # forgotten meanwhile (or gone and back): its pieces are stale
         self._touch(endpoint_id, hashes[: end + self._step], 0, fresh)
         end += self._step
         if end < len(hashes):
-            self.pending_pieces += 1
+            self._schedule(endpoint_id, hashes)
             asyncio.get_running_loop().call_soon(
                 self._resume, endpoint_id, hashes, end, bit, fresh
             )
@@ -317,6 +345,23 @@ class InMemoryPrefixIndex:
 
     async def match(self, hashes: Sequence[int], endpoint_ids: Collection[str]) -> dict[str, int]:
         return self.match_now(hashes, endpoint_ids)
+
+    def withdraw(self, endpoint_id: str, hashes: Sequence[int], held: int) -> None:
+        """Drop the chain's blocks past ``held`` (as recorded: capped), and the pieces of its
+        record still to come. The held part of a chain is a prefix of it, so what is left is
+        a chain still; its blocks keep their scores (the queues skip the dropped entries)."""
+        if not hashes:
+            return
+        hashes = capped(hashes, self.capacity(endpoint_id))
+        if (endpoint_id, hashes[-1]) in self._pieces:
+            self._withdrawn.add((endpoint_id, hashes[-1]))
+        bit, lru = self._bits.get(endpoint_id), self._lru.get(endpoint_id)
+        if bit is None or lru is None:
+            return
+        scores = lru.scores
+        for h in hashes[max(0, held) :]:
+            if scores.pop(h, None) is not None:
+                self._drop(h, bit)
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
         self.forget_now(endpoint_id)

@@ -23,6 +23,7 @@ from router.index.prefix_index import DEFAULT_CAPACITY_BLOCKS, InMemoryPrefixInd
 from router.index.redis_index_scripts import FORGET as _FORGET
 from router.index.redis_index_scripts import MATCH as _MATCH
 from router.index.redis_index_scripts import RECORD as _RECORD
+from router.index.redis_index_scripts import WITHDRAW as _WITHDRAW
 from router.index.redis_link import (
     RedisLink,
     RedisMetrics,
@@ -41,7 +42,8 @@ DEFAULT_MAX_BLOCKS_PER_WRITE = 256  # ~1.5 ms of Redis time, evictions included
 # Chunks of one purge shipped in a row, at most (then it waits for its next batch).
 _FORGET_ROUNDS = 1000
 
-_Op = tuple[str, str, bytes]  # (kind: record | trim | forget, endpoint id, packed hashes)
+# (kind: record | withdraw | trim | forget, endpoint id, packed hashes)
+_Op = tuple[str, str, bytes]
 _MASK64 = (1 << 64) - 1
 
 
@@ -154,6 +156,15 @@ class RedisPrefixIndex:
         op = ("record", endpoint_id, pack_hashes(hashes))
         self._queue.put(op, self.local.capacity(endpoint_id))
 
+    def withdraw(self, endpoint_id: str, hashes: Sequence[int], held: int) -> None:
+        # After its record in the queue (a withdrawal is rare: only a failed attempt's), so
+        # Redis applies the two in order; a record of the same chain put later goes after it.
+        hashes = capped(hashes, self.local.capacity(endpoint_id))
+        self.local.withdraw(endpoint_id, hashes, held)
+        tail = hashes[max(0, held) :]
+        if tail:
+            self._queue.put(("withdraw", endpoint_id, pack_hashes(tail)), 0)
+
     async def forget_endpoint(self, endpoint_id: str) -> None:
         await self.local.forget_endpoint(endpoint_id)
         self._purge(endpoint_id)
@@ -201,6 +212,8 @@ class RedisPrefixIndex:
         ]
         if kind == "forget":
             return _FORGET, keys, [endpoint_id, self._forget_chunk]
+        if kind == "withdraw":
+            return _WITHDRAW, keys[:3], [endpoint_id, blob]
         flag = "1" if refresh else "0"
         piece_of = "" if bound is None else bound
         args = [endpoint_id, capacity, self._ttl_ms, flag, blob, most, piece_of]
@@ -258,15 +271,32 @@ class RedisPrefixIndex:
             self._refreshed_at = time.monotonic()
             self._recorded.clear()
         finished = True
+        pieced: set[str] = set()  # endpoints whose records this run wrote in pieces
         for (op, capacity), result in zip(batch, results, strict=True):
-            if op[0] == "forget" and isinstance(result, int) and result > 0:
+            if op[0] == "withdraw" and op[1] in pieced:
+                # Its record was written in pieces, after the pipeline: withdraw after them.
+                await self._run_script(self._script_args(op, 0, False))
+            elif op[0] == "forget" and isinstance(result, int) and result > 0:
                 finished = await self._forget_rest(op)
             elif op[0] == "trim" and isinstance(result, int) and result > 0:
                 if op not in self._queue:  # the next chunk (a newer trim would do it anyway)
                     self._queue.put(op, capacity)
             elif op[0] == "record" and isinstance(result, list) and len(result) == 2:
+                pieced.add(op[1])
                 await self._record_in_pieces(op, capacity, int(result[0]) - 1, int(result[1]))
         return finished
+
+    async def _run_script(self, call: ScriptCall) -> None:
+        """One script, one round trip; given up on (counted) when Redis is away."""
+        script, keys, args = call
+
+        async def run(client: Any) -> Any:
+            return await eval_script(client, script, keys, args)
+
+        try:
+            await self._link.call("index_update", run, self._write_budget)
+        except Unavailable as exc:
+            self.metrics.dropped.labels("index_update", exc.reason).inc()
 
     async def _lrus_to_keep(self, shipping: set[str]) -> list[str]:
         """Every endpoint's LRU key, for the refresh, but an endpoint no gateway recorded for

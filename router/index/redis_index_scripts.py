@@ -202,6 +202,26 @@ redis.call('PEXPIRE', seen, ttl)
 return left
 """)
 
+# KEYS: holders, slots, the endpoint's LRU. ARGV: endpoint, packed hashes (the tail of a chain
+# that a failed attempt's record added). Takes those blocks from the endpoint: out of its LRU and
+# its bit off their holders (a block it does not hold has neither). Returns how many it held.
+WITHDRAW = LuaScript(PRELUDE + """
+local holders, lru, blob = KEYS[1], KEYS[3], ARGV[2]
+local slot = slot_of(KEYS[2], ARGV[1], false)
+if not slot then return 0 end
+local byte, mask = math.floor(slot / 8) + 1, 2 ^ (slot % 8)
+local n, i, removed = #blob / 8, 1, 0
+while i <= n do
+  local last = math.min(n, i + CHUNK - 1)
+  local members = {}
+  for k = i, last do members[#members + 1] = sub(blob, k * 8 - 7, k * 8) end
+  removed = removed + redis.call('ZREM', lru, unpack(members))
+  drop(holders, members, byte, mask)
+  i = last + 1
+end
+return removed
+""")
+
 # KEYS: holders, slots, the endpoint's LRU, clocks, last records. ARGV: endpoint, chunk. Purges
 # one chunk of the endpoint's entries, frees its slot when none are left; returns how many are
 # left.

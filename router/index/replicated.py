@@ -31,7 +31,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from router.index.affinity import InMemoryAffinityStore
-from router.index.prefix_index import InMemoryPrefixIndex
+from router.index.prefix_index import InMemoryPrefixIndex, capped
 from router.index.redis_index import pack_hashes
 from router.index.redis_link import RedisMetrics, key_tag
 
@@ -184,8 +184,9 @@ class Replicator:
 
 def coalesced(batch: list[Op]) -> list[Op]:
     """The batch without the earlier copies of an op repeated in it (the last copy stays where
-    it was). Every op is a record or a set: the last copy leaves what all of them would (the
-    last write, the latest recency). A burst on one prefix repeats its record many times in a
+    it was). Every op is a record, a withdrawal or a set: the last copy leaves what all of them
+    would (the last write, the latest recency; a record and a withdrawal of a chain in the
+    order of their last copies). A burst on one prefix repeats its record many times in a
     linger, and every other process applied each copy."""
     if len(batch) < 2:
         return batch
@@ -218,6 +219,7 @@ class ReplicatedPrefixIndex:
         # (endpoint, the chain's last hash) -> when published; oldest first
         self._sent: dict[tuple[str, int], float] = {}
         replicator.on("r", self._apply_record)
+        replicator.on("w", self._apply_withdraw)
 
     def _apply_record(self, endpoint_id: str, blob: bytes) -> None:
         if self._forgotten:
@@ -228,8 +230,21 @@ class ReplicatedPrefixIndex:
                 del self._forgotten[endpoint_id]
         self.local.record(endpoint_id, struct.unpack(f"<{len(blob) // 8}Q", blob))
 
+    def _apply_withdraw(self, endpoint_id: str, blob: bytes) -> None:
+        # The tail the withdrawing process's record added (its whole chain may be longer).
+        self.local.withdraw(endpoint_id, struct.unpack(f"<{len(blob) // 8}Q", blob), 0)
+
     async def match(self, hashes: Sequence[int], endpoint_ids: Collection[str]) -> dict[str, int]:
         return self.local.match_now(hashes, endpoint_ids)
+
+    def withdraw(self, endpoint_id: str, hashes: Sequence[int], held: int) -> None:
+        hashes = capped(hashes, self.local.capacity(endpoint_id))
+        self.local.withdraw(endpoint_id, hashes, held)
+        tail = hashes[max(0, held) :]
+        if tail:
+            # A record of the chain again (another request's, served) is published at once.
+            self._sent.pop((endpoint_id, hashes[-1]), None)
+            self._replicator.put(("w", endpoint_id, pack_hashes(tail)))
 
     def record(self, endpoint_id: str, hashes: Sequence[int]) -> None:
         if hashes:

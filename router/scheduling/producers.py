@@ -27,6 +27,12 @@ class PrefixTracker:
         if request.block_hashes:
             self.index.record(endpoint_id, request.block_hashes)
 
+    def on_unpick(self, request: RoutingRequest, endpoint_id: str) -> None:
+        # Only the blocks the pick added: those the lookup found there stay credited.
+        if request.block_hashes:
+            held = request.prefix_hits.get(endpoint_id, 0)
+            self.index.withdraw(endpoint_id, request.block_hashes, held)
+
 
 class AffinityTracker:
     """Remembers which endpoint served each session last (``x-session-id``)."""

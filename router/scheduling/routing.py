@@ -336,6 +336,10 @@ class Router:
             self._metrics.prefix_match_ratio.observe(ratio)
         self._scheduler.picked(routing, endpoint_id)
 
+    def unpicked(self, routing: RoutingRequest, endpoint_id: str) -> None:
+        """The recorded pick's attempt failed before its first byte: withdraw its updates."""
+        self._scheduler.unpicked(routing, endpoint_id)
+
 
 def _slo_ms(headers: Mapping[str, str]) -> float | None:
     raw = headers.get(SLO_HEADER)
