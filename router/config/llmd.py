@@ -238,8 +238,9 @@ def _flow_control(state: State, raw: Any, enabled: bool) -> dict[str, Any]:
             p.get("defaultRequestTTL", object, None), p.at("defaultRequestTTL")
         )
     p.ignore("a request for a model no endpoint serves is answered at once",
-             "noEndpointRequestTTL")
-    p.ignore("priorities below every band share the default band", "defaultNegativePriorityBand")
+             noEndpointRequestTTL=duration_seconds)
+    p.ignore("priorities below every band share the default band",
+             defaultNegativePriorityBand=dict)
     if p.has("defaultPriorityBand"):
         out["defaultBand"] = _band(state, p.sub("defaultPriorityBand"), with_priority=False)
     bands = _list(p.get("priorityBands", list, []), p.at("priorityBands"))
@@ -322,7 +323,8 @@ def _data_layer(state: State, raw: Any) -> None:
         if p.has(key):
             raise ConfigError(f"{p.at(key)}: gateway replicas share their state through Redis "
                               "here (prefixIndex.backend: redis); remove it")
-    p.ignore("replicas share state through Redis as they go", "crossReplicaSyncInterval")
+    p.ignore("replicas share state through Redis as they go",
+             crossReplicaSyncInterval=duration_seconds)
     p.done()
 
 

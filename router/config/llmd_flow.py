@@ -95,7 +95,7 @@ def _concurrency_detector(state: State, name: str, p: Params) -> None:
         check(tokens > 0, p.at("maxTokenConcurrency"), "must be > 0", tokens)
         state.notes.ignore(f"{p.at('maxTokenConcurrency')} ({p.type})",
                            "the gateway counts requests in flight, not tokens")
-    p.ignore("the gateway counts requests in flight itself", "inFlightLoadProducerName")
+    p.ignore("the gateway counts requests in flight itself", inFlightLoadProducerName=str)
     p.done()
     state.detectors[name] = detector
 
@@ -117,8 +117,8 @@ def _metrics_source(state: State, name: str, p: Params) -> None:
     if path != "/metrics":
         raise ConfigError(f"{p.at('path')}: metrics are read from /metrics only")
     p.ignore("metrics are read over the endpoint's own URL (pool.endpoints[].url)",
-             "scheme", "port", "insecureSkipVerify", "caCertPath", "clientCertPath",
-             "clientKeyPath")
+             scheme=str, port=int, insecureSkipVerify=bool, caCertPath=str,
+             clientCertPath=str, clientKeyPath=str)
     p.done()
 
 

@@ -114,7 +114,7 @@ def _pd_handler(state: State, name: str, p: Params) -> None:
     _claim(state, name, p, "disagg-profile-handler")
     _primary_port(state, p)
     p.ignore("the prefix match is read off the gateway's own prefix index",
-             "prefixPluginType", "prefixPluginName", "prefixMatchInfoProducerName")
+             prefixPluginType=str, prefixPluginName=str, prefixMatchInfoProducerName=str)
     # llm-d's default decider name, spelled out, so that the flat form reads it.
     raw = {"deciderPluginName": "prefix-based-pd-decider"}
     for key in ("decodeProfile", "prefillProfile", "deciderPluginName"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 from router.core.errors import ConfigError
 
@@ -66,6 +66,51 @@ def quantity(value: Any, where: str) -> int:
     raise ConfigError(f"{where}: not a quantity: {value!r} (e.g. 1000, 512Mi, 1Gi)")
 
 
+# What an ignored key must be: a type (as Params.get checks it), or a check of the value at
+# its path that raises ConfigError (duration_seconds, a nested mapping's own ``mapping``).
+Kind: TypeAlias = type | Callable[[Any, str], object]
+
+
+def typed(value: Any, kind: type[T], where: str) -> T:
+    """``value`` as ``kind``, as Go's JSON decoding takes it: no bool for a number, no quoted
+    number or bool; an int fills a float."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        name = "mapping" if kind is dict else kind.__name__
+        raise ConfigError(f"{where}: expected {name}, got {value!r}")
+    return value
+
+
+def check_kind(value: Any, kind: Kind, where: str) -> None:
+    if isinstance(kind, type):
+        typed(value, kind, where)
+    else:
+        kind(value, where)
+
+
+def unknown(value: Any, where: str) -> None:
+    """A key whose llm-d type is not known here: accepted as it is."""
+
+
+def duration(value: Any, where: str) -> float:
+    """A Go duration string ("2m", "500ms"), as llm-d's plugins parse theirs."""
+    return duration_seconds(typed(value, str, where), where)
+
+
+def mapping(**kinds: Kind) -> Callable[[Any, str], None]:
+    """A check of a nested mapping (a Go struct) whose listed keys have the given kinds;
+    other keys are left to llm-d's own struct, not known here."""
+
+    def check_mapping(value: Any, where: str) -> None:
+        typed(value, dict, where)
+        for key, kind in kinds.items():
+            if key in value:
+                check_kind(value[key], kind, f"{where}.{key}")
+
+    return check_mapping
+
+
 class Params:
     """One plugin's ``parameters`` (or a mapping inside them): take what maps, ignore what does
     not, refuse the unknown. ``where`` is the mapping's path (``plugins[2].parameters``)."""
@@ -86,12 +131,7 @@ class Params:
     def get(self, key: str, kind: type[T], default: T) -> T:
         if key not in self._raw:
             return default
-        value = self._raw.pop(key)
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            raise ConfigError(f"{self.at(key)}: expected {kind.__name__}, got {value!r}")
-        return value
+        return typed(self._raw.pop(key), kind, self.at(key))
 
     def sub(self, key: str) -> Params:
         """A nested mapping, read the same way (its keys are checked by its own ``done``)."""
@@ -100,15 +140,22 @@ class Params:
     def has(self, key: str) -> bool:
         return key in self._raw
 
-    def ignore(self, why: str, *keys: str) -> None:
-        """Accept ``keys`` and record that they change nothing here, and why."""
-        for key in keys:
+    def ignore(self, why: str, **kinds: Kind) -> None:
+        """Accept the keys of ``kinds`` and record that they change nothing here, and why.
+
+        Each is still checked against the type llm-d decodes it into (``kinds``), as the
+        keys that are used are: llm-d would refuse ``insecureSkipVerify: "true"``."""
+        for key, kind in kinds.items():
             if key in self._raw:
-                del self._raw[key]
+                check_kind(self._raw.pop(key), kind, self.at(key))
                 self._notes.ignore(f"{self.at(key)} ({self.type})", why)
 
     def ignore_all(self, why: str) -> None:
-        self.ignore(why, *list(self._raw))
+        """Accept every key left, unchecked: for plugins whose parameters prefixgate does not
+        read at all."""
+        for key in list(self._raw):
+            del self._raw[key]
+            self._notes.ignore(f"{self.at(key)} ({self.type})", why)
 
     def done(self) -> None:
         """Fail on whatever no rule took (a key llm-d does not know either)."""

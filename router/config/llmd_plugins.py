@@ -20,7 +20,16 @@ from collections.abc import Callable
 
 from router.config.llmd_flow import FLOW_RULES
 from router.config.llmd_handlers import HANDLER_RULES
-from router.config.llmd_params import Params, Rule, State, check, duration_seconds
+from router.config.llmd_params import (
+    Params,
+    Rule,
+    State,
+    check,
+    duration,
+    duration_seconds,
+    mapping,
+    unknown,
+)
 from router.config.llmd_refused import REFUSED
 from router.core.errors import ConfigError
 from router.core.hashing import BYTES_PER_TOKEN, DEFAULT_BLOCK_BYTES
@@ -39,7 +48,7 @@ def _same(native_type: str) -> Rule:
 def _picker(native_type: str) -> Rule:
     def rule(state: State, name: str, p: Params) -> None:
         p.ignore("the picker ranks every candidate; the ones after the first are fallbacks "
-                 "for a retry", "maxNumOfEndpoints")
+                 "for a retry", maxNumOfEndpoints=int)
         p.done()
         state.add(name, native_type)
 
@@ -56,7 +65,7 @@ def _load_aware(state: State, name: str, p: Params) -> None:
 def _no_hit_lru(state: State, name: str, p: Params) -> None:
     size = p.get("lruSize", int, 1024)
     p.ignore("cold requests are those no endpoint holds any block of, on the prefix index",
-             "prefixPluginType", "prefixPluginName", "prefixMatchInfoProducerName")
+             prefixPluginType=str, prefixPluginName=str, prefixMatchInfoProducerName=str)
     p.done()
     state.add(name, "no-hit-lru-scorer", {"lruSize": size if size > 0 else 1024})
 
@@ -96,8 +105,8 @@ def _precise_scorer(state: State, name: str, p: Params) -> None:
 
 def _inflight(why: str) -> Rule:
     def rule(state: State, name: str, p: Params) -> None:
-        p.ignore(why, "requestTimeout", "idleThreshold", "maxBusyScore",
-                 "inFlightLoadProducerName")
+        p.ignore(why, requestTimeout=str, idleThreshold=int,
+                 maxBusyScore=float, inFlightLoadProducerName=str)
         p.done()
         state.add(name, "inflight-scorer")
 
@@ -112,7 +121,7 @@ def _session_affinity(state: State, name: str, p: Params) -> None:
         check(strategy in ("encoded_endpoint_header", "session_id"), p.at("strategy"),
               "must be encoded_endpoint_header or session_id", strategy)
         state.notes.ignore(f"{p.at('strategy')} ({p.type})", why)
-    p.ignore(why, "encodedEndpointHeaderConfig", "sessionIdConfig", "profileName")
+    p.ignore(why, encodedEndpointHeaderConfig=dict, sessionIdConfig=dict, profileName=str)
     p.done()
     state.add(name, "session-affinity-scorer")
 
@@ -197,6 +206,14 @@ def _precise_producer(state: State, name: str, p: Params) -> None:
     state.section("precisePrefix")["enabled"] = True
 
 
+# llm-d-kv-cache's index settings (kvblock.IndexConfig); metricsLoggingInterval is a Go
+# time.Duration, which JSON gives as nanoseconds.
+_KV_BLOCK_INDEX = mapping(
+    enableMetrics=bool, metricsLoggingInterval=int, inMemoryConfig=dict,
+    costAwareMemoryConfig=dict, redisConfig=dict, valkeyConfig=dict,
+)
+
+
 def _precise_parameters(state: State, p: Params) -> None:
     precise = state.section("precisePrefix")
     tokens = p.sub("tokenProcessorConfig")
@@ -207,7 +224,7 @@ def _precise_parameters(state: State, p: Params) -> None:
     if size > 0:
         precise["blockSize"] = size
     tokens.ignore("block keys are prefixgate's own, computed from token ids; the engine's "
-                  "hash settings are not needed", "hashSeed", "hashAlgorithm")
+                  "hash settings are not needed", hashSeed=str, hashAlgorithm=str)
     tokens.done()
     events = p.sub("kvEventsConfig")
     kv = state.section("precisePrefix", "kvEvents")
@@ -219,21 +236,22 @@ def _precise_parameters(state: State, p: Params) -> None:
         if port:
             kv[native] = port
     pods.ignore("endpoints come from pool.endpoints, --backend or discovery",
-                "podLabelSelector", "podNamespace")
+                podLabelSelector=str, podNamespace=str)
     pods.done()
     events.ignore("prefixgate subscribes to each endpoint's publisher (set "
                   "precisePrefix.kvEvents.port), it does not bind one socket for all",
-                  "zmqEndpoint")
-    events.ignore("events are read on the event loop, per endpoint", "concurrency",
-                  "discoverPods", "engineType")
+                  zmqEndpoint=str)
+    events.ignore("events are read on the event loop, per endpoint", concurrency=int,
+                  discoverPods=bool, engineType=str)
     events.done()
     indexer = p.sub("indexerConfig")
-    indexer.ignore("the index always exports its Prometheus metrics", "kvBlockIndexConfig")
+    indexer.ignore("the index always exports its Prometheus metrics",
+                   kvBlockIndexConfig=_KV_BLOCK_INDEX)
     indexer.ignore("the index lives in memory or in Redis (precisePrefix.index)",
-                   "tokenizersPoolConfig", "prefixStoreConfig", "kvCacheBackendConfigs")
+                   tokenizersPoolConfig=dict, prefixStoreConfig=dict, kvCacheBackendConfigs=list)
     indexer.done()
     p.ignore("picks are always recorded speculatively until the events confirm them",
-             "speculativeIndexing")
+             speculativeIndexing=bool)
     if p.has("speculativeTTL"):
         ttl = p.get("speculativeTTL", str, "")
         precise["speculativeTtlSeconds"] = duration_seconds(ttl, p.at("speculativeTTL"))
@@ -248,11 +266,11 @@ def _token_producer(state: State, name: str, p: Params) -> None:
         timeout = duration_seconds(vllm.get("timeout", str, ""), vllm.at("timeout"))
         tokenizer["timeoutMs"] = timeout * 1000.0
     vllm.ignore("the prompt is tokenized by the endpoints' own POST /tokenize",
-                "url", "mmTimeout")
+                url=str, mmTimeout=duration)
     vllm.done()
-    p.ignore("the request's model is tokenized", "modelName")
+    p.ignore("the request's model is tokenized", modelName=str)
     p.ignore("the prompt is tokenized by the endpoints' own POST /tokenize",
-             "udsTokenizerConfig", "estimate")
+             udsTokenizerConfig=dict, estimate=unknown)
     p.done()
 
 

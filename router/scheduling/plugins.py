@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from router.config.model import PluginConfig, ProfileConfig, format_validation_error
 from router.core.errors import ConfigError
@@ -85,8 +86,34 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def parameters(model: type[M], raw: Mapping[str, Any]) -> M:
-    """Validate a plugin's ``parameters`` mapping against its model (used by factories)."""
-    return model.model_validate(dict(raw))
+    """Validate a plugin's ``parameters`` mapping against its model (used by factories).
+
+    Keys by their documented camelCase only, as parse_config reads the gateway's own sections,
+    so that one config cannot spell a key two ways; Python code still builds the models by
+    field name (populate_by_name)."""
+    try:
+        return model.model_validate(dict(raw), by_alias=True, by_name=False)
+    except ValidationError as exc:
+        raise _with_spelling(exc, model) from None
+
+
+def _with_spelling(error: ValidationError, model: type[BaseModel]) -> ValidationError:
+    """``error`` with each unknown key that is a field's Python name saying how it is spelled."""
+    aliases = {name: field.alias or name for name, field in model.model_fields.items()}
+    details: list[InitErrorDetails] = []
+    for item in error.errors():
+        key = item["loc"][0] if len(item["loc"]) == 1 else None  # the models are flat
+        alias = aliases.get(key) if isinstance(key, str) else None
+        kind: str | PydanticCustomError = item["type"]
+        if item["type"] == "extra_forbidden" and alias is not None and alias != key:
+            kind = PydanticCustomError(
+                "spelling", "unknown key (spelled {alias})", {"alias": alias}
+            )
+        detail = InitErrorDetails(type=kind, loc=item["loc"], input=item["input"])
+        if "ctx" in item and not isinstance(kind, PydanticCustomError):
+            detail["ctx"] = item["ctx"]
+        details.append(detail)
+    return ValidationError.from_exception_data(error.title, details)
 
 
 class PluginRegistry:

@@ -162,3 +162,54 @@ def test_a_bad_weight_fails_naming_the_profile_as_written(weight: Any) -> None:
 def test_a_good_weight_and_a_null_weight_load() -> None:
     assert parse_config(profiles(2.5)).disaggregation.enabled
     assert parse_config(profiles(None)).disaggregation.enabled
+
+
+@pytest.mark.parametrize(
+    ("type_", "parameters", "key"),
+    [
+        ("metrics-data-source", {"insecureSkipVerify": "true"}, "insecureSkipVerify"),
+        ("metrics-data-source", {"port": "9090"}, "port"),
+        ("max-score-picker", {"maxNumOfEndpoints": "1"}, "maxNumOfEndpoints"),
+        ("no-hit-lru-scorer", {"prefixPluginName": 3}, "prefixPluginName"),
+        ("active-request-scorer", {"requestTimeout": 120}, "requestTimeout"),
+        ("active-request-scorer", {"maxBusyScore": "0.5"}, "maxBusyScore"),
+        ("session-affinity-scorer", {"sessionIdConfig": "x-session-id"}, "sessionIdConfig"),
+        ("precise-prefix-cache-producer", {"speculativeIndexing": "yes"}, "speculativeIndexing"),
+        ("precise-prefix-cache-producer", {"kvEventsConfig": {"discoverPods": "true"}},
+         r"kvEventsConfig\.discoverPods"),
+        ("precise-prefix-cache-producer",
+         {"indexerConfig": {"kvBlockIndexConfig": {"enableMetrics": "true"}}},
+         r"indexerConfig\.kvBlockIndexConfig\.enableMetrics"),
+        ("token-producer", {"vllm": {"mmTimeout": "soon"}}, r"vllm\.mmTimeout"),
+        ("concurrency-detector", {"inFlightLoadProducerName": 1}, "inFlightLoadProducerName"),
+    ],
+)
+def test_an_ignored_parameter_of_the_wrong_type_fails_naming_it(
+    type_: str, parameters: dict[str, Any], key: str
+) -> None:
+    """Ignored here, but llm-d decodes it into its Go type and would refuse it: so does this."""
+    with pytest.raises(ConfigError, match=rf"^plugins\[0\]\.parameters\.{key}: "):
+        parse_config(one(type_, **parameters))
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"flowControl": {"noEndpointRequestTTL": True}}, r"flowControl\.noEndpointRequestTTL"),
+        ({"dataLayer": {"crossReplicaSyncInterval": "often"}},
+         r"dataLayer\.crossReplicaSyncInterval"),
+    ],
+)
+def test_an_ignored_section_key_of_the_wrong_type_fails_naming_it(
+    data: dict[str, Any], key: str
+) -> None:
+    with pytest.raises(ConfigError, match=rf"^{key}: "):
+        parse_config({**one("queue-scorer"), "featureGates": ["flowControl"], **data})
+
+
+def test_ignored_parameters_of_the_right_type_load_and_are_logged() -> None:
+    config = parse_config(one("metrics-data-source", insecureSkipVerify=True, port=9090,
+                              scheme="https", caCertPath="/etc/ca.pem"))
+    assert config.compatibility is not None
+    assert any(".insecureSkipVerify (metrics-data-source)" in n
+               for n in config.compatibility.ignored)

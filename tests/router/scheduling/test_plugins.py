@@ -11,6 +11,7 @@ from router.core.errors import ConfigError
 from router.core.framework import Filter, Picker, Scorer
 from router.scheduling.pickers import MaxScorePicker, RoundRobinPicker
 from router.scheduling.plugins import PluginContext, build_profile, default_registry
+from scorers.ttft_cost import TTFTCostParameters, TTFTCostScorer
 
 
 def build(plugins: list[dict[str, Any]], refs: list[dict[str, Any]]) -> Any:
@@ -149,3 +150,32 @@ def test_registry_rejects_duplicates() -> None:
     assert "prefix-cache-scorer" in registry.types()
     assert PluginConfig(type="x").ref == "x"
     assert ProfileConfig(name="p", plugins=[]).plugins == []
+
+
+@pytest.mark.parametrize(
+    ("plugin", "snake", "camel"),
+    [
+        ({"type": "ttft-cost-scorer", "parameters": {"recompute_weight": 2.0}},
+         "recompute_weight", "recomputeWeight"),
+        ({"type": "no-hit-lru-scorer", "parameters": {"lru_size": 64}}, "lru_size", "lruSize"),
+    ],
+)
+def test_plugin_parameters_have_one_spelling(
+    plugin: dict[str, Any], snake: str, camel: str
+) -> None:
+    """The documented camelCase only, as in the gateway's own sections: the Python field's
+    snake_case name fails at its full path and says how the key is spelled."""
+    with pytest.raises(ConfigError) as info:
+        build([plugin], [])
+    assert f"plugins[0].parameters.{snake}: unknown key" in str(info.value)
+    assert camel in str(info.value)
+
+
+def test_plugin_parameters_in_camel_case_load_and_code_builds_by_field_name() -> None:
+    profile = build(
+        [{"type": "ttft-cost-scorer", "parameters": {"recomputeWeight": 2.0,
+                                                     "recomputeWeightMax": 3.0}}],
+        [{"pluginRef": "ttft-cost-scorer"}],
+    )
+    assert isinstance(profile.scorers[0].scorer, TTFTCostScorer)
+    assert TTFTCostParameters(recompute_weight=2.0).recompute_weight == 2.0
