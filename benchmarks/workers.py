@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import re
 import shutil
 import statistics
@@ -166,6 +167,45 @@ def report(runs: list[Run]) -> None:
               f"{sum(r.errors for r in mine)} |", flush=True)
 
 
+# Two-sided 95% quantiles of Student's t by degrees of freedom (the normal's beyond the table).
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26,
+        10: 2.23, 12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}
+
+
+def _t95(df: int) -> float:
+    return next((t for d, t in sorted(_T95.items()) if d >= df), 1.96)
+
+
+def paired_ratio(runs: list[Run], n: int, base: int) -> tuple[float, float, float, int] | None:
+    """CPU per request of ``n`` workers over ``base`` workers', paired by round (the rounds
+    alternate, so each pair ran under the same drift of the shared machine): the geometric
+    mean of the rounds' ratios and its 95% interval, and the number of rounds. One round's CPU
+    a request moves by a tenth with what shares the cores, so one run's medians alone cannot
+    tell a few percent."""
+    a = [r.cpu_ms_per_request for r in runs if r.workers == base]
+    b = [r.cpu_ms_per_request for r in runs if r.workers == n]
+    logs = [math.log(y / x) for x, y in zip(a, b, strict=False) if x > 0 and y > 0]
+    if len(logs) < 2:
+        return None
+    mean = statistics.fmean(logs)
+    half = _t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half), len(logs)
+
+
+def report_paired(runs: list[Run]) -> None:
+    counts = sorted({r.workers for r in runs})
+    rows = [(n, paired_ratio(runs, n, counts[0])) for n in counts[1:]]
+    if not any(ratio for _, ratio in rows):
+        return
+    print(f"\n| workers | CPU a request over {counts[0]} worker(s)', paired by round | "
+          "95% interval | rounds |")
+    print("|---|---|---|---|")
+    for n, ratio in rows:
+        if ratio is not None:
+            mean, low, high, rounds = ratio
+            print(f"| {n} | {mean:.3f}x | {low:.3f}x - {high:.3f}x | {rounds} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
@@ -195,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(measure(sim_url, n, args, script))
                 print(f"workers={n}: {runs[-1]}", file=sys.stderr, flush=True)
     report(runs)
+    report_paired(runs)
     return 0
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from benchmarks.proc_cpu import Usage, tree_cpu_seconds, tree_usage
-from benchmarks.workers import Run, parse_wrk
+from benchmarks.workers import Run, paired_ratio, parse_wrk
 
 REPORT = """Running 8s test @ http://127.0.0.1:1/v1/chat/completions
   2 threads and 32 connections
@@ -88,3 +88,33 @@ def _childrens_cpu() -> float:
 def _own() -> float:
     times = os.times()
     return times.user + times.system
+
+
+def _run(workers: int, cpu_s: float, requests: int = 1000) -> Run:
+    return Run(workers, 100.0, requests, 0, Usage(cpu_s, 0.0, 0, 0))
+
+
+def test_paired_ratio_pairs_each_round_with_its_own_base() -> None:
+    # The base's CPU a request drifts by half between rounds; each round's pair moves with it.
+    runs = [_run(1, 0.2), _run(2, 0.22), _run(1, 0.3), _run(2, 0.33), _run(1, 0.25),
+            _run(2, 0.275)]
+    ratio = paired_ratio(runs, 2, 1)
+    assert ratio is not None
+    mean, low, high, rounds = ratio
+    assert rounds == 3
+    assert mean == pytest.approx(1.1)
+    assert low == pytest.approx(1.1) and high == pytest.approx(1.1)  # no spread between pairs
+
+
+def test_paired_ratio_interval_covers_the_rounds_spread() -> None:
+    runs = [_run(1, 0.3), _run(2, 0.27), _run(1, 0.3), _run(2, 0.33), _run(1, 0.3),
+            _run(2, 0.3)]
+    ratio = paired_ratio(runs, 2, 1)
+    assert ratio is not None
+    mean, low, high, _ = ratio
+    assert low < 1.0 < high
+    assert mean == pytest.approx((0.9 * 1.1 * 1.0) ** (1 / 3))
+
+
+def test_paired_ratio_needs_two_rounds() -> None:
+    assert paired_ratio([_run(1, 0.3), _run(2, 0.3)], 2, 1) is None
