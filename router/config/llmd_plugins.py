@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 from router.config.llmd_flow import FLOW_RULES
 from router.config.llmd_handlers import HANDLER_RULES
@@ -249,13 +250,25 @@ def _precise_parameters(state: State, p: Params) -> None:
                    kvBlockIndexConfig=_KV_BLOCK_INDEX)
     indexer.ignore("the index lives in memory or in Redis (precisePrefix.index)",
                    tokenizersPoolConfig=dict, prefixStoreConfig=dict, kvCacheBackendConfigs=list)
+    inner = _speculative(precise, indexer)  # where llm-d's samples put them
     indexer.done()
+    outer = _speculative(precise, p)
+    if inner and outer:
+        raise ConfigError(f"{outer}: set twice, here and as {inner}; keep one")
+    p.done()
+
+
+def _speculative(precise: dict[str, Any], p: Params) -> str | None:
+    """speculativeIndexing and speculativeTTL, at the top of the parameters (llm-d's plugin
+    struct) or inside indexerConfig (where llm-d's samples put them; its Go decoding drops
+    them there unread): the same native setting from either place. The TTL's path if set."""
     p.ignore("picks are always recorded speculatively until the events confirm them",
              speculativeIndexing=bool)
-    if p.has("speculativeTTL"):
-        ttl = p.get("speculativeTTL", str, "")
-        precise["speculativeTtlSeconds"] = duration_seconds(ttl, p.at("speculativeTTL"))
-    p.done()
+    if not p.has("speculativeTTL"):
+        return None
+    where = p.at("speculativeTTL")
+    precise["speculativeTtlSeconds"] = duration_seconds(p.get("speculativeTTL", str, ""), where)
+    return where
 
 
 def _token_producer(state: State, name: str, p: Params) -> None:

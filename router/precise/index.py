@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from router.precise.keys import KEY_SEED, BlockExtras, block_keys
-from router.precise.speculation import SpeculativeEntries
+from router.precise.speculation import Speculation, SpeculativeEntries
 
 __all__ = ["KEY_SEED", "EngineHash", "IndexStats", "PreciseIndex", "block_keys"]
 
@@ -289,11 +289,16 @@ class PreciseIndex:
 
     # -- speculative entries ------------------------------------------------------------
 
-    def speculate(self, endpoint_id: str, keys: Sequence[int], ttl: float) -> None:
-        """Mark ``keys`` as about to be held by ``endpoint_id`` for ``ttl`` seconds."""
+    def speculate(self, endpoint_id: str, keys: Sequence[int], ttl: float) -> Speculation | None:
+        """Mark ``keys`` as about to be held by ``endpoint_id`` for ``ttl`` seconds; the handle
+        takes them back (``withdraw``)."""
         if not keys or ttl <= 0:
-            return
-        self._spec.add(endpoint_id, self._ep(endpoint_id).bit, keys, ttl)
+            return None
+        return self._spec.add(endpoint_id, self._ep(endpoint_id).bit, keys, ttl)
+
+    def withdraw(self, speculation: Speculation) -> None:
+        """Drop a pick's speculative entries: its attempt failed before its first byte."""
+        self._spec.withdraw(speculation)
 
     def settle(self, endpoint_id: str, keys: Sequence[int]) -> None:
         """The request that speculated ``keys`` on ``endpoint_id`` has been prefilled."""

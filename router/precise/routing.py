@@ -30,6 +30,7 @@ from router.precise.extras import NO_EXTRAS, KeyExtras, key_extras
 from router.precise.index import PreciseIndex
 from router.precise.keys import request_keys
 from router.precise.shared_index import RemoteMatch, SharedPreciseIndex
+from router.precise.speculation import Speculation
 from router.precise.tokenizers import (
     TokenizeInput,
     Tokenizer,
@@ -63,6 +64,8 @@ class PreciseState:
     shared_only: frozenset[str] = frozenset()
     remote: dict[str, RemoteMatch] = field(default_factory=dict)
     picked_at: float | None = None
+    # The speculative entries each pick made, per endpoint: withdrawn should it fail.
+    speculated: dict[str, Speculation] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +77,7 @@ class PreciseSettings:
 
 
 class PreciseTracker:
-    """Producer + pick observer for the precise index (see the module doc)."""
+    """Producer + pick and unpick observer for the precise index (see the module doc)."""
 
     def __init__(
         self,
@@ -198,9 +201,21 @@ class PreciseTracker:
             else:
                 state.expected.update(self._match(state, [endpoint_id], speculative=True))
             ttl = self.settings.config.speculative_ttl_seconds
-            self.index.speculate(endpoint_id, state.keys, ttl)
+            speculation = self.index.speculate(endpoint_id, state.keys, ttl)
+            if speculation is not None:
+                state.speculated[endpoint_id] = speculation
             if self.shared is not None:
                 self.shared.speculated(endpoint_id, state.keys, ttl)
+
+    def on_unpick(self, request: RoutingRequest, endpoint_id: str) -> None:
+        """The pick's attempt failed before its first byte: its speculative entries go now,
+        not at their TTL, so the rest of a burst stops following them. Entries of other
+        requests, and what the endpoint's events announced, stay."""
+        state = self._states.get(request.serial)
+        if state is not None:
+            speculation = state.speculated.pop(endpoint_id, None)
+            if speculation is not None:
+                self.index.withdraw(speculation)
 
     def held_share(self, serial: int, endpoint_id: str) -> float | None:
         """The share of the prompt's blocks a trusted endpoint held when the request was

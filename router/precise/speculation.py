@@ -5,7 +5,8 @@ TTL, so the rest of a same-prefix burst follows it before the engine has compute
 announced) the blocks. Entries expire in the order they were made, and their number is bounded:
 past the bound the oldest picks' entries go first. An entry whose request has produced its first
 byte is *settled*: its prefill is done, so the replica holds those blocks even if their events
-have not arrived yet.
+have not arrived yet. A pick whose attempt failed before its first byte withdraws its own
+batch (``withdraw``): the endpoint prefilled nothing of it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,19 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class _Holder:
     bit: int  # the endpoint's bit in the index's holder masks
-    until: dict[int, float] = field(default_factory=dict)
+    # Per key, how many live batches mark it: it stays until the last of them goes.
+    refs: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class Speculation:
+    """One pick's batch of entries: its handle, to withdraw it should the pick fail."""
+
+    until: float
+    endpoint_id: str
+    holder: _Holder
+    keys: list[int]
+    live: bool = True
 
 
 class SpeculativeEntries:
@@ -31,26 +44,34 @@ class SpeculativeEntries:
         self._held: dict[int, int] = {}
         # The part of _held whose request has produced its first byte.
         self._settled: dict[int, int] = {}
-        self._queue: deque[tuple[float, str, list[int]]] = deque()
+        self._queue: deque[Speculation] = deque()
         self.count = 0
 
-    def add(self, endpoint_id: str, bit: int, keys: Sequence[int], ttl: float) -> None:
+    def add(self, endpoint_id: str, bit: int, keys: Sequence[int], ttl: float) -> Speculation:
         """Mark ``keys`` as about to be held by ``endpoint_id`` for ``ttl`` seconds."""
         holder = self._holders.get(endpoint_id)
         if holder is None:
             holder = self._holders[endpoint_id] = _Holder(bit)
         now = self._clock()
         self._expire(now)
-        until = now + ttl
-        batch = list(keys)
-        for key in batch:
-            if key not in holder.until:
+        batch = Speculation(now + ttl, endpoint_id, holder, list(keys))
+        refs = holder.refs
+        for key in batch.keys:
+            n = refs.get(key, 0)
+            if not n:
                 self._held[key] = self._held.get(key, 0) | holder.bit
-            holder.until[key] = until
-        self._queue.append((until, endpoint_id, batch))
-        self.count += len(batch)
+            refs[key] = n + 1
+        self._queue.append(batch)
+        self.count += len(batch.keys)
         while self.count > self._max and self._queue:
             self._expire_one()
+        return batch
+
+    def withdraw(self, batch: Speculation) -> None:
+        """Take one pick's entries back before their TTL (its attempt failed before its first
+        byte); keys another live batch also marks stay, until that batch goes."""
+        if batch.live:
+            self._release(batch)
 
     def current(self, settled_only: bool = False) -> dict[int, int]:
         """The live entries (every one, or the settled ones), expired ones dropped first."""
@@ -64,31 +85,39 @@ class SpeculativeEntries:
         if holder is None:
             return
         for key in keys:
-            if key in holder.until:
+            if key in holder.refs:
                 self._settled[key] = self._settled.get(key, 0) | holder.bit
 
     def forget(self, endpoint_id: str) -> None:
         """Drop every entry of an endpoint that left (its queued batches then expire as no-ops)."""
         holder = self._holders.pop(endpoint_id, None)
         if holder is not None:
-            for key in holder.until:
+            for key in holder.refs:
                 self._drop_bit(key, holder.bit)
 
     def _expire(self, now: float) -> None:
         queue = self._queue
-        while queue and queue[0][0] <= now:
+        while queue and queue[0].until <= now:
             self._expire_one()
 
     def _expire_one(self) -> None:
-        until, endpoint_id, batch = self._queue.popleft()
-        self.count -= len(batch)
-        holder = self._holders.get(endpoint_id)
-        if holder is None:
-            return
-        for key in batch:
-            # A later pick may have extended the entry; only the newest batch removes it.
-            if holder.until.get(key) == until:
-                del holder.until[key]
+        batch = self._queue.popleft()
+        if batch.live:  # a withdrawn batch was released then
+            self._release(batch)
+
+    def _release(self, batch: Speculation) -> None:
+        batch.live = False
+        self.count -= len(batch.keys)
+        holder = batch.holder
+        if self._holders.get(batch.endpoint_id) is not holder:
+            return  # the endpoint was forgotten (and maybe came back under a new holder)
+        refs = holder.refs
+        for key in batch.keys:
+            n = refs.get(key, 0) - 1
+            if n > 0:
+                refs[key] = n
+            else:
+                refs.pop(key, None)
                 self._drop_bit(key, holder.bit)
 
     def _drop_bit(self, key: int, bit: int) -> None:

@@ -213,3 +213,35 @@ def test_ignored_parameters_of_the_right_type_load_and_are_logged() -> None:
     assert config.compatibility is not None
     assert any(".insecureSkipVerify (metrics-data-source)" in n
                for n in config.compatibility.ignored)
+
+
+@pytest.mark.parametrize("type_", ["precise-prefix-cache-scorer", "precise-prefix-cache-producer"])
+def test_speculative_keys_load_inside_indexer_config_as_at_the_top(type_: str) -> None:
+    """llm-d's samples put speculativeIndexing inside indexerConfig; the TTL maps the same
+    from either placement."""
+    inner = parse_config(one(type_, indexerConfig={"speculativeIndexing": True,
+                                                   "speculativeTTL": "500ms"}))
+    top = parse_config(one(type_, speculativeIndexing=True, speculativeTTL="500ms"))
+    assert inner.precise_prefix.speculative_ttl_seconds == 0.5
+    assert inner.precise_prefix == top.precise_prefix
+
+
+@pytest.mark.parametrize(
+    ("inner", "key"),
+    [({"speculativeIndexing": "true"}, "speculativeIndexing"),
+     ({"speculativeTTL": 2}, "speculativeTTL"),
+     ({"speculativeTTL": "soon"}, "speculativeTTL")],
+)
+def test_a_wrong_speculative_key_in_indexer_config_fails_naming_its_path(
+    inner: dict[str, Any], key: str
+) -> None:
+    with pytest.raises(ConfigError,
+                       match=rf"^plugins\[0\]\.parameters\.indexerConfig\.{key}: (?!unknown)"):
+        parse_config(one("precise-prefix-cache-scorer", indexerConfig=inner))
+
+
+def test_a_speculative_ttl_in_both_places_fails_naming_both() -> None:
+    both = r"^plugins\[0\]\.parameters\.speculativeTTL: .*indexerConfig\.speculativeTTL"
+    with pytest.raises(ConfigError, match=both):
+        parse_config(one("precise-prefix-cache-scorer", speculativeTTL="1s",
+                         indexerConfig={"speculativeTTL": "1s"}))
