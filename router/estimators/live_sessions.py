@@ -51,6 +51,10 @@ class _Session:
     # The last request placed (RoutingRequest.serial; 0: unknown): picked again, it is that
     # request's retry on another endpoint, not the session coming back.
     serial: int = 0
+    # Where the session was before that request placed it (endpoint, context; None: it was
+    # new), for a pick that served nothing to be undone (on_unpick).
+    before: tuple[str, int] | None = None
+    withdrawn: bool = False  # that request's pick was undone: a retry's pick counts it again
 
 
 class LiveSessions:
@@ -104,6 +108,8 @@ class LiveSessions:
         retry = session is not None and request.serial != 0 and session.serial == request.serial
         if not retry:
             self.lengths.on_request(session_id, now)
+        if not retry and session is not None:
+            session.before = (session.endpoint_id, session.tokens)
         if session is None:
             session = self._sessions[session_id] = _Session(endpoint_id, 0, now, 0)
             while len(self._sessions) > self._max:
@@ -115,11 +121,38 @@ class LiveSessions:
             self._retire(session_id)
         session.endpoint_id, session.tokens = endpoint_id, request.prompt_tokens
         session.last_seen, session.serial = now, request.serial
-        if not retry:
+        if not retry or session.withdrawn:
             session.requests += 1
+        session.withdrawn = False
+        self._count(session_id, session)
+
+    def on_unpick(self, request: RoutingRequest, endpoint_id: str) -> None:
+        """The pick's attempt failed before its first byte: the endpoint never got the
+        context, so the session is back where it was (a new one counts nowhere, and this
+        request is not one of its turns); a retry that is answered places it again."""
+        session_id = request.session_id
+        session = self._sessions.get(session_id) if session_id else None
+        if session_id is None or session is None or request.prefill_step:
+            return
+        if session.withdrawn or (session.serial, session.endpoint_id) != (
+            request.serial,
+            endpoint_id,
+        ):
+            return  # not this request's placement (a later request's, say)
+        self._retire(session_id)
+        session.withdrawn = True
+        session.requests -= 1
+        if session.before is not None:
+            session.endpoint_id, session.tokens = session.before
+            self._count(session_id, session)
+
+    def _count(self, session_id: str, session: _Session) -> None:
+        """A session placed (and not live: retired first): live once it has come back."""
         if session.requests >= 2:
             self._live[session_id] = session
-            self._tokens[endpoint_id] = self._tokens.get(endpoint_id, 0) + session.tokens
+            self._tokens[session.endpoint_id] = (
+                self._tokens.get(session.endpoint_id, 0) + session.tokens
+            )
 
     def clear_endpoint(self, endpoint_id: str) -> None:
         """The endpoint's engine restarted: the contexts of the sessions homed there are gone

@@ -15,6 +15,12 @@ class AffinityStore(Protocol):
         """Applied locally at once; a remote store ships it in the background."""
         ...
 
+    def restore(self, session_id: str, endpoint_id: str, previous: str | None) -> None:
+        """Undo a pick that served nothing (every failover attempt failed): the session points
+        at ``previous`` again, or at nothing, unless it has moved on from ``endpoint_id``
+        since (a later request's pick). Applied locally at once, like ``set``."""
+        ...
+
     async def forget_endpoint(self, endpoint_id: str) -> None: ...
 
 
@@ -50,6 +56,14 @@ class InMemoryAffinityStore:
         self._entries.move_to_end(session_id)
         while len(self._entries) > self._max:
             self._entries.popitem(last=False)
+
+    def restore(self, session_id: str, endpoint_id: str, previous: str | None) -> None:
+        if self.get_now(session_id) != endpoint_id:
+            return  # moved on since (or expired): a newer answer than the one to undo
+        if previous is None:
+            del self._entries[session_id]
+        else:
+            self.set(session_id, previous)
 
     async def get(self, session_id: str) -> str | None:
         return self.get_now(session_id)

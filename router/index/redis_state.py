@@ -37,6 +37,25 @@ from router.index.redis_link import (
 )
 from router.index.update_queue import UpdateQueue
 
+# Undo a session's pick that served nothing, unless the session moved on since (another
+# gateway's set): one key, given as KEYS, so Cluster-safe. ARGV: the failed endpoint, ttl ms,
+# then the previous endpoint (none: the session is forgotten).
+_RESTORE = LuaScript(
+    """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[3] then
+  redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2])
+else
+  redis.call('DEL', KEYS[1])
+end
+return 1
+"""
+)
+
+# A queued write of a session: its endpoint (a set), or the pick to undo and the endpoint
+# before it (a restore, compared and set in Redis by _RESTORE).
+_Write = str | tuple[str, str | None]
+
 
 class RedisAffinityStore:
     """Session -> endpoint shared by replicas (``AffinityStore``), expiring by Redis TTL.
@@ -69,7 +88,7 @@ class RedisAffinityStore:
             url, component="affinity", metrics=default_metrics(metrics),
             timeout_ms=timeout_ms, breaker=breaker, cluster=cluster,
         )
-        self._queue: UpdateQueue[str, str] = UpdateQueue(
+        self._queue: UpdateQueue[str, _Write] = UpdateQueue(
             self._ship, op="affinity_set", link=self._link, max_items=max_pending, max_batch=256
         )
         # Sessions whose last set here could not be shipped: Redis holds an older answer.
@@ -94,17 +113,34 @@ class RedisAffinityStore:
         self.local.set(session_id, endpoint_id)
         self._queue.put(session_id, endpoint_id)
 
+    def restore(self, session_id: str, endpoint_id: str, previous: str | None) -> None:
+        if self.local.get_now(session_id) != endpoint_id:
+            return  # a later set here: it ships, and Redis is left to it
+        self.local.restore(session_id, endpoint_id, previous)
+        self._unshipped.pop(session_id, None)
+        # Replaces the pick's set if it is still queued; else undoes it in Redis unless
+        # another gateway has moved the session on since.
+        self._queue.put(session_id, (endpoint_id, previous))
+
     async def forget_endpoint(self, endpoint_id: str) -> None:
         # Remote entries are left to their TTL: scorers only credit an affinity endpoint that is
         # a live candidate, and finding them would mean scanning the keyspace.
         await self.local.forget_endpoint(endpoint_id)
 
-    async def _ship(self, batch: list[tuple[str, str]]) -> None:
+    async def _ship(self, batch: list[tuple[str, _Write]]) -> None:
+        sets = [(s, w) for s, w in batch if isinstance(w, str)]
+        # Rare (a request every attempt of which failed): one script call each.
+        restores = [(s, w) for s, w in batch if not isinstance(w, str)]
+
         async def run(client: RedisClient) -> None:
-            pipe = client.pipeline(transaction=False)
-            for session_id, endpoint_id in batch:
-                pipe.set(self._prefix + session_id, endpoint_id, px=self._ttl_ms)
-            await pipe.execute()
+            if sets:
+                pipe = client.pipeline(transaction=False)
+                for session_id, endpoint_id in sets:
+                    pipe.set(self._prefix + session_id, endpoint_id, px=self._ttl_ms)
+                await pipe.execute()
+            for session_id, (failed, previous) in restores:
+                args = [failed, self._ttl_ms] + ([] if previous is None else [previous])
+                await eval_script(client, _RESTORE, [self._prefix + session_id], args)
 
         try:
             await self._link.call("affinity_set", run, self._write_budget)

@@ -184,10 +184,11 @@ class Replicator:
 
 def coalesced(batch: list[Op]) -> list[Op]:
     """The batch without the earlier copies of an op repeated in it (the last copy stays where
-    it was). Every op is a record, a withdrawal or a set: the last copy leaves what all of them
-    would (the last write, the latest recency; a record and a withdrawal of a chain in the
-    order of their last copies). A burst on one prefix repeats its record many times in a
-    linger, and every other process applied each copy."""
+    it was). Every op is a record, a withdrawal, a set or a restore: the last copy leaves what
+    all of them would (the last write, the latest recency; a record and a withdrawal of a chain,
+    a set and a restore of a session, in the order of their last copies). A burst on one
+    prefix repeats its record many times in a linger, and every other process applied each
+    copy."""
     if len(batch) < 2:
         return batch
     return list(dict.fromkeys(reversed(batch)))[::-1]
@@ -301,9 +302,14 @@ class ReplicatedAffinityStore:
         self.local = local
         self._replicator = replicator
         replicator.on("s", self._apply_set)
+        replicator.on("u", self._apply_restore)
 
     def _apply_set(self, session_id: str, endpoint: Any) -> None:
         self.local.set(session_id, endpoint.decode() if isinstance(endpoint, bytes) else endpoint)
+
+    def _apply_restore(self, session_id: str, packed: Any) -> None:
+        failed, previous = msgpack.unpackb(packed)
+        self.local.restore(session_id, failed, previous)
 
     async def get(self, session_id: str) -> str | None:
         return self.local.get_now(session_id)
@@ -311,6 +317,13 @@ class ReplicatedAffinityStore:
     def set(self, session_id: str, endpoint_id: str) -> None:
         self.local.set(session_id, endpoint_id)
         self._replicator.put(("s", session_id, endpoint_id.encode()))
+
+    def restore(self, session_id: str, endpoint_id: str, previous: str | None) -> None:
+        if self.local.get_now(session_id) != endpoint_id:
+            return  # moved on here since: that later set is published, and wins everywhere
+        # Every process compares with its own copy: one whose session moved on keeps it.
+        self.local.restore(session_id, endpoint_id, previous)
+        self._replicator.put(("u", session_id, msgpack.packb([endpoint_id, previous])))
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
         await self.local.forget_endpoint(endpoint_id)

@@ -48,3 +48,10 @@ class AffinityTracker:
         # A prefill step's endpoint is not the session's home: its decode endpoint is.
         if request.session_id and not request.prefill_step:
             self.store.set(request.session_id, endpoint_id)
+
+    def on_unpick(self, request: RoutingRequest, endpoint_id: str) -> None:
+        # The pick served nothing: the session goes back to the endpoint it had when this
+        # request was routed (or to none), not pinned to a failing one. A retry that is
+        # answered sets it again (on_pick).
+        if request.session_id and not request.prefill_step:
+            self.store.restore(request.session_id, endpoint_id, request.affinity_endpoint)

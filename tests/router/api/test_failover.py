@@ -15,6 +15,7 @@ from router.api.attempt import Attempt
 from router.app import Gateway, build_gateway
 from router.config.model import parse_config
 from router.core.endpoints import EndpointSnapshot
+from router.core.errors import UpstreamError
 from router.core.framework import RoutingRequest
 from router.index.affinity import InMemoryAffinityStore
 from router.index.prefix_index import InMemoryPrefixIndex
@@ -137,7 +138,26 @@ async def test_the_last_attempts_5xx_is_the_answer_and_not_recorded_as_a_pick() 
     sent, served = await failover(gw, routing, {a: ConnectionRefusedError("refused"), b: 500})
     assert (sent, served) == ([a, b], b)
     assert index.match_now(routing.block_hashes, [b]) == {b: 0}
-    assert affinity.get_now("s") == a
+    # It used to stay on the first pick, which served nothing: the session's next request was
+    # pinned to a failing endpoint. The failed pick is undone, as in the prefix index.
+    assert affinity.get_now("s") is None, "the session had no endpoint before: none now"
+
+
+async def test_a_request_no_endpoint_served_leaves_the_sessions_previous_endpoint() -> None:
+    gw = gateway()
+    a, b = ids(gw)
+    _, affinity = stores(gw)
+    affinity.set("s", b)  # where the session's previous request was served
+    routing = request(gw)
+    await gw.router.rank(routing)  # its producers read the session's endpoint, as a request's do
+    with pytest.raises(UpstreamError):
+        await failover(gw, routing, {a: ConnectionRefusedError("refused")})
+    assert affinity.get_now("s") == b
+    routing = request(gw)
+    await gw.router.rank(routing)
+    sent, served = await failover(gw, routing, {a: 503, b: 503})
+    assert (sent, served) == ([a, b], b)
+    assert affinity.get_now("s") == b
 
 
 async def test_attempts_are_bounded_by_max_attempts() -> None:

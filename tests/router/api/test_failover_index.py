@@ -67,3 +67,30 @@ async def test_after_failover_only_the_serving_endpoint_holds_the_prompts_new_bl
                 "the refused endpoint is credited with the blocks it never prefilled"
             )
             assert affinity.get_now("s") == ok
+
+
+async def test_a_request_every_replica_refused_leaves_the_sessions_affinity_as_it_was() -> None:
+    """Every attempt failed before its first byte: the session is not pinned to the first pick
+    (an endpoint that served nothing); it keeps the endpoint it had, or none."""
+    refused: list[bytes] = []
+    async with (
+        serve_app(refusing_replica(refused)) as one,
+        serve_app(refusing_replica(refused)) as two,
+        running_gateway(gateway_config([one, two])) as gw,
+        httpx.AsyncClient(base_url=gw.url) as http,
+    ):
+        affinity = gw.gateway.stores.affinity
+        assert isinstance(affinity, InMemoryAffinityStore)
+        for state in gw.gateway.pool:
+            state.healthy = True
+        body = orjson.dumps(PROMPT)
+        affinity.set("known", "10.0.0.9:8000")  # its last turn's endpoint (since gone)
+        for session in ("new", "known"):
+            reply = await http.post(
+                "/v1/chat/completions", content=body, headers={"x-session-id": session}
+            )
+            assert reply.status_code == 500
+            assert "error" in reply.json()
+        assert len(refused) == 4, "each request was sent to both replicas"
+        assert affinity.get_now("new") is None
+        assert affinity.get_now("known") == "10.0.0.9:8000"

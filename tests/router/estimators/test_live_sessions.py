@@ -159,3 +159,34 @@ def test_a_retried_live_sessions_context_follows_it() -> None:
     live.on_pick(retried, "b")
     assert (live.live_tokens("a"), live.live_tokens("b")) == (0, 3_000)
     assert live.typical_gap == pytest.approx(1.0)
+
+
+def test_a_request_that_failed_everywhere_leaves_its_session_where_it_was() -> None:
+    # Its first pick is withdrawn (on_unpick) when that attempt fails before its first byte:
+    # the endpoint never received the context, the session's previous home still holds it.
+    clock = ManualClock(100.0)
+    live = LiveSessions(clock=clock)
+
+    def turn(session: str, tokens: int, serial: int) -> RoutingRequest:
+        return RoutingRequest(
+            request_id="r", model="m", session_id=session, prompt_tokens=tokens, serial=serial
+        )
+
+    for serial in (1, 2):
+        clock.now += 1.0
+        live.on_pick(turn("s", 1_000 * serial, serial), "a")
+    failed = turn("s", 3_000, 3)
+    clock.now += 1.0
+    live.on_pick(failed, "b")
+    live.on_unpick(failed, "b")
+    assert (live.live_tokens("a"), live.live_tokens("b")) == (2_000, 0)
+    live.on_pick(failed, "c")  # a retry answered: the session follows it, as ever
+    assert (live.live_tokens("a"), live.live_tokens("c")) == (0, 3_000)
+    # A new session whose only request failed everywhere counts nowhere, then or later.
+    only = turn("t", 4_000, 9)
+    live.on_pick(only, "b")
+    live.on_unpick(only, "b")
+    clock.now += 1.0
+    live.on_pick(turn("t", 5_000, 10), "c")
+    assert live.live_tokens("b") == 0
+    assert live.live_tokens("c") == 3_000, "t's next request is its first served one"

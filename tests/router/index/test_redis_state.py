@@ -132,6 +132,44 @@ async def test_affinity_fails_open_to_local(redis_namespace: str, closing: list[
     assert await store.get("s1") is None
 
 
+async def test_a_restore_takes_a_failed_pick_back_in_redis_too(
+    redis_url: str, redis_namespace: str, closing: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failover: every attempt of the session's request failed. Its pick is undone for every
+    gateway: shipped already or still queued, back to the previous endpoint or to none."""
+    # Cluster-safe: the script touches its session's key only, given as KEYS.
+    monkeypatch.setattr(redis_state, "_RESTORE", declared_keys_only(redis_state._RESTORE))
+    one = affinity(redis_url, redis_namespace, closing)
+    two = affinity(redis_url, redis_namespace, closing)
+    one.set("s1", "a:1")
+    one.set("s2", "failed:1")
+    await one.flush()
+    one.set("s1", "failed:1")
+    await one.flush()  # the pick reached Redis before the attempts failed
+    one.restore("s1", "failed:1", "a:1")
+    one.restore("s2", "failed:1", None)
+    one.set("s3", "failed:1")
+    one.restore("s3", "failed:1", None)  # still queued: never reaches Redis
+    await one.flush()
+    assert [await two.get(s) for s in ("s1", "s2", "s3")] == ["a:1", None, None]
+    assert [await one.get(s) for s in ("s1", "s2", "s3")] == ["a:1", None, None]
+
+
+async def test_a_restore_leaves_a_session_another_gateway_moved_on(
+    redis_url: str, redis_namespace: str, closing: list[Any]
+) -> None:
+    one = affinity(redis_url, redis_namespace, closing)
+    two = affinity(redis_url, redis_namespace, closing)
+    one.set("s1", "failed:1")
+    await one.flush()
+    two.set("s1", "b:1")  # the session's next request, served through the other gateway
+    await two.flush()
+    one.restore("s1", "failed:1", None)
+    await one.flush()
+    assert await two.get("s1") == "b:1"
+    assert await one.get("s1") == "b:1"
+
+
 # --- in-flight counts -------------------------------------------------------------------------
 
 

@@ -98,6 +98,28 @@ async def test_a_session_set_in_one_process_is_found_in_the_other(
     assert await _poll(lambda: b.affinity.get("s1"), lambda e: e == "e1:8000") == "e1:8000"
 
 
+async def test_a_restored_session_is_restored_in_the_other_process(
+    pair: tuple[Process, Process],
+) -> None:
+    """Failover: every attempt of the session's request failed, and its pick is undone in
+    every process (back to the previous endpoint, or to none), not just in the one that
+    picked; a session another process moved on since keeps where it went."""
+    a, b = pair
+    a.affinity.set("s1", "e1:8000")
+    a.affinity.set("s1", "failed:8000")
+    a.affinity.set("s2", "failed:8000")
+    b.affinity.set("s3", "failed:8000")
+    assert await _poll(lambda: b.affinity.get("s2"), lambda e: e is not None) == "failed:8000"
+    assert await _poll(lambda: a.affinity.get("s3"), lambda e: e is not None) == "failed:8000"
+    a.affinity.restore("s1", "failed:8000", "e1:8000")
+    a.affinity.restore("s2", "failed:8000", None)
+    b.affinity.set("s3", "e2:8000")  # moved on in b: a's restore, arriving later, leaves it
+    a.affinity.restore("s3", "failed:8000", None)
+    a.affinity.set("done", "x")  # published after the restores: once b has it, it has them
+    assert await _poll(lambda: b.affinity.get("done"), lambda e: e is not None) == "x"
+    assert [await b.affinity.get(s) for s in ("s1", "s2", "s3")] == ["e1:8000", None, "e2:8000"]
+
+
 async def test_own_batches_are_not_applied_twice(pair: tuple[Process, Process]) -> None:
     a, _ = pair
     applied: list[tuple[str, bytes]] = []
