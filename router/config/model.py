@@ -109,6 +109,9 @@ class ServerConfig(Strict):
     # balancers take a moment to notice), then refused while in-flight requests drain.
     shutdown_delay_seconds: float = Field(0.0, ge=0)
     drain_timeout_seconds: float = Field(30.0, ge=0)
+    # An idle client connection is closed after this; set it above the idle timeout of any load
+    # balancer in front, or it reuses a connection the gateway is closing (a 502 or a reset).
+    keep_alive_seconds: float = Field(30.0, ge=1, le=3600)
     access_log: bool = True
     # Share of successful requests that get an access line (failures always do).
     access_log_sample_rate: float = Field(1.0, gt=0, le=1)

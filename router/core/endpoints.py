@@ -62,6 +62,9 @@ class EngineMetrics:
     num_gpu_blocks: int | None = None
     prefix_hits: float = 0.0
     prefix_queries: float = 0.0
+    # When the engine started (epoch seconds, 0 = unknown): its life, the same for every
+    # gateway that scrapes it, so a restart is told apart from the next one.
+    engine_started: float = 0.0
     scraped_at: float = 0.0
     # The gateways' requests in flight to the endpoint while the scrape ran (the most seen: this
     # replica's, plus the others' shared through Redis): the engine counted them in ``waiting``

@@ -47,9 +47,11 @@ class PrefixIndex(Protocol):
         """Drop everything known about an endpoint that left the pool."""
         ...
 
-    async def clear_endpoint(self, endpoint_id: str) -> None:
+    async def clear_endpoint(self, endpoint_id: str, life: str | None = None) -> None:
         """The endpoint's cache was emptied (its engine restarted) but it stays in the pool:
-        drop what it was thought to hold, and take its records again from now on."""
+        drop what it was thought to hold, and take its records again from now on. ``life``:
+        the new engine's identity (its start time; None: unknown), so that an index shared by
+        gateways clears once per restart, however many of them notice it."""
         ...
 
     def set_capacity(self, endpoint_id: str, blocks: int) -> None:
@@ -367,7 +369,7 @@ class InMemoryPrefixIndex:
         self.forget_now(endpoint_id)
         self._capacity.pop(endpoint_id, None)  # gone: set again from its scrape if it is back
 
-    async def clear_endpoint(self, endpoint_id: str) -> None:
+    async def clear_endpoint(self, endpoint_id: str, life: str | None = None) -> None:
         self.forget_now(endpoint_id)  # its capacity stays: the engine is the same size
 
     def forget_now(self, endpoint_id: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
+import uuid
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -42,7 +43,8 @@ DEFAULT_MAX_BLOCKS_PER_WRITE = 256  # ~1.5 ms of Redis time, evictions included
 # Chunks of one purge shipped in a row, at most (then it waits for its next batch).
 _FORGET_ROUNDS = 1000
 
-# (kind: record | withdraw | trim | forget, endpoint id, packed hashes)
+# (kind: record | withdraw | trim | forget, endpoint id, packed hashes; a forget's: the engine
+# life whose restart it clears, b"" for an endpoint that left)
 _Op = tuple[str, str, bytes]
 _MASK64 = (1 << 64) - 1
 
@@ -90,6 +92,9 @@ class RedisPrefixIndex:
         self.local = InMemoryPrefixIndex(default_capacity)
         self._holders, self._slots, self._lru_prefix = tag + ":h", tag + ":s", tag + ":l:"
         self._clocks, self._seen = tag + ":c", tag + ":t"
+        # A restart's clear marker (per endpoint and engine life) and this gateway's token in
+        # it: the first gateway to notice a restart clears the shared entries, once.
+        self._restarts, self._token = tag + ":r:", uuid.uuid4().hex
         if metrics is None and registry is not None:
             metrics = RedisMetrics(registry)
         self.metrics = default_metrics(metrics)
@@ -169,15 +174,17 @@ class RedisPrefixIndex:
         await self.local.forget_endpoint(endpoint_id)
         self._purge(endpoint_id)
 
-    async def clear_endpoint(self, endpoint_id: str) -> None:
+    async def clear_endpoint(self, endpoint_id: str, life: str | None = None) -> None:
         # What it held is gone for every gateway alike, and records after the purge add anew;
-        # its capacity stays (the same engine).
+        # its capacity stays (the same engine). With the engine's life known, only the first
+        # gateway to notice this restart purges Redis (the others' purges would take what was
+        # recorded since); unknown, every one does.
         await self.local.clear_endpoint(endpoint_id)
-        self._purge(endpoint_id)
+        self._purge(endpoint_id, life.encode() if life else b"")
 
-    def _purge(self, endpoint_id: str) -> None:
+    def _purge(self, endpoint_id: str, life: bytes = b"") -> None:
         self._queue.discard_if(lambda op: op[1] == endpoint_id)
-        self._queue.put(("forget", endpoint_id, b""), 0)
+        self._queue.put(("forget", endpoint_id, life), 0)
 
     def room(self, endpoint_id: str) -> int:
         # The local view, no round trip: it fills with this gateway's share of the traffic, so
@@ -210,6 +217,10 @@ class RedisPrefixIndex:
         keys = [
             self._holders, self._slots, self._lru_prefix + endpoint_id, self._clocks, self._seen
         ]
+        if kind == "forget" and blob:
+            marker = f"{self._restarts}{endpoint_id}:{blob.decode()}"
+            args = [endpoint_id, self._forget_chunk, self._token, self._ttl_ms]
+            return _FORGET, [*keys, marker], args
         if kind == "forget":
             return _FORGET, keys, [endpoint_id, self._forget_chunk]
         if kind == "withdraw":

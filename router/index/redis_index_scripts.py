@@ -222,10 +222,17 @@ end
 return removed
 """)
 
-# KEYS: holders, slots, the endpoint's LRU, clocks, last records. ARGV: endpoint, chunk. Purges
-# one chunk of the endpoint's entries, frees its slot when none are left; returns how many are
-# left.
+# KEYS: holders, slots, the endpoint's LRU, clocks, last records, and for a restart's clear its
+# marker. ARGV: endpoint, chunk, and for a restart's clear this gateway's token and the marker's
+# ttl ms. Purges one chunk of the endpoint's entries, frees its slot when none are left; returns
+# how many are left. A restart's clear is done once per engine life, by the first gateway to
+# notice it (its marker set): another noticing the same restart later would take the blocks
+# recorded for the new engine since. Its owner's later chunks and retries carry on.
 FORGET = LuaScript(PRELUDE + """
+if KEYS[6] and not redis.call('SET', KEYS[6], ARGV[3], 'NX', 'PX', ARGV[4])
+    and redis.call('GET', KEYS[6]) ~= ARGV[3] then
+  return 0
+end
 local slot = slot_of(KEYS[2], ARGV[1], false)
 pop_oldest(KEYS[1], KEYS[3], slot, tonumber(ARGV[2]))
 local left = redis.call('ZCARD', KEYS[3])

@@ -279,7 +279,7 @@ class ReplicatedPrefixIndex:
         }
         self._forgotten[endpoint_id] = now
 
-    async def clear_endpoint(self, endpoint_id: str) -> None:
+    async def clear_endpoint(self, endpoint_id: str, life: str | None = None) -> None:
         # Unlike a departed endpoint's, the other processes' records made after this are not
         # held back: each process sees the restart in its own scrapes and clears its copy.
         self.local.forget_now(endpoint_id)

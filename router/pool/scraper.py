@@ -41,6 +41,10 @@ _WANTED = {
     "vllm:gpu_prefix_cache_hits_total": "prefix_hits_deprecated",
     "vllm:gpu_prefix_cache_queries_total": "prefix_queries_deprecated",
 }
+# When the engine started, the newest of its label sets (not summed): the prefix-query
+# counter's creation time, whose reset tells a restart (either name), else the process's.
+_STARTED = ("vllm:prefix_cache_queries_created", "vllm:gpu_prefix_cache_queries_created")
+_PROCESS_START = "process_start_time_seconds"
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 # A metrics page or model list bigger than this is not read (a failed poll).
 MAX_PAGE_BYTES = 4 << 20
@@ -53,8 +57,11 @@ def parse_vllm_metrics(text: str, scraped_at: float) -> EngineMetrics:
     values: dict[str, float] = {}
     counts: dict[str, int] = {}
     labels_of_config: dict[str, str] = {}
+    started = process_start = 0.0
     for line in text.splitlines():
         if not line.startswith("vllm:"):
+            if line.startswith(_PROCESS_START):
+                process_start = _value(line[len(_PROCESS_START) :]) or 0.0
             continue
         brace = line.find("{")
         name_end = brace if brace != -1 else line.find(" ")
@@ -63,17 +70,13 @@ def parse_vllm_metrics(text: str, scraped_at: float) -> EngineMetrics:
             labels_of_config = dict(_LABEL.findall(line[brace : line.rfind("}") + 1]))
             continue
         field = _WANTED.get(name)
+        if field is None and name not in _STARTED:
+            continue
+        value = _value(line[line.rfind("}") + 1 :] if brace != -1 else line[name_end:])
+        if value is None:
+            continue
         if field is None:
-            continue
-        value_part = line[line.rfind("}") + 1 :] if brace != -1 else line[name_end:]
-        tokens = value_part.split()
-        if not tokens:
-            continue
-        try:
-            value = float(tokens[0])
-        except ValueError:
-            continue
-        if not math.isfinite(value):
+            started = max(started, value)
             continue
         values[field] = values.get(field, 0.0) + value
         counts[field] = counts.get(field, 0) + 1
@@ -87,8 +90,21 @@ def parse_vllm_metrics(text: str, scraped_at: float) -> EngineMetrics:
         num_gpu_blocks=_int_label(labels_of_config, "num_gpu_blocks"),
         prefix_hits=values.get(_current_or_deprecated(values, "prefix_hits"), 0.0),
         prefix_queries=values.get(_current_or_deprecated(values, "prefix_queries"), 0.0),
+        engine_started=started or process_start,
         scraped_at=scraped_at,
     )
+
+
+def _value(part: str) -> float | None:
+    """A sample's value (what follows its name and labels); None: not a finite number."""
+    tokens = part.split()
+    if not tokens:
+        return None
+    try:
+        value = float(tokens[0])
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _current_or_deprecated(values: dict[str, float], field: str) -> str:

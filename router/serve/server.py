@@ -39,7 +39,12 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def uvicorn_config(
-    app: ASGIApp, host: str, port: int, log_level: str = "info", own_logging: bool = False
+    app: ASGIApp,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    own_logging: bool = False,
+    keep_alive_seconds: float = 30.0,
 ) -> uvicorn.Config:
     # uvloop and httptools come with uvicorn[standard]; the protocol is httptools' own with
     # a response's head and first body part written at once.
@@ -53,7 +58,8 @@ def uvicorn_config(
         http=GatewayHttpProtocol,
         # The gateway never reads the client's address: no X-Forwarded-For layer per request.
         proxy_headers=False,
-        timeout_keep_alive=30,
+        # uvicorn types it int but times it with a float (server.keepAliveSeconds).
+        timeout_keep_alive=keep_alive_seconds,  # type: ignore[arg-type]
         timeout_graceful_shutdown=30,
         # Our own handlers (text or JSON, off the event loop) instead of uvicorn's.
         log_config=None if own_logging else LOGGING_CONFIG,
@@ -153,7 +159,12 @@ def serve(
         app = create_app(config)
         server_cfg = config.server
         ucfg = uvicorn_config(
-            app, server_cfg.host, server_cfg.port, log_level, own_logging=True
+            app,
+            server_cfg.host,
+            server_cfg.port,
+            log_level,
+            own_logging=True,
+            keep_alive_seconds=server_cfg.keep_alive_seconds,
         )
         set_drain_timeout(ucfg, server_cfg.drain_timeout_seconds)
         sock = bind_socket(server_cfg.host, server_cfg.port)
@@ -218,9 +229,9 @@ async def running_gateway(
     app = create_app(config)
     sock = bind_socket(config.server.host, config.server.port)
     port = sock.getsockname()[1]
-    server = _InProcessServer(
-        uvicorn_config(app, config.server.host, port, log_level), app.state.gateway
-    )
+    keep_alive = config.server.keep_alive_seconds
+    ucfg = uvicorn_config(app, config.server.host, port, log_level, keep_alive_seconds=keep_alive)
+    server = _InProcessServer(ucfg, app.state.gateway)
     set_drain_timeout(server.config, min(2.0, config.server.drain_timeout_seconds))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:

@@ -112,7 +112,14 @@ def run_worker(
         gateway: Gateway = app.state.gateway
         server_cfg = config.server
         fleet = FleetMetrics(app, gateway.metrics.render, slot.run_dir, slot.index, slot.count)
-        ucfg = uvicorn_config(fleet, server_cfg.host, server_cfg.port, log_level, own_logging=True)
+        ucfg = uvicorn_config(
+            fleet,
+            server_cfg.host,
+            server_cfg.port,
+            log_level,
+            own_logging=True,
+            keep_alive_seconds=server_cfg.keep_alive_seconds,
+        )
         set_drain_timeout(ucfg, server_cfg.drain_timeout_seconds)
         sock = bind_socket(server_cfg.host, server_cfg.port, reuse_port=True)
         freeze_startup_heap()

@@ -459,6 +459,28 @@ async def test_an_engine_restart_empties_the_index_and_the_live_contexts_of_its_
     assert (live.live_tokens(a), live.live_tokens(b)) == (0, 100)
 
 
+async def test_a_restart_clears_the_index_for_the_engines_life_scraped() -> None:
+    """The shared index clears an endpoint once per engine restart across gateways: the
+    restart hook names the life it saw (the scraped start time; None while unknown)."""
+    urls = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+    gw = build_gateway(parse_config({"pool": {"endpoints": [{"url": u} for u in urls]}}))
+    a, b = (state.endpoint.id for state in gw.pool)
+    state = gw.pool.get(a)
+    assert state is not None
+    state.metrics.engine_started = 1700000000.25
+    cleared: list[tuple[str, str | None]] = []
+
+    async def clear_endpoint(endpoint_id: str, life: str | None = None) -> None:
+        cleared.append((endpoint_id, life))
+
+    gw.stores.index.clear_endpoint = clear_endpoint  # type: ignore[method-assign]
+    restarted = gw.monitor._on_restart
+    assert restarted is not None
+    await restarted(a)
+    await restarted(b)
+    assert cleared == [(a, "1700000000.25"), (b, None)]
+
+
 async def test_scorers_that_remember_endpoints_forget_one_that_left_the_pool() -> None:
     """Discovery's forget reaches a profile's stateful scorers as it does the index: a pod at
     the address of one that left is a new replica, which no-hit-lru-scorer never sent a new

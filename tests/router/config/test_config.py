@@ -188,3 +188,15 @@ def test_keys_have_one_spelling() -> None:
     so one config cannot spell a key two ways in two places."""
     with pytest.raises(ConfigError, match=r"server\.max_body_bytes: unknown key"):
         parse_config({"server": {"max_body_bytes": 4096}})
+
+
+def test_the_servers_keep_alive_is_configurable_within_bounds() -> None:
+    """How long an idle client connection stays open: longer than the load balancer's own
+    idle timeout in front of the gateway, or the balancer reuses a connection the gateway is
+    closing. 30 s unless set; a string, a bool, 0 or a day are refused, naming the key."""
+    assert parse_config({}).server.keep_alive_seconds == 30.0
+    assert parse_config({"server": {"keepAliveSeconds": 75}}).server.keep_alive_seconds == 75.0
+    assert parse_config({"server": {"keepAliveSeconds": 2.5}}).server.keep_alive_seconds == 2.5
+    for bad in ("75", True, 0, 0.5, 86_400, float("inf")):
+        with pytest.raises(ConfigError, match=r"server\.keepAliveSeconds"):
+            parse_config({"server": {"keepAliveSeconds": bad}})

@@ -682,3 +682,39 @@ async def test_a_departed_endpoint_leaves_no_capacity_behind_a_restarted_one_kee
     await index.clear_endpoint("restarted")
     await index.flush()
     assert (index.local.capacity("left"), index.local.capacity("restarted")) == (100, 9)
+
+
+async def test_an_engine_restart_is_cleared_once_across_gateways(
+    make_index: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each gateway notices a restart in its own scrapes, some a while later than others: the
+    shared clear is done once per engine life (the first gateway to notice it), or a late one
+    would wipe what the others recorded for the new engine meanwhile. The late one still
+    clears its own view; a later restart (another life) clears again."""
+    forget = declared_keys_only(getattr(redis_index, "_FORGET"))  # noqa: B009 (private name)
+    monkeypatch.setattr(redis_index, "_FORGET", forget)
+    registry = CollectorRegistry()
+    # Purged one entry a script: the later chunks belong to the same clear, not skipped.
+    first = make_index(forget_chunk=1, registry=registry)
+    second = make_index(registry=CollectorRegistry())
+    first.record("e", [1, 2, 3])
+    second.record("e", [1, 2, 3])
+    await first.flush()
+    await second.flush()
+    await first.clear_endpoint("e", life="1700000000.25")
+    await first.flush()
+    first.record("e", [7, 8])  # the new engine's blocks, as both gateways route to it
+    second.record("e", [7, 8, 9])
+    await first.flush()
+    await second.flush()
+    await second.clear_endpoint("e", life="1700000000.25")  # the same restart, noticed late
+    await second.flush()
+    assert second.local.match_now([1, 2, 3], ["e"]) == {"e": 0}  # its own view is cleared
+    reader = make_index(registry=CollectorRegistry())
+    assert await reader.match([7, 8, 9], ["e"]) == {"e": 3}
+    assert await reader.match([1, 2, 3], ["e"]) == {"e": 0}
+    errors = {"op": "index_update", "kind": "error"}
+    assert registry.get_sample_value("prefixgate_redis_errors_total", errors) is None
+    await second.clear_endpoint("e", life="1700000900.5")  # restarted again: a new life
+    await second.flush()
+    assert await reader.match([7, 8, 9], ["e"]) == {"e": 0}

@@ -579,3 +579,24 @@ async def test_the_one_base_model_a_replica_lists_is_told() -> None:
         listing[0] = models_page(BASE, {"id": "alias", "parent": None}, ADAPTER)
         await monitor.check_all()
     assert told == [(state.endpoint.id, "m"), (state.endpoint.id, None)]
+
+
+def test_parse_reads_when_the_engine_started() -> None:
+    """The engine's life, which every gateway reads alike: gateways that notice the same
+    restart clear the shared index once for it. The prefix-query counter's creation time
+    (the latest of a data-parallel server's engines), else the process start, else unknown."""
+    created = (
+        'vllm:prefix_cache_queries_total{model_name="a",engine="0"} 10.0\n'
+        'vllm:prefix_cache_queries_created{model_name="a",engine="0"} 1.7000000002e+09\n'
+        'vllm:prefix_cache_queries_created{model_name="a",engine="1"} 1.7000000005e+09\n'
+        "process_start_time_seconds 1.69999999e+09\n"
+    )
+    assert parse_vllm_metrics(created, 0).engine_started == 1.7000000005e09
+    older = (
+        'vllm:gpu_prefix_cache_queries_created{model_name="a",engine="0"} 1.6e+09\n'
+        "process_start_time_seconds 1.5e+09\n"
+    )
+    assert parse_vllm_metrics(older, 0).engine_started == 1.6e09
+    assert parse_vllm_metrics("process_start_time_seconds 1.5e+09\n", 0).engine_started == 1.5e09
+    unknown = parse_vllm_metrics('vllm:num_requests_waiting{model_name="a"} 2\n', 0)
+    assert unknown.engine_started == 0

@@ -110,3 +110,44 @@ def test_a_port_in_use_is_a_one_line_error_naming_the_setting(reuse_port: bool) 
         port = taken.getsockname()[1]
         with pytest.raises(ConfigError, match=rf"server\.port: 127\.0\.0\.1:{port} is in use"):
             bind_socket("127.0.0.1", port, reuse_port=reuse_port)
+
+
+async def test_an_idle_kept_alive_connection_is_closed_after_the_configured_keep_alive() -> None:
+    """The keep-alive is the server's setting, not uvicorn's fixed 30 s: an idle connection is
+    closed by the server once it is up (a tiny one here, so the wait is short)."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        head = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    sock = bind_socket()
+    port = sock.getsockname()[1]
+    config = uvicorn_config(app, "127.0.0.1", port, log_level="warning", keep_alive_seconds=0.05)
+    server = _InProcessServer(config, _stub_gateway(0.0))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(10):
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.01)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            assert b"connection: close" not in await _get(reader, writer, "/")  # kept alive
+            assert await reader.read() == b"", "closed by the server once idle"
+            writer.close()
+    finally:
+        server.should_exit = True
+        async with asyncio.timeout(10):
+            await task
+        sock.close()
+
+
+async def test_the_gateway_serves_with_the_configured_keep_alive() -> None:
+    """Wired from ``server.keepAliveSeconds`` through the composition root to the server."""
+    config = gateway_config([], server={"port": 0, "keepAliveSeconds": 75})
+    async with running_gateway(config) as gw:
+        assert gw.server is not None
+        assert gw.server.config.timeout_keep_alive == 75
