@@ -167,9 +167,10 @@ class InMemoryPrefixIndex:
         self._default_capacity = default_capacity
         self._step = max(0, max_blocks_per_step)
         self.pending_pieces = 0  # pieces of long records scheduled but not touched yet
-        # (endpoint, chain's last hash) -> its record's pieces scheduled; the withdrawn ones
+        # (endpoint, chain's last hash) -> its records' pieces scheduled; and of those, how many
+        # were due when the chain was withdrawn (a later record's pieces, due after them, stay)
         self._pieces: dict[tuple[str, int], int] = {}
-        self._withdrawn: set[tuple[str, int]] = set()
+        self._withdrawn: dict[tuple[str, int], int] = {}
         self._holders: dict[int, int] = {}
         self._bits: dict[str, int] = {}
         self._lru: dict[str, _Lru] = {}
@@ -256,10 +257,11 @@ class InMemoryPrefixIndex:
         left = self._pieces.pop(key) - 1
         if left:
             self._pieces[key] = left
-        if key not in self._withdrawn:
+        skip = self._withdrawn.pop(key, 0)
+        if not skip:
             return True
-        if not left:
-            self._withdrawn.discard(key)
+        if skip > 1:
+            self._withdrawn[key] = skip - 1
         return False
 
     def _resume(
@@ -355,8 +357,9 @@ class InMemoryPrefixIndex:
         if not hashes:
             return
         hashes = capped(hashes, self.capacity(endpoint_id))
-        if (endpoint_id, hashes[-1]) in self._pieces:
-            self._withdrawn.add((endpoint_id, hashes[-1]))
+        key = (endpoint_id, hashes[-1])
+        if key in self._pieces:  # due first (the loop runs callbacks in order): skipped
+            self._withdrawn[key] = self._pieces[key]
         bit, lru = self._bits.get(endpoint_id), self._lru.get(endpoint_id)
         if bit is None or lru is None:
             return

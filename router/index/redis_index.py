@@ -283,8 +283,13 @@ class RedisPrefixIndex:
             self._recorded.clear()
         finished = True
         pieced: set[str] = set()  # endpoints whose records this run wrote in pieces
+        # A record whose pieces Redis interrupted goes back to the queue, and its endpoint's
+        # withdrawals after it in this run with it, in order (ahead of them, it would undo them).
+        unfinished: list[tuple[_Op, int]] = []
         for (op, capacity), result in zip(batch, results, strict=True):
-            if op[0] == "withdraw" and op[1] in pieced:
+            if op[0] == "withdraw" and any(o[1] == op[1] for o, _ in unfinished):
+                unfinished.append((op, capacity))
+            elif op[0] == "withdraw" and op[1] in pieced:
                 # Its record was written in pieces, after the pipeline: withdraw after them.
                 await self._run_script(self._script_args(op, 0, False))
             elif op[0] == "forget" and isinstance(result, int) and result > 0:
@@ -294,7 +299,11 @@ class RedisPrefixIndex:
                     self._queue.put(op, capacity)
             elif op[0] == "record" and isinstance(result, list) and len(result) == 2:
                 pieced.add(op[1])
-                await self._record_in_pieces(op, capacity, int(result[0]) - 1, int(result[1]))
+                if not await self._record_in_pieces(
+                    op, capacity, int(result[0]) - 1, int(result[1])
+                ):
+                    unfinished.append((op, capacity))
+        self._queue.requeue(unfinished)  # finished when Redis is back
         return finished
 
     async def _run_script(self, call: ScriptCall) -> None:
@@ -358,7 +367,7 @@ class RedisPrefixIndex:
                 return True
         return False
 
-    async def _record_in_pieces(self, op: _Op, capacity: int, fresh: int, bound: int) -> None:
+    async def _record_in_pieces(self, op: _Op, capacity: int, fresh: int, bound: int) -> bool:
         """Touch a long chain as growing prefixes, one round trip each.
 
         One script runs alone on the Redis server: a cold 200K-token prompt touched at once
@@ -366,7 +375,7 @@ class RedisPrefixIndex:
         Recorded piece by piece, each piece is the next turn of the one before, judged fresh
         or not against the bound the record began with (``bound``), as the in-memory index's
         pieces are: a chain longer than the fresh window costs its new blocks, not itself per
-        piece.
+        piece. False when Redis went away before its last piece.
         """
         blob, step = op[2], self._max_touch
         # A capacity shrunk since the record was queued (its trim ran in the same batch,
@@ -383,5 +392,5 @@ class RedisPrefixIndex:
             try:
                 await self._link.call("index_update", run, self._write_budget)
             except Unavailable:
-                self._queue.requeue([(op, capacity)])  # finished when Redis is back
-                return
+                return False  # the caller queues it again
+        return True

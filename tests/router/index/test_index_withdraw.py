@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -13,7 +14,7 @@ from prometheus_client import CollectorRegistry
 import router.index.redis_index as redis_index
 from router.index.prefix_index import InMemoryPrefixIndex
 from router.index.redis_index import RedisPrefixIndex
-from router.index.redis_link import RedisMetrics
+from router.index.redis_link import RedisMetrics, Unavailable
 from router.index.replicated import ReplicatedPrefixIndex, Replicator
 from tests.manual_clock import ManualClock
 from tests.redis_server import declared_keys_only
@@ -53,6 +54,21 @@ async def test_memory_withdraws_the_pieces_of_a_long_record_still_to_come() -> N
         if not index.pending_pieces:
             break
         await asyncio.sleep(0)
+    assert index.match_now(CHAIN, ["a"]) == {"a": len(CHAIN)}
+
+
+async def test_memory_a_record_after_the_withdrawal_keeps_its_pieces() -> None:
+    """Another request's record of the same chain, made while the withdrawn record's pieces
+    are still due, is served: its own pieces must not be dropped with the withdrawn ones."""
+    index = InMemoryPrefixIndex(1000, max_blocks_per_step=4)
+    index.record("a", CHAIN)
+    index.withdraw("a", CHAIN, 0)
+    index.record("a", CHAIN)  # before the withdrawn record's next piece ran
+    for _ in range(2 * len(CHAIN)):  # bounded: each piece is one turn
+        if not index.pending_pieces:
+            break
+        await asyncio.sleep(0)
+    assert index.pending_pieces == 0
     assert index.match_now(CHAIN, ["a"]) == {"a": len(CHAIN)}
 
 
@@ -103,6 +119,32 @@ async def test_redis_withdraws_in_redis_too(
     assert await reader.match(CHAIN, ["a", "b"]) == {"a": HELD, "b": len(CHAIN)}
     lru = await writer.link.client.zcard(writer._lru_prefix + "a")
     assert lru == HELD
+
+
+@pytest.mark.redis
+async def test_redis_withdraw_stays_after_a_record_requeued_mid_pieces(
+    redis_indexes: tuple[RedisPrefixIndex, RedisPrefixIndex], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis away between a long record's pieces: the record goes back to the queue, and its
+    withdrawal (in the same batch) must go after it, or the withdrawn blocks come back."""
+    writer, reader = redis_indexes
+    writer.record("a", CHAIN[:HELD])
+    await writer.flush()
+    real, calls = writer.link.call, 0
+
+    async def blip(op: str, fn: Any, budget: float | None = None) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the batch's pipeline went through; its record's first piece fails
+            raise Unavailable("timeout")
+        return await real(op, fn, budget)
+
+    monkeypatch.setattr(writer.link, "call", blip)
+    writer.record("a", CHAIN)
+    writer.withdraw("a", CHAIN, HELD)
+    await writer.flush()
+    assert calls > 2
+    assert await reader.match(CHAIN, ["a"]) == {"a": HELD}
 
 
 @pytest.mark.redis
