@@ -83,6 +83,8 @@ def typed(value: Any, kind: type[T], where: str) -> T:
 
 
 def check_kind(value: Any, kind: Kind, where: str) -> None:
+    if value is None:
+        return  # Go's JSON decoding leaves the field unset for a null, with no error
     if isinstance(kind, type):
         typed(value, kind, where)
     else:
@@ -129,9 +131,10 @@ class Params:
         return f"{self.where}.{key}"
 
     def get(self, key: str, kind: type[T], default: T) -> T:
-        if key not in self._raw:
+        value = self._raw.pop(key, None)
+        if value is None:  # absent, or a null: unset, as Go's JSON decoding leaves it
             return default
-        return typed(self._raw.pop(key), kind, self.at(key))
+        return typed(value, kind, self.at(key))
 
     def sub(self, key: str) -> Params:
         """A nested mapping, read the same way (its keys are checked by its own ``done``)."""

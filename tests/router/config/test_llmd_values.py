@@ -245,3 +245,20 @@ def test_a_speculative_ttl_in_both_places_fails_naming_both() -> None:
     with pytest.raises(ConfigError, match=both):
         parse_config(one("precise-prefix-cache-scorer", speculativeTTL="1s",
                          indexerConfig={"speculativeTTL": "1s"}))
+
+
+@pytest.mark.parametrize(
+    ("type_", "parameters"),
+    [
+        ("metrics-data-source", {"insecureSkipVerify": None, "port": None}),
+        ("session-affinity-scorer", {"sessionIdConfig": None}),
+        ("precise-prefix-cache-producer", {"indexerConfig": {"kvBlockIndexConfig": None}}),
+        ("precise-prefix-cache-producer",
+         {"indexerConfig": {"kvBlockIndexConfig": {"enableMetrics": None}}}),
+        ("load-aware-scorer", {"threshold": None}),
+    ],
+)
+def test_a_null_value_loads_as_unset(type_: str, parameters: dict[str, Any]) -> None:
+    """Go's JSON decoding leaves a field at its zero value for a null (``key:`` left empty in
+    YAML), with no error, so llm-d loads it: so does this, as if the key were absent."""
+    parse_config(one(type_, **parameters))
