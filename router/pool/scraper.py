@@ -179,6 +179,7 @@ class EndpointMonitor:
         # index remembers of it.
         self._on_restart = on_restart
         self._queries: dict[str, float] = {}  # endpoint -> its last prefix-cache query count
+        self._lives: dict[str, float] = {}  # endpoint -> its engine's last known start time
         # Called after each scrape or health change: flow control re-reads the pool at once
         # instead of waiting for its next tick.
         self._on_scrape = on_scrape
@@ -208,6 +209,7 @@ class EndpointMonitor:
         task = self._tasks.pop(endpoint_id, None)
         if forget:
             self._queries.pop(endpoint_id, None)
+            self._lives.pop(endpoint_id, None)
         if task is not None:
             task.cancel()
 
@@ -356,22 +358,24 @@ class EndpointMonitor:
         )
         if capacity_changed and m.block_size and m.num_gpu_blocks and self._on_capacity:
             self._on_capacity(state.endpoint.id, m.block_size, m.num_gpu_blocks)
-        await self._check_restart(state.endpoint.id, m.prefix_queries)
+        await self._check_restart(state.endpoint.id, m.prefix_queries, m.engine_started)
 
-    async def _check_restart(self, endpoint_id: str, queries: float) -> None:
-        """A counter that went back is a new engine process at the same address (a container
-        restarted in its pod): it serves with an empty prefix cache. A count of 0 (no query
-        yet, or a page without the series) is compared with nothing: the next one counting,
-        below the last count before it, tells the restart."""
-        if queries <= 0:
-            return
-        last = self._queries.get(endpoint_id, 0.0)
-        self._queries[endpoint_id] = queries
-        if queries < last and self._on_restart is not None:
-            log.warning(
-                "endpoint %s restarted (its prefix-cache query count went back): what the "
-                "prefix index held for it is forgotten", endpoint_id,
-            )
+    async def _check_restart(self, endpoint_id: str, queries: float, started: float) -> None:
+        """A new engine process at the same address (a container restarted in its pod) serves
+        with an empty prefix cache. Told by its start time changing between known values (0,
+        unknown, is compared with nothing), which a gateway that last saw the old engine below
+        the new one's count sees too; else by the counter going back (a count of 0, no query
+        yet, is compared with nothing: the next one counting, below the last, tells it)."""
+        last_life = self._lives.get(endpoint_id, 0.0)
+        new_life = last_life > 0 and started > 0 and started != last_life
+        if started > 0:
+            self._lives[endpoint_id] = started
+        went_back = 0 < queries < self._queries.get(endpoint_id, 0.0)
+        if queries > 0 or new_life:  # a new engine's 0 too: its first count is no 2nd restart
+            self._queries[endpoint_id] = queries
+        if (new_life or went_back) and self._on_restart is not None:
+            why = "start time changed" if new_life else "prefix-cache query count went back"
+            log.warning("endpoint %s restarted (its %s): its prefixes forgotten", endpoint_id, why)
             await self._on_restart(endpoint_id)
 
     def _counts(self, state: EndpointState) -> tuple[int, int]:

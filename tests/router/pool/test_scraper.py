@@ -330,9 +330,12 @@ async def serving(handle: Handler) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def counting_replica(queries: list[float], health: int = 200) -> AsyncIterator[str]:
+async def counting_replica(
+    queries: list[float], health: int = 200, started: list[float] | None = None
+) -> AsyncIterator[str]:
     """A replica whose /metrics reads ``queries[0]`` as vLLM's prefix-cache query count (a
-    test sets it back to play a restarted engine), whose /v1/models lists model ``m`` and
+    test sets it back to play a restarted engine), and ``started[0]`` if given and not 0 as
+    that counter's creation time (the engine's start), whose /v1/models lists model ``m`` and
     whose /health answers ``health``."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -343,6 +346,8 @@ async def counting_replica(queries: list[float], health: int = 200) -> AsyncIter
                     body = b'{"data": [{"id": "m"}]}'
                 elif head.startswith(b"GET /metrics"):
                     page = f'vllm:prefix_cache_queries_total{{model_name="m"}} {queries[0]}\n'
+                    if started and started[0]:
+                        page += f"vllm:prefix_cache_queries_created {started[0]}\n"
                     body = page.encode()
                 else:
                     body = b""
@@ -398,6 +403,78 @@ async def test_a_replica_whose_counters_went_back_restarted_and_its_prefixes_are
         await monitor._scrape(state)
         assert restarted == [endpoint]
         assert index.match_now([1, 2, 3], [endpoint]) == {endpoint: 3}
+
+
+@contextlib.asynccontextmanager
+async def restart_monitor(
+    queries: list[float], started: list[float], restarted: list[str]
+) -> AsyncIterator[tuple[EndpointMonitor, EndpointState]]:
+    """A monitor of one counting replica (its engine's start time in ``started``), telling
+    each restart it notices into ``restarted``; a test drives its scrapes one by one."""
+
+    async def on_restart(endpoint_id: str) -> None:
+        restarted.append(endpoint_id)
+
+    async with counting_replica(queries, started=started) as url, monitor_client() as http:
+        pool = EndpointPool([Endpoint.from_url(url)])
+        (state,) = pool
+        state.healthy = True
+        yield EndpointMonitor(pool, http, MonitorSettings(), on_restart=on_restart), state
+
+
+async def test_a_new_engine_start_time_tells_a_restart_its_higher_count_hides() -> None:
+    """A gateway that last saw the old engine at a count the new one has passed by its next
+    scrape (paused, its scrapes failing a while, or the new engine busy) sees no counter go
+    back; the engine's start time changed, and tells the restart, once."""
+    queries, started, restarted = [400.0], [1.7e9], list[str]()
+    async with restart_monitor(queries, started, restarted) as (monitor, state):
+        await monitor._scrape(state)
+        queries[0], started[0] = 900.0, 1.7e9 + 60  # a new engine, already past 400
+        await monitor._scrape(state)
+        assert restarted == [state.endpoint.id]
+        queries[0] = 950.0  # the same new engine counting on
+        await monitor._scrape(state)
+        assert restarted == [state.endpoint.id]
+        queries[0], started[0] = 5.0, 1.7e9 + 120  # both signals at once: still one restart
+        await monitor._scrape(state)
+        assert restarted == [state.endpoint.id] * 2
+        queries[0] = 500.0
+        await monitor._scrape(state)
+        queries[0], started[0] = 0.0, 1.7e9 + 180  # not queried yet: told by its start time
+        await monitor._scrape(state)
+        assert restarted == [state.endpoint.id] * 3
+        queries[0] = 12.0  # its first count, below the old engine's: the same restart
+        await monitor._scrape(state)
+        assert restarted == [state.endpoint.id] * 3
+
+
+async def test_the_same_start_time_tells_no_restart_while_its_counter_grows() -> None:
+    """An engine counting on is the same engine; its counter going back still tells one."""
+    queries, started, restarted = [400.0], [1.7e9], list[str]()
+    async with restart_monitor(queries, started, restarted) as (monitor, state):
+        for count in (400.0, 900.0, 2000.0):
+            queries[0] = count
+            await monitor._scrape(state)
+        assert restarted == []
+        queries[0] = 10.0
+        await monitor._scrape(state)
+        assert restarted == [state.endpoint.id]
+
+
+async def test_an_unknown_start_time_tells_nothing_and_the_counter_still_does() -> None:
+    """A page without the engine's start time (0) is no new engine, nor is the next one with
+    it again: only known times are compared; meanwhile the counter going back tells."""
+    queries, started, restarted = [400.0], [1.7e9], list[str]()
+    async with restart_monitor(queries, started, restarted) as (monitor, state):
+        await monitor._scrape(state)
+        queries[0], started[0] = 500.0, 0.0
+        await monitor._scrape(state)
+        queries[0], started[0] = 600.0, 1.7e9
+        await monitor._scrape(state)
+        assert restarted == []
+        queries[0], started[0] = 10.0, 0.0
+        await monitor._scrape(state)
+        assert restarted == [state.endpoint.id]
 
 
 async def test_the_gateway_forgets_a_restarted_replicas_prefixes() -> None:
