@@ -137,6 +137,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        # The head is whole: the keep-alive timer (armed at the connection's start or at the
+        # last answer's end, and left running by data_received) has done its job. Left on, it
+        # would close the connection under the answer.
+        HttpToolsProtocol._unset_keepalive_if_required(self)
         before = self.cycle
         super().on_headers_complete()
         cycle = self.cycle

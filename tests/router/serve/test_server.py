@@ -145,6 +145,46 @@ async def test_an_idle_kept_alive_connection_is_closed_after_the_configured_keep
         sock.close()
 
 
+async def test_a_request_outlasting_the_keep_alive_is_answered_whole() -> None:
+    """The keep-alive bounds the wait for a head and the idle time between requests, never a
+    request being answered: an agent's streamed answer takes minutes. The timer armed at the
+    connection's start (or at the previous answer's end) stops once a head is whole; it used
+    to run on and cut every answer 30 s after it, first request or kept-alive alike. Here
+    each answer takes four keep-alive times (the timer fires on the same loop first)."""
+    keep_alive = 0.05
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        await asyncio.sleep(4 * keep_alive)
+        head = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    sock = bind_socket()
+    port = sock.getsockname()[1]
+    config = uvicorn_config(
+        app, "127.0.0.1", port, log_level="warning", keep_alive_seconds=keep_alive
+    )
+    server = _InProcessServer(config, _stub_gateway(0.0))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(10):
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.01)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            assert b" 200 " in await _get(reader, writer, "/first")  # on a new connection
+            assert b" 200 " in await _get(reader, writer, "/second")  # on the kept-alive one
+            writer.close()
+    finally:
+        server.should_exit = True
+        async with asyncio.timeout(10):
+            await task
+        sock.close()
+
+
 async def test_the_gateway_serves_with_the_configured_keep_alive() -> None:
     """Wired from ``server.keepAliveSeconds`` through the composition root to the server."""
     config = gateway_config([], server={"port": 0, "keepAliveSeconds": 75})
