@@ -12,6 +12,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.serve.http_protocol import GatewayHttpProtocol, HeadWithBody
 from router.serve.server import bind_socket, uvicorn_config
+from tests.router.serve.test_server import _get
 
 
 class RecordingTransport:
@@ -72,9 +73,10 @@ async def test_closing_writes_what_is_held_first_and_other_calls_reach_the_socke
 @contextlib.asynccontextmanager
 async def serving(app: Any, keep_alive: float | None = None) -> AsyncIterator[int]:
     sock = bind_socket()
-    config = uvicorn_config(app, "127.0.0.1", sock.getsockname()[1], log_level="warning")
-    if keep_alive is not None:
-        config.timeout_keep_alive = keep_alive  # type: ignore[assignment]
+    config = uvicorn_config(
+        app, "127.0.0.1", sock.getsockname()[1], log_level="warning",
+        **({} if keep_alive is None else {"keep_alive_seconds": keep_alive}),
+    )
     assert config.http is GatewayHttpProtocol
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -348,3 +350,40 @@ async def test_over_a_socket_a_connection_that_never_completes_a_head_is_closed(
                 assert await reader.read() == b""  # closed
         finally:
             writer.close()
+
+
+def _answer_after(delay: float) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        await asyncio.sleep(delay)
+        head = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    return app
+
+
+async def test_an_idle_kept_alive_connection_is_closed_after_the_configured_keep_alive() -> None:
+    """The keep-alive is the server's setting (``uvicorn_config``'s), not uvicorn's fixed 30 s:
+    an idle connection is closed by the server once it is up (a tiny one here, so the wait is
+    short)."""
+    async with serving(_answer_after(0.0), keep_alive=0.05) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert b"connection: close" not in await _get(reader, writer, "/")  # kept alive
+        assert await reader.read() == b"", "closed by the server once idle"
+        writer.close()
+
+
+async def test_a_request_outlasting_the_keep_alive_is_answered_whole() -> None:
+    """The keep-alive bounds the wait for a head and the idle time between requests, never a
+    request being answered: an agent's streamed answer takes minutes. The timer armed at the
+    connection's start (or at the previous answer's end) stops once a head is whole; it used
+    to run on and cut every answer 30 s after it, first request or kept-alive alike. Here
+    each answer takes four keep-alive times (the timer fires on the same loop first)."""
+    keep_alive = 0.05
+    async with serving(_answer_after(4 * keep_alive), keep_alive=keep_alive) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert b" 200 " in await _get(reader, writer, "/first")  # on a new connection
+        assert b" 200 " in await _get(reader, writer, "/second")  # on the kept-alive one
+        writer.close()
