@@ -135,16 +135,12 @@ def _capacity_bound(precise: PreciseRuntime | None, sizer: IndexSizer) -> Capaci
     return on_capacity
 
 
-def _restarted(
-    pool: EndpointPool, stores: Stores, routing: RoutingGraph
-) -> Callable[[str], Awaitable[None]]:
+def _restarted(stores: Stores, routing: RoutingGraph) -> Callable[[str, float], Awaitable[None]]:
     """What an endpoint's engine restart empties: its entries in the prefix index, and the
     live sessions' contexts counted in its cache. The index is told the new engine's life
     (its scraped start time): a shared index clears once per life, whichever gateways see it."""
 
-    async def restarted(endpoint_id: str) -> None:
-        state = pool.get(endpoint_id)
-        started = state.metrics.engine_started if state is not None else 0.0
+    async def restarted(endpoint_id: str, started: float) -> None:
         await stores.index.clear_endpoint(endpoint_id, repr(started) if started else None)
         routing.live.clear_endpoint(endpoint_id)
 
@@ -159,7 +155,7 @@ def _build_monitor(
     flow: FlowController,
     keys: UpstreamKeys,
     on_capacity: CapacityCallback,
-    on_restart: Callable[[str], Awaitable[None]],
+    on_restart: Callable[[str, float], Awaitable[None]],
     on_base_model: Callable[[str, str | None], None],
 ) -> EndpointMonitor:
     hc, ms = config.pool.health_check, config.pool.metrics_scrape
@@ -253,7 +249,7 @@ def build_gateway(
     )
     monitor = _build_monitor(
         config, pool, monitor_client, stores, routing.flow, keys, _capacity_bound(precise, sizer),
-        _restarted(pool, stores, routing), sizer.base_model,
+        _restarted(stores, routing), sizer.base_model,
     )
     return Gateway(
         config, pool, stores, routing.scheduler, metrics, routing.flow, routing.router, proxy,

@@ -168,15 +168,15 @@ class EndpointMonitor:
         auth_headers: AuthHeaders | None = None,
         remote_load: Callable[[str], RemoteLoad] | None = None,
         on_scrape: Callable[[], None] | None = None,
-        on_restart: Callable[[str], Awaitable[None]] | None = None,
+        on_restart: Callable[[str, float], Awaitable[None]] | None = None,
         on_base_model: Callable[[str, str | None], None] | None = None,
     ) -> None:
         self._pool = pool
         # Told the one base model an endpoint lists (None: not one) when its list changes:
         # its adapters run on it, and the index sizer sizes the endpoint by it.
         self._on_base_model = on_base_model
-        # Told when an endpoint's engine restarted: its prefix cache is empty, whatever the
-        # index remembers of it.
+        # Told when an endpoint's engine restarted, with the new engine's start time (0:
+        # unknown): its prefix cache is empty, whatever the index remembers of it.
         self._on_restart = on_restart
         self._queries: dict[str, float] = {}  # endpoint -> its last prefix-cache query count
         self._lives: dict[str, float] = {}  # endpoint -> its engine's last known start time
@@ -376,7 +376,7 @@ class EndpointMonitor:
         if (new_life or went_back) and self._on_restart is not None:
             why = "start time changed" if new_life else "prefix-cache query count went back"
             log.warning("endpoint %s restarted (its %s): its prefixes forgotten", endpoint_id, why)
-            await self._on_restart(endpoint_id)
+            await self._on_restart(endpoint_id, started)
 
     def _counts(self, state: EndpointState) -> tuple[int, int]:
         """The gateways' requests in flight to the endpoint, and those past their first

@@ -454,20 +454,17 @@ async def test_an_engine_restart_empties_the_index_and_the_live_contexts_of_its_
             live.on_pick(request, endpoint)
     restarted = gw.monitor._on_restart
     assert restarted is not None
-    await restarted(a)
+    await restarted(a, 0.0)
     assert index.match_now([1, 2], [a, b]) == {a: 0, b: 2}
     assert (live.live_tokens(a), live.live_tokens(b)) == (0, 100)
 
 
 async def test_a_restart_clears_the_index_for_the_engines_life_scraped() -> None:
     """The shared index clears an endpoint once per engine restart across gateways: the
-    restart hook names the life it saw (the scraped start time; None while unknown)."""
+    restart hook names the life the monitor saw (the scraped start time; None while unknown)."""
     urls = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
     gw = build_gateway(parse_config({"pool": {"endpoints": [{"url": u} for u in urls]}}))
     a, b = (state.endpoint.id for state in gw.pool)
-    state = gw.pool.get(a)
-    assert state is not None
-    state.metrics.engine_started = 1700000000.25
     cleared: list[tuple[str, str | None]] = []
 
     async def clear_endpoint(endpoint_id: str, life: str | None = None) -> None:
@@ -476,8 +473,8 @@ async def test_a_restart_clears_the_index_for_the_engines_life_scraped() -> None
     gw.stores.index.clear_endpoint = clear_endpoint  # type: ignore[method-assign]
     restarted = gw.monitor._on_restart
     assert restarted is not None
-    await restarted(a)
-    await restarted(b)
+    await restarted(a, 1700000000.25)
+    await restarted(b, 0.0)
     assert cleared == [(a, "1700000000.25"), (b, None)]
 
 

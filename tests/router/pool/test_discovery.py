@@ -510,7 +510,7 @@ async def test_a_replica_restarted_while_not_ready_is_still_noticed() -> None:
     queries = [400.0]
     restarted: list[str] = []
 
-    async def on_restart(endpoint_id: str) -> None:
+    async def on_restart(endpoint_id: str, started: float) -> None:
         restarted.append(endpoint_id)
 
     client = UpstreamClient(8, 1.0)

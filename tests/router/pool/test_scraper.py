@@ -370,7 +370,7 @@ async def test_a_replica_whose_counters_went_back_restarted_and_its_prefixes_are
     index = InMemoryPrefixIndex()
     restarted: list[str] = []
 
-    async def on_restart(endpoint_id: str) -> None:
+    async def on_restart(endpoint_id: str, started: float) -> None:
         restarted.append(endpoint_id)
         await index.clear_endpoint(endpoint_id)
 
@@ -407,13 +407,17 @@ async def test_a_replica_whose_counters_went_back_restarted_and_its_prefixes_are
 
 @contextlib.asynccontextmanager
 async def restart_monitor(
-    queries: list[float], started: list[float], restarted: list[str]
+    queries: list[float], started: list[float], restarted: list[str],
+    lives: list[float] | None = None,
 ) -> AsyncIterator[tuple[EndpointMonitor, EndpointState]]:
     """A monitor of one counting replica (its engine's start time in ``started``), telling
-    each restart it notices into ``restarted``; a test drives its scrapes one by one."""
+    each restart it notices into ``restarted`` (and the start time it was told with into
+    ``lives``); a test drives its scrapes one by one."""
 
-    async def on_restart(endpoint_id: str) -> None:
+    async def on_restart(endpoint_id: str, life: float) -> None:
         restarted.append(endpoint_id)
+        if lives is not None:
+            lives.append(life)
 
     async with counting_replica(queries, started=started) as url, monitor_client() as http:
         pool = EndpointPool([Endpoint.from_url(url)])
@@ -426,8 +430,8 @@ async def test_a_new_engine_start_time_tells_a_restart_its_higher_count_hides() 
     """A gateway that last saw the old engine at a count the new one has passed by its next
     scrape (paused, its scrapes failing a while, or the new engine busy) sees no counter go
     back; the engine's start time changed, and tells the restart, once."""
-    queries, started, restarted = [400.0], [1.7e9], list[str]()
-    async with restart_monitor(queries, started, restarted) as (monitor, state):
+    queries, started, restarted, lives = [400.0], [1.7e9], list[str](), list[float]()
+    async with restart_monitor(queries, started, restarted, lives) as (monitor, state):
         await monitor._scrape(state)
         queries[0], started[0] = 900.0, 1.7e9 + 60  # a new engine, already past 400
         await monitor._scrape(state)
@@ -446,6 +450,8 @@ async def test_a_new_engine_start_time_tells_a_restart_its_higher_count_hides() 
         queries[0] = 12.0  # its first count, below the old engine's: the same restart
         await monitor._scrape(state)
         assert restarted == [state.endpoint.id] * 3
+        # Each restart is told with the new engine's life, what the shared index clears once.
+        assert lives == [1.7e9 + 60, 1.7e9 + 120, 1.7e9 + 180]
 
 
 async def test_the_same_start_time_tells_no_restart_while_its_counter_grows() -> None:
