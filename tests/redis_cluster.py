@@ -3,8 +3,9 @@
 ``redis-server`` in cluster mode, three processes without persistence, their slots assigned
 and joined over the cluster bus with plain commands (no ``redis-cli --cluster``). Started once
 per test session and killed at its end; a failover test starts one of its own with a replica
-for each primary and a short node timeout. Without a ``redis-server`` binary the cluster tests
-skip, except under CI (env ``CI`` set), where that is a failure: ``.ci/run`` installs one.
+for each primary and a short node timeout. Without a ``redis-server`` binary, or when the nodes
+do not answer or form within ``START_TIMEOUT`` (each step), the cluster tests skip with the
+reason, except under CI (env ``CI`` set), where that is a failure: ``.ci/run`` sets CI.
 """
 
 from __future__ import annotations
