@@ -35,6 +35,7 @@ from router.serve.supervisor import (
 )
 from tests.gateways import MODEL, gateway_config
 from tests.processes import gateway_process
+from tests.redis_server import unavailable
 
 T = TypeVar("T")
 POLL_S = 0.05
@@ -309,7 +310,7 @@ def test_more_workers_without_redis_fail_naming_the_key(
 @pytest.mark.slow
 def test_a_config_error_in_the_workers_stops_the_gateway_with_exit_2(tmp_path: Path) -> None:
     if shutil.which("redis-server") is None:
-        pytest.skip("no redis-server for the private Redis")
+        unavailable("no redis-server for the private Redis")
     env_name = "PREFIXGATE_TEST_NEVER_SET"
     path = tmp_path / "gateway.yaml"
     path.write_text(
@@ -348,7 +349,7 @@ def test_a_config_error_found_at_start_up_in_the_workers_exits_2_without_restart
     (not while building the gateway): it stops the gateway with exit 2 as well, not after a
     crash loop of restarts."""
     if shutil.which("redis-server") is None:
-        pytest.skip("no redis-server for the private Redis")
+        unavailable("no redis-server for the private Redis")
     path = tmp_path / "gateway.yaml"
     path.write_text(
         "server: {port: 0, workers: 2}\n"
