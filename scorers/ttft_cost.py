@@ -84,6 +84,12 @@ class TTFTCostParameters(Strict):
     kv_wait_weight: float = Field(1.0, ge=0.0, le=4.0)
     # A nudge towards the endpoint that served the session last, for near ties.
     affinity_bonus_tokens: float = Field(25.0, ge=0)
+    # The endpoint that served the session last is priced at (1 - this) of its predicted
+    # time: a session leaves it only for an endpoint predicted that much faster. The
+    # prediction's error is larger than the small margins many moves were decided on, and a
+    # move costs what it does not price: a second copy of the context taking cache room on
+    # the new endpoint, the old one lingering, the next turns' hits split (docs/routing.md).
+    home_margin: float = Field(0.2, ge=0.0, le=0.9)
     # The wait for a sequence slot where the engine's are all taken (its learned limit:
     # router/core/slots.py), in seconds, times this: 1 prices it as measured, 0 ignores it.
     slot_wait_weight: float = Field(1.0, ge=0.0, le=4.0)
@@ -118,13 +124,14 @@ class CostTerms(NamedTuple):
     horizon_s: float = 0.0
     copied_tokens: int = 0
     slot_wait_s: float = 0.0
+    home_margin: float = 0.0
 
     @property
     def total_s(self) -> float:
         cost = self.prefill_s + self.load_s + self.horizon_s
         # Waits for a sequence slot and for KV room overlap: the longer one is the wait.
         cost += max(self.slot_wait_s, self.kv_wait_s)
-        return max(1e-6, cost - self.affinity_bonus_s)
+        return max(1e-6, cost * (1.0 - self.home_margin) - self.affinity_bonus_s)
 
 
 class TTFTCostScorer:
@@ -185,6 +192,7 @@ class TTFTCostScorer:
         load = per_running * running
         home = request.affinity_endpoint == endpoint.id
         bonus = per_token * p.affinity_bonus_tokens if home else 0.0
+        margin = p.home_margin if home else 0.0
         penalty = p.kv_wait_weight * _kv_wait_s(endpoint, _kv_claim(request, endpoint, uncached))
         horizon = (
             p.placement_horizon_weight * request.later_requests
@@ -192,7 +200,7 @@ class TTFTCostScorer:
         )  # fmt: skip
         return CostTerms(
             endpoint.id, queued, queued_requests, uncached, weight, evicted, prefill, load,
-            penalty, bonus, horizon, copied, p.slot_wait_weight * _slot_wait_s(endpoint),
+            penalty, bonus, horizon, copied, p.slot_wait_weight * _slot_wait_s(endpoint), margin,
         )
 
     def _recompute_weight(self, queued_requests: float) -> float:
@@ -223,7 +231,7 @@ class TTFTCostScorer:
             "evicted_tokens": t.evicted_tokens, "copied_tokens": t.copied_tokens,
             "prefill_s": t.prefill_s, "load_s": t.load_s, "kv_wait_s": t.kv_wait_s,
             "affinity_bonus_s": t.affinity_bonus_s, "horizon_s": t.horizon_s,
-            "slot_wait_s": t.slot_wait_s,
+            "slot_wait_s": t.slot_wait_s, "home_margin": t.home_margin,
         }
 
     def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:

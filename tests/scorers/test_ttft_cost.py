@@ -149,7 +149,8 @@ def test_recompute_weight_follows_the_queue_where_the_recompute_would_run() -> N
     # A session placed at home: ~9,600 tokens of its own context cached there.
     request = req(tokens=10_000, hits={"home": 150}, session_id="s", affinity_endpoint="home")
     home = snap("home", pending_prefill_tokens=12_000, pending_prefill_requests=3)
-    s = scorer(recompute_weight=1.0, recompute_weight_per_queued=0.1, recompute_weight_max=2.0)
+    s = scorer(recompute_weight=1.0, recompute_weight_per_queued=0.1, recompute_weight_max=2.0,
+               home_margin=0.0)
     # Nothing queued where the context would be recomputed: the recompute delays no one else,
     # so the longer queue at home decides.
     assert s.score(request, [home, snap("b")])[1] == 1.0
@@ -167,7 +168,7 @@ def test_recompute_weight_follows_the_queue_where_the_recompute_would_run() -> N
     crowded = snap("b", pending_prefill_requests=1_000)
     uncapped = scorer(recompute_weight_per_queued=0.1, recompute_weight_max=8.0)
     assert s.terms(request, crowded).prefill_s < uncapped.terms(request, crowded).prefill_s
-    assert scorer(recompute_weight=1.5, recompute_weight_per_queued=0).score(
+    assert scorer(recompute_weight=1.5, recompute_weight_per_queued=0, home_margin=0.0).score(
         request, [home, snap("b")]
     )[0] == 1.0  # a fixed weight 1.5 stays even when the other endpoint is idle
 
@@ -420,3 +421,34 @@ def test_parameters_are_not_coerced_from_another_type(value: object) -> None:
 def test_parameters_take_an_int_for_a_float_and_a_literal_from_a_string() -> None:
     params = TTFTCostParameters.model_validate({"recomputeWeight": 2, "evictionRoom": "index"})
     assert (params.recompute_weight, params.eviction_room) == (2.0, "index")
+
+
+def test_a_session_leaves_home_only_for_an_endpoint_predicted_clearly_faster() -> None:
+    # A session whose context is cached at home, with a queue there; elsewhere nothing is
+    # cached but nothing waits. Prices are the calibrator's priors for every endpoint.
+    request = req(tokens=2_000, hits={"home": 30}, session_id="s", affinity_endpoint="home")
+    plain = scorer(home_margin=0.0)
+    other = snap("b")
+
+    def home_with(queued: int) -> EndpointSnapshot:
+        return snap("home", pending_prefill_tokens=queued, pending_prefill_requests=1)
+
+    # A queue at home that makes it a little slower than recomputing elsewhere (10%).
+    queued = next(
+        q for q in range(0, 20_000, 50)
+        if plain.terms(request, home_with(q)).total_s > 1.1 * plain.terms(request, other).total_s
+    )
+    home = home_with(queued)
+    assert plain.score(request, [home, other])[1] == 1.0  # without the margin, it moves
+    margin = scorer(home_margin=0.2)
+    assert margin.score(request, [home, other])[0] == 1.0  # 10% faster is not enough
+    assert margin.terms(request, home).home_margin == 0.2
+    assert margin.terms(request, other).home_margin == 0.0  # only the home has it
+    # Clearly slower at home (over 1 / 0.8 of elsewhere): it moves.
+    far = snap("home", pending_prefill_tokens=4 * queued, pending_prefill_requests=1)
+    assert plain.terms(request, far).total_s > 1.3 * plain.terms(request, other).total_s
+    assert margin.score(request, [far, other])[1] == 1.0
+    # A request without a session has no home to keep.
+    anonymous = req(tokens=2_000, hits={"home": 30})
+    assert margin.terms(anonymous, home).home_margin == 0.0
+    assert margin.explain(request, home)["home_margin"] == 0.2
