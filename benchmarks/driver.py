@@ -17,7 +17,7 @@ import orjson
 from benchmarks.reuse import ReuseTracker
 from benchmarks.sim.tokenizer import Tokenizer
 from benchmarks.workloads import ChatSession, MultiSessionWorkload
-from router.pool.scraper import parse_vllm_metrics
+from router.pool.engine_pages import parse_vllm_metrics
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.http_clients import CLIENTS, PATHS, main, padded_page
-from router.pool.scraper import parse_vllm_metrics
+from router.pool.engine_pages import parse_vllm_metrics
 
 
 def test_the_padded_page_is_a_vllm_page_of_the_size_asked() -> None:

@@ -8,7 +8,7 @@ import httpx
 
 from benchmarks.static_replica import start
 from router.api.usage_tap import find_usage
-from router.pool.scraper import parse_vllm_metrics
+from router.pool.engine_pages import parse_vllm_metrics
 from router.serve.server import running_gateway
 from tests.gateways import gateway_config
 
