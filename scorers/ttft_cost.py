@@ -1,8 +1,9 @@
 """TTFT-cost scorer: every endpoint priced in one common unit, the predicted time to first token.
 
 Unlike min-max scaled scores, magnitudes survive: a 50,000-token miss costs a thousand times a
-50-token miss, so a session stays where its context lives until the queue there costs more than
-recomputing it elsewhere, and new sessions and sub-agent bursts spread by cost. The score is
+50-token miss, so a session stays where its context lives until the time there is clearly more
+than recomputing it elsewhere (a fifth, ``homeMargin``), and new sessions and sub-agent bursts
+spread by cost. The score is
 ``cheapest cost / cost``, so it keeps its meaning when mixed with other weighted scorers. The
 terms of the cost and why each is there: docs/routing.md.
 """
@@ -127,11 +128,17 @@ class CostTerms(NamedTuple):
     home_margin: float = 0.0
 
     @property
-    def total_s(self) -> float:
-        cost = self.prefill_s + self.load_s + self.horizon_s
+    def predicted_s(self) -> float:
+        """This request's predicted time to first token on the endpoint."""
         # Waits for a sequence slot and for KV room overlap: the longer one is the wait.
-        cost += max(self.slot_wait_s, self.kv_wait_s)
-        return max(1e-6, cost * (1.0 - self.home_margin) - self.affinity_bonus_s)
+        return self.prefill_s + self.load_s + max(self.slot_wait_s, self.kv_wait_s)
+
+    @property
+    def total_s(self) -> float:
+        """The price the endpoint is scored by: the prediction, the session's later requests'
+        queue (horizon), the home's margin and bonus."""
+        cost = (self.predicted_s + self.horizon_s) * (1.0 - self.home_margin)
+        return max(1e-6, cost - self.affinity_bonus_s)
 
 
 class TTFTCostScorer:
@@ -224,7 +231,8 @@ class TTFTCostScorer:
     def explain(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> dict[str, float]:
         t = self.terms(request, endpoint)
         return {
-            "predicted_ttft_s": t.total_s, "queued_tokens": t.queued_tokens,
+            "predicted_ttft_s": t.predicted_s, "priced_s": t.total_s,
+            "queued_tokens": t.queued_tokens,
             "queued_requests": t.queued_requests,
             "speed_factor": self._calibrator.factor(endpoint.id),
             "uncached_tokens": t.uncached_tokens, "recompute_weight": t.recompute_weight,

@@ -307,8 +307,12 @@ def test_explain_reports_every_term() -> None:
     assert terms["speed_factor"] == 1.0  # no samples: the fleet's figures
     assert terms["predicted_ttft_s"] == pytest.approx(
         terms["prefill_s"] + terms["load_s"] + max(terms["kv_wait_s"], terms["slot_wait_s"])
-        - terms["affinity_bonus_s"]
     )
+    assert terms["priced_s"] == pytest.approx(terms["predicted_ttft_s"] + terms["horizon_s"])
+    # At home the price is discounted; the prediction reported stays the prediction.
+    session = req(tokens=1_000, session_id="s", affinity_endpoint="a")
+    home = scorer(home_margin=0.2, affinity_bonus_tokens=0).explain(session, snap("a"))
+    assert home["priced_s"] == pytest.approx(0.8 * home["predicted_ttft_s"])
 
 
 def test_precise_prefix_source_prices_what_the_events_say() -> None:
