@@ -8,7 +8,7 @@ import functools
 import math
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,6 +26,7 @@ from router.index.redis_state import RedisAffinityStore, SharedInFlight, gateway
 from router.index.stores import Stores
 from tests.manual_clock import ManualClock
 from tests.redis_server import declared_keys_only
+from tests.router.index.shared_inflight import inflight
 
 pytestmark = pytest.mark.redis
 
@@ -34,15 +35,6 @@ def dead_url() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return f"redis://127.0.0.1:{sock.getsockname()[1]}/0"
-
-
-@pytest.fixture
-async def closing() -> AsyncIterator[list[Any]]:
-    """Objects to close at the end of the test, whatever happens."""
-    objs: list[Any] = []
-    yield objs
-    for obj in objs:
-        await obj.aclose()
 
 
 # --- session affinity -------------------------------------------------------------------------
@@ -173,13 +165,6 @@ async def test_a_restore_leaves_a_session_another_gateway_moved_on(
 # --- in-flight counts -------------------------------------------------------------------------
 
 
-def inflight(
-    url: str, namespace: str, closing: list[Any], counts: dict[str, int], **kwargs: Any
-) -> SharedInFlight:
-    kwargs.setdefault("timeout_ms", 2000.0)
-    shared = SharedInFlight(url, lambda: counts, namespace=namespace, **kwargs)
-    closing.append(shared)
-    return shared
 
 
 async def test_in_flight_counts_are_summed_over_other_gateways(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -13,25 +13,10 @@ import pytest
 from router.index import redis_state
 from router.index.redis_state import SharedInFlight
 from tests.manual_clock import ManualClock
+from tests.router.index.shared_inflight import inflight
 
 pytestmark = pytest.mark.redis
 
-
-@pytest.fixture
-async def closing() -> AsyncIterator[list[Any]]:
-    """Objects to close at the end of the test, whatever happens."""
-    objs: list[Any] = []
-    yield objs
-    for obj in objs:
-        await obj.aclose()
-
-
-def inflight(
-    url: str, namespace: str, closing: list[Any], counts: dict[str, int], **kwargs: Any
-) -> SharedInFlight:
-    shared = SharedInFlight(url, lambda: counts, namespace=namespace, timeout_ms=2000.0, **kwargs)
-    closing.append(shared)
-    return shared
 
 
 class Ticks:
