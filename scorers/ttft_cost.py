@@ -3,9 +3,8 @@
 Unlike min-max scaled scores, magnitudes survive: a 50,000-token miss costs a thousand times a
 50-token miss, so a session stays where its context lives until the time there is clearly more
 than recomputing it elsewhere (a fifth, ``homeMargin``), and new sessions and sub-agent bursts
-spread by cost. The score is
-``cheapest cost / cost``, so it keeps its meaning when mixed with other weighted scorers. The
-terms of the cost and why each is there: docs/routing.md.
+spread by cost. The score is ``cheapest cost / cost``, so it keeps its meaning when mixed with
+other weighted scorers. The terms of the cost and why each is there: docs/routing.md.
 """
 
 from __future__ import annotations
