@@ -89,6 +89,7 @@ class TTFTCostParameters(Strict):
     # prediction's error is larger than the small margins many moves were decided on, and a
     # move costs what it does not price: a second copy of the context taking cache room on
     # the new endpoint, the old one lingering, the next turns' hits split (docs/routing.md).
+    # Scaled by the share of the prompt home holds: a home that lost the context keeps none.
     home_margin: float = Field(0.2, ge=0.0, le=0.9)
     # The wait for a sequence slot where the engine's are all taken (its learned limit:
     # router/core/slots.py), in seconds, times this: 1 prices it as measured, 0 ignores it.
@@ -198,7 +199,7 @@ class TTFTCostScorer:
         load = per_running * running
         home = request.affinity_endpoint == endpoint.id
         bonus = per_token * p.affinity_bonus_tokens if home else 0.0
-        margin = p.home_margin if home else 0.0
+        margin = p.home_margin * _held_share(request, uncached) if home else 0.0
         penalty = p.kv_wait_weight * _kv_wait_s(endpoint, _kv_claim(request, endpoint, uncached))
         horizon = (
             p.placement_horizon_weight * request.later_requests
@@ -262,6 +263,14 @@ class TTFTCostScorer:
             return []
         best = min(costs)
         return [best / c for c in costs]
+
+
+def _held_share(request: RoutingRequest, uncached: int) -> float:
+    """The share of the prompt the endpoint holds: what the home margin keeps is the context
+    cached there, so a home that lost it (evicted, restarted) keeps only that share."""
+    if request.prompt_tokens <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - uncached / request.prompt_tokens))
 
 
 def _capacity_tokens(endpoint: EndpointSnapshot) -> int:

@@ -309,10 +309,11 @@ def test_explain_reports_every_term() -> None:
         terms["prefill_s"] + terms["load_s"] + max(terms["kv_wait_s"], terms["slot_wait_s"])
     )
     assert terms["priced_s"] == pytest.approx(terms["predicted_ttft_s"] + terms["horizon_s"])
-    # At home the price is discounted; the prediction reported stays the prediction.
-    session = req(tokens=1_000, session_id="s", affinity_endpoint="a")
+    # At a home holding the context the price is discounted; the prediction reported stays
+    # the prediction.
+    session = req(tokens=1_024, hits={"a": 16}, session_id="s", affinity_endpoint="a")
     home = scorer(home_margin=0.2, affinity_bonus_tokens=0).explain(session, snap("a"))
-    assert home["priced_s"] == pytest.approx(0.8 * home["predicted_ttft_s"])
+    assert home["priced_s"] == pytest.approx(0.8 * home["predicted_ttft_s"], rel=1e-3)
 
 
 def test_precise_prefix_source_prices_what_the_events_say() -> None:
@@ -446,7 +447,8 @@ def test_a_session_leaves_home_only_for_an_endpoint_predicted_clearly_faster() -
     assert plain.score(request, [home, other])[1] == 1.0  # without the margin, it moves
     margin = scorer(home_margin=0.2)
     assert margin.score(request, [home, other])[0] == 1.0  # 10% faster is not enough
-    assert margin.terms(request, home).home_margin == 0.2
+    held = 30 * 256 / 8_000  # the margin is kept for the share of the prompt held at home
+    assert margin.terms(request, home).home_margin == pytest.approx(0.2 * held)
     assert margin.terms(request, other).home_margin == 0.0  # only the home has it
     # Clearly slower at home (over 1 / 0.8 of elsewhere): it moves.
     far = snap("home", pending_prefill_tokens=4 * queued, pending_prefill_requests=1)
@@ -455,4 +457,29 @@ def test_a_session_leaves_home_only_for_an_endpoint_predicted_clearly_faster() -
     # A request without a session has no home to keep.
     anonymous = req(tokens=2_000, hits={"home": 30})
     assert margin.terms(anonymous, home).home_margin == 0.0
-    assert margin.explain(request, home)["home_margin"] == 0.2
+    assert margin.explain(request, home)["home_margin"] == pytest.approx(0.2 * held)
+
+
+def test_a_home_that_lost_the_context_keeps_the_margin_only_for_what_it_holds() -> None:
+    margin = scorer(home_margin=0.2, affinity_bonus_tokens=0)
+    plain = scorer(home_margin=0.0, affinity_bonus_tokens=0)
+    lost = req(tokens=2_048, session_id="s", affinity_endpoint="home")  # evicted, or restarted
+    half = req(tokens=2_048, hits={"home": 16}, session_id="s", affinity_endpoint="home")
+    assert margin.terms(lost, snap("home")).home_margin == 0.0
+    assert margin.terms(half, snap("home")).home_margin == pytest.approx(0.1)
+    # Home holds nothing and is a little slower (a short queue): nothing keeps the session
+    # there, so it goes where it is predicted faster, as with no margin at all.
+    other = snap("b")
+
+    def home_with(queued: int) -> EndpointSnapshot:
+        return snap("home", pending_prefill_tokens=queued, pending_prefill_requests=1)
+
+    queued = next(
+        q for q in range(0, 20_000, 50)
+        if plain.terms(lost, home_with(q)).total_s > 1.05 * plain.terms(lost, other).total_s
+    )
+    assert margin.score(lost, [home_with(queued), other])[1] == 1.0
+    # The same queue at a home holding the whole context keeps it.
+    kept = req(tokens=2_048, hits={"home": 32}, session_id="s", affinity_endpoint="home")
+    assert margin.terms(kept, snap("home")).home_margin == pytest.approx(0.2, rel=1e-3)
+    assert margin.score(kept, [home_with(queued), other])[0] == 1.0
