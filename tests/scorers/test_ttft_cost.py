@@ -479,7 +479,15 @@ def test_a_home_that_lost_the_context_keeps_the_margin_only_for_what_it_holds() 
         if plain.terms(lost, home_with(q)).total_s > 1.05 * plain.terms(lost, other).total_s
     )
     assert margin.score(lost, [home_with(queued), other])[1] == 1.0
-    # The same queue at a home holding the whole context keeps it.
-    kept = req(tokens=2_048, hits={"home": 32}, session_id="s", affinity_endpoint="home")
+    # A home holding the whole context keeps the full margin: with the context cached on both
+    # endpoints, a queue that makes home a little slower moves the session only without it.
+    kept = req(
+        tokens=2_048, hits={"home": 32, "b": 32}, session_id="s", affinity_endpoint="home"
+    )
     assert margin.terms(kept, snap("home")).home_margin == pytest.approx(0.2, rel=1e-3)
+    queued = next(
+        q for q in range(20_000)
+        if plain.terms(kept, home_with(q)).total_s > 1.05 * plain.terms(kept, other).total_s
+    )
+    assert plain.score(kept, [home_with(queued), other])[1] == 1.0
     assert margin.score(kept, [home_with(queued), other])[0] == 1.0
