@@ -428,21 +428,30 @@ def test_parameters_take_an_int_for_a_float_and_a_literal_from_a_string() -> Non
     assert (params.recompute_weight, params.eviction_room) == (2.0, "index")
 
 
+def home_with(queued: int) -> EndpointSnapshot:
+    return snap("home", pending_prefill_tokens=queued, pending_prefill_requests=1)
+
+
+def queue_slowing_home(
+    s: TTFTCostScorer, request: RoutingRequest, factor: float, step: int = 50
+) -> int:
+    """The least queue at home (in ``step`` tokens) that prices it over ``factor`` times an
+    idle endpoint "b"."""
+    other = s.terms(request, snap("b")).total_s
+    return next(
+        q for q in range(0, 20_000, step)
+        if s.terms(request, home_with(q)).total_s > factor * other
+    )
+
+
 def test_a_session_leaves_home_only_for_an_endpoint_predicted_clearly_faster() -> None:
     # A session whose context is cached at home, with a queue there; elsewhere nothing is
     # cached but nothing waits. Prices are the calibrator's priors for every endpoint.
     request = req(tokens=2_000, hits={"home": 30}, session_id="s", affinity_endpoint="home")
     plain = scorer(home_margin=0.0)
     other = snap("b")
-
-    def home_with(queued: int) -> EndpointSnapshot:
-        return snap("home", pending_prefill_tokens=queued, pending_prefill_requests=1)
-
     # A queue at home that makes it a little slower than recomputing elsewhere (10%).
-    queued = next(
-        q for q in range(0, 20_000, 50)
-        if plain.terms(request, home_with(q)).total_s > 1.1 * plain.terms(request, other).total_s
-    )
+    queued = queue_slowing_home(plain, request, 1.1)
     home = home_with(queued)
     assert plain.score(request, [home, other])[1] == 1.0  # without the margin, it moves
     margin = scorer(home_margin=0.2)
@@ -470,14 +479,7 @@ def test_a_home_that_lost_the_context_keeps_the_margin_only_for_what_it_holds() 
     # Home holds nothing and is a little slower (a short queue): nothing keeps the session
     # there, so it goes where it is predicted faster, as with no margin at all.
     other = snap("b")
-
-    def home_with(queued: int) -> EndpointSnapshot:
-        return snap("home", pending_prefill_tokens=queued, pending_prefill_requests=1)
-
-    queued = next(
-        q for q in range(0, 20_000, 50)
-        if plain.terms(lost, home_with(q)).total_s > 1.05 * plain.terms(lost, other).total_s
-    )
+    queued = queue_slowing_home(plain, lost, 1.05)
     assert margin.score(lost, [home_with(queued), other])[1] == 1.0
     # A home holding the whole context keeps the full margin: with the context cached on both
     # endpoints, a queue that makes home a little slower moves the session only without it.
@@ -485,9 +487,6 @@ def test_a_home_that_lost_the_context_keeps_the_margin_only_for_what_it_holds() 
         tokens=2_048, hits={"home": 32, "b": 32}, session_id="s", affinity_endpoint="home"
     )
     assert margin.terms(kept, snap("home")).home_margin == pytest.approx(0.2, rel=1e-3)
-    queued = next(
-        q for q in range(20_000)
-        if plain.terms(kept, home_with(q)).total_s > 1.05 * plain.terms(kept, other).total_s
-    )
+    queued = queue_slowing_home(plain, kept, 1.05, step=1)
     assert plain.score(kept, [home_with(queued), other])[1] == 1.0
     assert margin.score(kept, [home_with(queued), other])[0] == 1.0
