@@ -14,7 +14,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import Field, model_validator
 
-from router.core.endpoints import EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot, session_kv_added
 from router.core.framework import RoutingRequest
 from router.core.strict import Strict
 from router.estimators.calibration import Calibrator
@@ -294,19 +294,20 @@ def _slot_wait_s(endpoint: EndpointSnapshot) -> float:
 def _kv_claim(request: RoutingRequest, endpoint: EndpointSnapshot, uncached: int) -> int:
     """The KV the request would add on the endpoint (RoutingRequest.kv_claim): where its
     session has requests in flight there (sub-agents forked from one context), they hold the
-    context already, and it adds only what goes beyond their largest claim."""
+    context already, and it adds what it computes, its answer included
+    (router.core.endpoints.session_kv_added)."""
     claim = request.kv_claim(uncached)
     held = endpoint.session_kv.get(request.session_id) if request.session_id else None
-    return claim if held is None else max(0, claim - held[1])
+    return session_kv_added(held, claim, request.kv_own(uncached))
 
 
 def _kv_wait_s(endpoint: EndpointSnapshot, claim: int) -> float:
     """The wait for KV room: where the request's ``claim`` (RoutingRequest.kv_claim) does not
-    fit beside what the requests running there hold, vLLM admits it only once enough of them
-    end. What they hold frees about once every hold time, so the excess takes that share of
-    a hold time to free. Held: this gateway's claims in flight now, plus what the scrape
-    showed beyond this gateway's claims in flight then (others' requests; this gateway's
-    own that ended since are no longer held)."""
+    fit beside what the requests there hold, vLLM admits it only once enough of them end.
+    What runs frees about once every hold time, and no more than the cache holds runs at
+    once: beyond it the requests ahead go in waves, each a hold time. Held: this gateway's
+    claims in flight now, plus what the scrape showed beyond this gateway's claims in flight
+    then (others' requests; this gateway's own that ended since are no longer held)."""
     capacity = _capacity_tokens(endpoint)
     if not capacity:
         return 0.0
@@ -315,4 +316,4 @@ def _kv_wait_s(endpoint: EndpointSnapshot, claim: int) -> float:
     excess = held + claim - capacity
     if excess <= 0 or held <= 0:
         return 0.0
-    return min(1.0, excess / held) * endpoint.hold_s
+    return min(excess, held) / min(held, capacity) * endpoint.hold_s

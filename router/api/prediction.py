@@ -23,7 +23,8 @@ in blocks, and a gauge gives the share of the last ``window`` predictions within
 
 With a ``sampler`` (router/core/sampling.py), answers beyond its rate are not read at all (the
 skipped counter says how many, reason ``sampled_out``): neither compared nor handed to the other
-usage reader (the index sizer's bytes per token).
+usage reader (the index sizer's bytes per token). Every answer read also teaches its model's
+answer length (``lengths``, router/estimators/answer_lengths.py), whatever else it reports.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from router.core.framework import RoutingRequest
 from router.core.histogram import LoopHistogram
 from router.core.sampling import RateSampler
-from router.core.usage import cached_tokens, prompt_tokens
+from router.core.usage import answer_tokens, cached_tokens, prompt_tokens
 from router.estimators.answer_cache import AnswerCache
+from router.estimators.answer_lengths import AnswerLengths
 
 
 class PreciseFacts(Protocol):
@@ -130,12 +132,14 @@ class PredictionTracker:
         window: int = 1000,
         answers: AnswerCache | None = None,
         sampler: RateSampler | None = None,
+        lengths: AnswerLengths | None = None,
     ) -> None:
         self.block_size = block_size
         self._sampler = sampler
         self._precise = precise
         self._expect_events = expect_events
         self._answers = answers
+        self._lengths = lengths
         r = registry
         self.error_tokens = LoopHistogram(
             "prefixgate_prefix_prediction_error_tokens",
@@ -196,6 +200,11 @@ class PredictionTracker:
         or of the final SSE chunk (``find_usage`` extracts it). Never raises on odd input.
         """
         state = self._precise.finish(routing.serial) if self._precise is not None else None
+        lengths = self._lengths
+        if lengths is not None and not routing.prefill_step:
+            generated = answer_tokens(usage)
+            if generated is not None:
+                lengths.observe(routing.model, generated)
         if routing.remote_prefill:
             # vLLM counts the KV a decode endpoint pulled as cached: nothing any index said.
             self._skip("remote_prefill")

@@ -235,6 +235,7 @@ def build_gateway(
         precise.expect_events if precise else None,
         answers=routing.answers,
         sampler=RateSampler(ANSWERS_READ_PER_S, ANSWERS_READ_BURST),
+        lengths=routing.lengths,
     )
     preparer = BodyPreparer(config, routing.router, _build_parser(config))
     hc, ms = config.pool.health_check, config.pool.metrics_scrape

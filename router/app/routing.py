@@ -22,6 +22,7 @@ from router.core.framework import PickObserver, Producer, Scheduler, SchedulingP
 from router.core.pool import EndpointPool
 from router.core.sampling import RateSampler
 from router.estimators.answer_cache import AnswerCache
+from router.estimators.answer_lengths import AnswerLengths
 from router.estimators.calibration import Calibrator
 from router.estimators.live_sessions import LiveSessions
 from router.estimators.token_density import TokenDensity
@@ -50,6 +51,7 @@ class RoutingGraph:
     calibrator: Calibrator
     density: TokenDensity
     answers: AnswerCache
+    lengths: AnswerLengths
     precise: PreciseRuntime | None
     prefill_profile: SchedulingProfile | None
     live: LiveSessions
@@ -140,6 +142,7 @@ def build_routing(
     calibrator = Calibrator(registry=metrics.registry)
     density = TokenDensity(metrics.registry)
     answers = AnswerCache(metrics.registry)
+    lengths = AnswerLengths(metrics.registry)
     plugins, profile_cfg = _plugins(config)
     precise = None
     if precise_enabled(config, plugins):
@@ -158,15 +161,17 @@ def build_routing(
         router = PreciseRouter(
             config, pool, candidates, scheduler, flow, metrics, tracker=precise.tracker,
             responses=stores.responses, calibrator=calibrator, answers=answers, density=density,
-            learning=learning,
+            learning=learning, lengths=lengths,
         )
     else:
         router = Router(
             config, pool, candidates, scheduler, flow, metrics, responses=stores.responses,
             calibrator=calibrator, answers=answers, density=density, learning=learning,
+            lengths=lengths,
         )
     return RoutingGraph(
-        scheduler, flow, router, calibrator, density, answers, precise, prefill_profile, live
+        scheduler, flow, router, calibrator, density, answers, lengths, precise,
+        prefill_profile, live,
     )
 
 

@@ -78,6 +78,24 @@ class EngineMetrics:
 NO_SESSIONS: Mapping[str, list[int]] = MappingProxyType({})
 
 
+def session_kv_held(held: list[int]) -> int:
+    """The KV a session's requests in flight on one endpoint hold together
+    (EndpointState.session_kv: [requests, largest claim, sum and largest of what each
+    computes]). Sub-agents forked from one context share it: the largest claim holds the
+    context once, and each of the others adds what it computes beyond it."""
+    return held[1] + max(0, held[2] - held[3])
+
+
+def session_kv_added(held: list[int] | None, tokens: int, own: int) -> int:
+    """What one more request of the session, claiming ``tokens`` and computing ``own`` of
+    them, adds to what ``held`` holds (the whole claim where nothing of it is in flight)."""
+    if held is None:
+        return tokens
+    own = min(own, tokens)
+    after = max(held[1], tokens) + max(0, held[2] + own - max(held[3], own))
+    return after - session_kv_held(held)
+
+
 class EndpointSnapshot(NamedTuple):
     """What a scorer knows of one candidate endpoint for one request.
 
@@ -111,8 +129,8 @@ class EndpointSnapshot(NamedTuple):
     scraped_kv_tokens: int = 0
     # How long a request holds its place there, a sequence slot and its KV (SlotLimit.hold).
     hold_s: float = 0.0
-    # session -> [its requests in flight there, the KV they hold] (EndpointState.session_kv,
-    # not a copy: read while scoring, which does not yield to the event loop).
+    # session -> what its requests in flight there hold (EndpointState.session_kv, not a
+    # copy: read while scoring, which does not yield to the event loop).
     session_kv: Mapping[str, list[int]] = NO_SESSIONS
 
     @property
@@ -133,8 +151,9 @@ class EndpointState:
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     in_flight: int = 0
     # KV held by this gateway's requests in flight (Lease.kv_tokens): a session's requests
-    # in flight at once (sub-agents forked from one context) share their context, so a
-    # session counts once, at its largest claim: session -> [requests, largest claim].
+    # in flight at once (sub-agents forked from one context) share their context
+    # (session_kv_held): session -> [requests, largest claim, sum and largest of what each
+    # computes].
     in_flight_kv_tokens: int = 0
     session_kv: dict[str, list[int]] = field(default_factory=dict)
     pending_prefill_tokens: int = 0
@@ -167,31 +186,42 @@ class EndpointState:
             return self.queue_average
         return pending + (self.queue_average - pending) * math.exp(-elapsed / QUEUE_AVERAGE_S)
 
-    def hold_kv(self, tokens: int, session: str | None) -> None:
+    def hold_kv(self, tokens: int, session: str | None, own: int | None = None) -> None:
+        """A request in flight claims ``tokens`` of KV, of which it computes ``own`` (all of
+        them when not told)."""
         if session is None:
             self.in_flight_kv_tokens += tokens
             return
+        own = tokens if own is None else min(own, tokens)
         held = self.session_kv.get(session)
         if held is None:
-            self.session_kv[session] = [1, tokens]
+            self.session_kv[session] = [1, tokens, own, own]
             self.in_flight_kv_tokens += tokens
             return
+        before = session_kv_held(held)
         held[0] += 1
-        if tokens > held[1]:
-            self.in_flight_kv_tokens += tokens - held[1]
-            held[1] = tokens
+        held[1] = max(held[1], tokens)
+        held[2] += own
+        held[3] = max(held[3], own)
+        self.in_flight_kv_tokens += session_kv_held(held) - before
 
-    def free_kv(self, tokens: int, session: str | None) -> None:
+    def free_kv(self, tokens: int, session: str | None, own: int | None = None) -> None:
         if session is None:
             self.in_flight_kv_tokens -= tokens
             return
         held = self.session_kv.get(session)
         if held is None:
             return
+        before = session_kv_held(held)
         held[0] -= 1
         if held[0] <= 0:
-            self.in_flight_kv_tokens -= held[1]
+            self.in_flight_kv_tokens -= before
             del self.session_kv[session]
+            return
+        # The largest claim stays until the session's last request there ends: which of
+        # them held it is not kept.
+        held[2] -= tokens if own is None else min(own, tokens)
+        self.in_flight_kv_tokens += session_kv_held(held) - before
 
     def add_pending(self, tokens: int, requests: int, now: float) -> None:
         self.queue_average = self.recent_prefill_tokens(now)

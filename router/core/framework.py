@@ -41,6 +41,9 @@ class RoutingRequest:
     # share the model's answers are found cached (router/estimators/answer_cache.py).
     answer_bytes: tuple[int, int] | None = None
     answer_share: float = 1.0
+    # The tokens its answer is expected to generate (router/estimators/answer_lengths.py):
+    # KV it adds while it decodes.
+    answer_tokens: int = 0
     # Responses API: the stored response this request continues; only its endpoint can serve it.
     previous_response_id: str | None = None
     # Responses API: the answer is stored where it is served (not with ``store: false``).
@@ -107,10 +110,17 @@ class RoutingRequest:
 
     def kv_claim(self, uncached: int) -> int:
         """The KV cache tokens this request takes on an endpoint where ``uncached`` of its
-        prompt is not cached. A session's whole prompt: its cached context is its own, idle
-        in the cache until the request runs, and running holds it. Without a session, what it
-        computes: its cached prefix is most likely a shared one that others running hold."""
-        return self.prompt_tokens if self.session_id is not None else uncached
+        prompt is not cached, its answer's included. A session's whole prompt: its cached
+        context is its own, idle in the cache until the request runs, and running holds it.
+        Without a session, what it computes: its cached prefix is most likely a shared one
+        that others running hold."""
+        prompt = self.prompt_tokens if self.session_id is not None else uncached
+        return prompt + self.kv_own(0)
+
+    def kv_own(self, uncached: int) -> int:
+        """The part of its KV claim the request computes itself: ``uncached`` of its prompt,
+        and its answer (a prefill step answers one token)."""
+        return uncached + (0 if self.prefill_step else self.answer_tokens)
 
     def uncached_at(self, share: float) -> int:
         """This request's prompt tokens left to compute where ``share`` of it is cached."""

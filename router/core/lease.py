@@ -21,9 +21,9 @@ class LeasedState(Protocol):
 
     def add_pending(self, tokens: int, requests: int, now: float) -> None: ...
 
-    def hold_kv(self, tokens: int, session: str | None) -> None: ...
+    def hold_kv(self, tokens: int, session: str | None, own: int | None = None) -> None: ...
 
-    def free_kv(self, tokens: int, session: str | None) -> None: ...
+    def free_kv(self, tokens: int, session: str | None, own: int | None = None) -> None: ...
 
 
 class LeasePool(Protocol):
@@ -49,8 +49,8 @@ class Lease:
 
     __slots__ = (
         "_answered", "_clock", "_first_byte_seen", "_headers_only", "_on_first_byte",
-        "_on_release", "_pool", "_released", "_sent_at", "_session", "_started", "kv_tokens",
-        "prefill_tokens", "state",
+        "_on_release", "_pool", "_released", "_sent_at", "_session", "_started", "kv_own",
+        "kv_tokens", "prefill_tokens", "state",
     )
 
     def __init__(
@@ -62,9 +62,13 @@ class Lease:
         on_release: Callable[[], None] | None = None,
         kv_tokens: int = 0,
         session: str | None = None,
+        kv_own: int | None = None,
     ) -> None:
         self.state = state
         self.kv_tokens = kv_tokens
+        # The part of kv_tokens the request computes (the rest its session's other requests
+        # in flight may share: EndpointState.hold_kv); None: all of it.
+        self.kv_own = kv_own
         self._session = session
         self._pool = pool
         self.prefill_tokens = prefill_tokens
@@ -79,7 +83,7 @@ class Lease:
         if state.in_flight <= 0:
             state.slots.busy_since = now
         state.in_flight += 1
-        state.hold_kv(kv_tokens, session)
+        state.hold_kv(kv_tokens, session, kv_own)
         state.add_pending(prefill_tokens, 1, now)
 
     def first_byte(self, tokens: bool = True, answered: bool = True) -> None:
@@ -117,7 +121,7 @@ class Lease:
             state.headers_only -= 1
         self._released = True
         state.in_flight -= 1
-        state.free_kv(self.kv_tokens, self._session)
+        state.free_kv(self.kv_tokens, self._session, self.kv_own)
         if state.in_flight <= 0:
             state.slots.busy_since = 0.0
         if self._on_release is not None:

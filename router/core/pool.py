@@ -137,12 +137,13 @@ class EndpointPool:
         on_release: Callable[[], None] | None = None,
         kv_tokens: int = 0,
         session: str | None = None,
+        kv_own: int | None = None,
     ) -> Lease:
         state = self._states.get(endpoint_id)
         if state is None:
             raise KeyError(endpoint_id)
         return Lease(
-            state, prefill_tokens, self, on_first_byte, on_release, kv_tokens, session
+            state, prefill_tokens, self, on_first_byte, on_release, kv_tokens, session, kv_own
         )
 
     # -- passive health ------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """Token counts in an answer's ``usage``, whichever of the three APIs the answer speaks.
 
+The answer's own count is ``completion_tokens`` (OpenAI chat and completions) or
+``output_tokens`` (Responses, Messages). The prompt's:
+
 - OpenAI chat and completions: ``prompt_tokens``, of which
   ``prompt_tokens_details.cached_tokens`` were read from the prefix cache.
 - OpenAI Responses: ``input_tokens`` (every prompt token), of which
@@ -49,6 +52,15 @@ def cached_tokens(usage: Mapping[str, Any] | None) -> int | None:
             if cached is not None:
                 return cached
     return _count(usage.get("cache_read_input_tokens"))
+
+
+def answer_tokens(usage: Mapping[str, Any] | None) -> int | None:
+    """How many tokens the answer generated (``completion_tokens``, or ``output_tokens`` in
+    the Responses and Messages APIs), if ``usage`` says."""
+    if not isinstance(usage, Mapping):
+        return None
+    count = _count(usage.get("completion_tokens"))
+    return count if count is not None else _count(usage.get("output_tokens"))
 
 
 # The fields that count a prompt, in any of the three APIs.

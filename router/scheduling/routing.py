@@ -27,6 +27,7 @@ from router.core.lease import Lease
 from router.core.pool import EndpointPool
 from router.core.sampling import RateSampler
 from router.estimators.answer_cache import AnswerCache
+from router.estimators.answer_lengths import AnswerLengths
 from router.estimators.calibration import Calibrator
 from router.estimators.token_density import TokenDensity
 from router.estimators.ttft_errors import PredictionErrors
@@ -76,6 +77,7 @@ class Router:
         answers: AnswerCache | None = None,
         density: TokenDensity | None = None,
         learning: RateSampler | None = None,
+        lengths: AnswerLengths | None = None,
     ) -> None:
         self._config = config
         self._pool = pool
@@ -87,6 +89,8 @@ class Router:
         self.responses = responses
         self._calibrator = calibrator or Calibrator()
         self._answers = answers or AnswerCache()
+        # Answer lengths learned from the answers: the KV a request claims includes its own.
+        self._lengths = lengths or AnswerLengths()
         self._errors = PredictionErrors()
         # Which streamed first bytes the calibrator and the prediction errors learn from: all
         # of them below the sampler's rate (router/core/sampling.py); None: every one.
@@ -142,6 +146,7 @@ class Router:
             block_hashes=() if parsed.previous_response_id else prepared.block_hashes,
             answer_bytes=parsed.answer_span,
             answer_share=self._answers.share(parsed.model),
+            answer_tokens=self._lengths.tokens(parsed.model),
         )
 
     def _estimate_tokens(self, model: str, num_bytes: int) -> int:
@@ -303,10 +308,11 @@ class Router:
 
         # Its release frees its place, whenever it comes (given up before its first byte:
         # the client left, the endpoint failed, failover moved on): queued work goes at once.
-        # A decode after a remote prefill holds the whole prompt's KV it pulled.
-        claim = routing.prompt_tokens if pulled else routing.kv_claim(uncached)
+        # A decode after a remote prefill holds the whole prompt's KV it pulled, as its own.
+        own = routing.kv_own(routing.prompt_tokens if pulled else uncached)
+        claim = own if pulled else routing.kv_claim(uncached)
         lease = self._pool.lease(
-            endpoint_id, uncached, first_byte, flow.poke, claim, routing.session_id
+            endpoint_id, uncached, first_byte, flow.poke, claim, routing.session_id, own
         )
         if not routing.stream:
             # Its first byte is its last: presume the prefill done after a generous multiple

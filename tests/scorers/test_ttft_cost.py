@@ -96,6 +96,37 @@ def test_kv_wait(usage: float, in_flight_kv: int, scraped_kv: int, expected_s: f
     assert scorer().terms(req(tokens=8_000), unknown).kv_wait_s == 0
 
 
+def test_kv_wait_beyond_what_the_cache_holds_goes_in_waves() -> None:
+    """Requests sent beyond what the cache holds wait in the engine for room: no more than the
+    cache holds runs at once, so what is ahead of a request frees one cacheful a hold time."""
+    crowded = snap("a", num_gpu_blocks=1_000, in_flight_kv_tokens=40_000, hold_s=20.0)
+    terms = scorer().terms(req(tokens=8_000), crowded)
+    assert terms.kv_wait_s == pytest.approx(32_000 / 16_000 * 20.0)
+
+
+def test_sub_agents_beyond_their_homes_cache_wait_there() -> None:
+    """Sub-agents forked from one context share it, but what each computes is its own: many
+    at home at once fill its cache, and the next one goes where it fits at once."""
+    fanned = {"s": [24, 12_800, 24 * 384, 384]}  # the context once, and 24 x 384 of their own
+    home = snap(
+        "home", num_gpu_blocks=1_000, in_flight_kv_tokens=12_800 + 23 * 384, hold_s=20.0,
+        session_kv=fanned,
+    )
+    other = snap("other", num_gpu_blocks=1_000, hold_s=20.0)
+    sub = req(tokens=12_800, hits={"home": 194}, session_id="s", affinity_endpoint="home")
+    assert sub.uncached_tokens("home") == 384
+    terms = scorer().terms(sub, home)
+    excess = 12_800 + 24 * 384 - 16_000
+    assert terms.kv_wait_s == pytest.approx(excess / 16_000 * 20.0)
+    assert scorer().score(sub, [home, other])[1] == 1.0
+    few = snap(
+        "home", num_gpu_blocks=1_000, in_flight_kv_tokens=12_800 + 384, hold_s=20.0,
+        session_kv={"s": [2, 12_800, 768, 384]},
+    )
+    assert scorer().terms(sub, few).kv_wait_s == 0
+    assert scorer().score(sub, [few, other])[0] == 1.0
+
+
 def test_kv_wait_and_slot_wait_overlap() -> None:
     """Both are waits for admission, side by side: the longer one counts, not their sum."""
     full = snap("a", kv_usage=1.0, hold_s=20.0, slot_limit=4, running=4)
@@ -113,6 +144,11 @@ def test_a_session_claims_its_whole_prompt_a_shared_prefix_only_what_it_computes
     uncached = single.uncached_tokens("a")
     assert uncached < 8_000
     assert session.kv_claim(uncached) == 8_000 and single.kv_claim(uncached) == uncached
+    # Its answer adds to the cache while it decodes; a prefill step's one token does not.
+    answered = req(tokens=8_000, hits={"a": 100}, session_id="s", answer_tokens=300)
+    assert answered.kv_claim(uncached) == 8_300 and answered.kv_own(uncached) == uncached + 300
+    step = req(tokens=8_000, session_id="s", answer_tokens=300, prefill_step=True)
+    assert step.kv_claim(uncached) == 8_000
     # Its context is cached at home, but another session's request holds most of that cache:
     # the turn waits there for room, and goes where it fits.
     home = snap("home", num_gpu_blocks=1_000, in_flight_kv_tokens=12_000, hold_s=10.0)
@@ -124,7 +160,7 @@ def test_a_session_claims_its_whole_prompt_a_shared_prefix_only_what_it_computes
     # A sub-agent of a session whose parent runs at home: the context is held there already.
     parent = snap(
         "home", num_gpu_blocks=1_000, in_flight_kv_tokens=12_000, hold_s=10.0,
-        session_kv={"s": [1, 12_000]},
+        session_kv={"s": [1, 12_000, 300, 300]},
     )
     sub = req(tokens=12_100, hits={"home": 185}, session_id="s", affinity_endpoint="home")
     assert scorer().terms(sub, parent).kv_wait_s == 0

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from router.api.prediction import PredictionTracker
 from router.core.framework import RoutingRequest
 from router.estimators.answer_cache import AnswerCache
+from router.estimators.answer_lengths import AnswerLengths
 
 
 def test_the_answers_found_cached_teach_the_answer_share() -> None:
@@ -64,3 +66,21 @@ def test_a_decode_after_a_remote_prefill_is_no_prediction_of_the_index() -> None
     tracker.observe("decode", routing, usage)
     assert tracker.summary["approximate"].count == 0
     assert tracker.skips == {"remote_prefill": 1}
+
+
+def test_every_answer_read_teaches_its_models_answer_length() -> None:
+    """The answer's length counts whatever else its usage reports (no cached tokens, a decode
+    after a remote prefill); a prefill step's one token is no answer."""
+    lengths = AnswerLengths()
+    tracker = PredictionTracker(CollectorRegistry(), block_size=16, lengths=lengths)
+    routing = RoutingRequest(request_id="r", model="m", prompt_bytes=400, prompt_tokens=100)
+    tracker.observe("a", routing, {"prompt_tokens": 100, "completion_tokens": 250})
+    assert lengths.tokens("m") == 250
+    step = RoutingRequest(request_id="p", model="m", prefill_step=True)
+    decode = RoutingRequest(request_id="d", model="m", remote_prefill=True)
+    for _ in range(50):
+        tracker.observe("a", step, {"prompt_tokens": 100, "completion_tokens": 1})
+    assert lengths.tokens("m") == 250
+    for _ in range(100):
+        tracker.observe("a", decode, {"prompt_tokens": 100, "completion_tokens": 50})
+    assert lengths.tokens("m") == pytest.approx(50, abs=2)

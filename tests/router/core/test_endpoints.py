@@ -4,7 +4,13 @@ import math
 
 import pytest
 
-from router.core.endpoints import QUEUE_AVERAGE_S, Endpoint, EndpointState
+from router.core.endpoints import (
+    QUEUE_AVERAGE_S,
+    Endpoint,
+    EndpointState,
+    session_kv_added,
+    session_kv_held,
+)
 from router.core.lease import Lease
 
 
@@ -28,14 +34,14 @@ def test_a_lease_counts_its_prefill_until_the_first_byte_and_itself_until_releas
 
 def test_a_sessions_requests_in_flight_together_hold_its_context_once() -> None:
     """Sub-agents forked from one context share its blocks in the engine: the session holds
-    its largest claim, until its last request there ends."""
+    its largest claim once, and each sub-agent adds what it computes beyond it."""
     s = state()
-    parent = Lease(s, prefill_tokens=0, kv_tokens=10_000, session="a")
-    sub = Lease(s, prefill_tokens=0, kv_tokens=10_200, session="a")
+    parent = Lease(s, prefill_tokens=0, kv_tokens=10_000, session="a", kv_own=300)
+    sub = Lease(s, prefill_tokens=0, kv_tokens=10_200, session="a", kv_own=500)
     other = Lease(s, prefill_tokens=0, kv_tokens=3_000, session="b")
     single = Lease(s, prefill_tokens=0, kv_tokens=500)
-    assert s.in_flight_kv_tokens == 10_200 + 3_000 + 500
-    assert s.snapshot(0.0).session_kv["a"] == [2, 10_200]
+    assert s.in_flight_kv_tokens == 10_200 + 300 + 3_000 + 500
+    assert session_kv_held(s.snapshot(0.0).session_kv["a"]) == 10_200 + 300
     sub.release()
     sub.release()
     assert s.in_flight_kv_tokens == 10_200 + 3_000 + 500, "held while one of them runs"
@@ -43,6 +49,38 @@ def test_a_sessions_requests_in_flight_together_hold_its_context_once() -> None:
     other.release()
     single.release()
     assert (s.in_flight_kv_tokens, s.session_kv) == (0, {})
+
+
+def test_a_session_without_its_own_share_told_shares_nothing() -> None:
+    s = state()
+    first = Lease(s, prefill_tokens=0, kv_tokens=4_000, session="a")
+    second = Lease(s, prefill_tokens=0, kv_tokens=5_000, session="a")
+    assert s.in_flight_kv_tokens == 9_000
+    first.release()
+    second.release()
+    assert (s.in_flight_kv_tokens, s.session_kv) == (0, {})
+
+
+@pytest.mark.parametrize(
+    ("requests", "claim", "own", "added"),
+    [
+        ([], 8_000, 200, 8_000),  # nothing of the session in flight: all of it
+        ([(8_000, 300)], 8_100, 200, 300),  # grows the largest by 100 and adds 200 of its own
+        ([(8_000, 300)], 7_900, 200, 200),  # smaller: its own part only
+        ([(8_000, 8_000)], 8_000, 200, 200),  # the first computed the context: it is held
+        ([(8_000, 300), (8_100, 400)], 8_000, 300, 300),  # a third sub-agent: its own part
+    ],
+)
+def test_what_one_more_request_of_a_session_adds(
+    requests: list[tuple[int, int]], claim: int, own: int, added: int
+) -> None:
+    s = state()
+    for tokens, computed in requests:
+        s.hold_kv(tokens, "a", computed)
+    before = s.in_flight_kv_tokens
+    assert session_kv_added(s.session_kv.get("a"), claim, own) == added
+    s.hold_kv(claim, "a", own)
+    assert s.in_flight_kv_tokens - before == added
 
 
 def test_waiting_requests_are_foreign_only_beyond_the_gateways_own() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.core.usage import cached_tokens, prompt_tokens
+from router.core.usage import answer_tokens, cached_tokens, prompt_tokens
 
 
 def test_prompt_tokens_reads_openai_usage() -> None:
@@ -38,3 +38,11 @@ def test_cached_tokens_reads_openai_details() -> None:
     assert cached_tokens({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 8}}) == 8
     assert cached_tokens({"prompt_tokens": 9, "prompt_tokens_details": None}) is None
     assert cached_tokens({"prompt_tokens_details": {"cached_tokens": "8"}}) is None
+
+
+def test_answer_tokens_reads_completion_tokens_or_output_tokens() -> None:
+    assert answer_tokens({"prompt_tokens": 10, "completion_tokens": 7}) == 7
+    assert answer_tokens({"input_tokens": 10, "output_tokens": 5}) == 5  # Responses, Messages
+    assert answer_tokens({"completion_tokens": 0}) == 0
+    for odd in (None, {}, {"completion_tokens": -1}, {"completion_tokens": True}, []):
+        assert answer_tokens(odd) is None  # type: ignore[arg-type]

@@ -181,3 +181,31 @@ def test_the_current_snapshot_of_an_endpoint_counts_what_happened_since_the_rank
     assert (ranked.in_flight, ranked.pending_prefill_requests) == (0, 0)
     later.release()
     assert router.current("m", "10.0.0.9:1") is None, "no longer a candidate"
+
+
+def test_a_lease_claims_the_answer_learned_and_a_sessions_context_once() -> None:
+    """The KV a request holds where it goes: its prompt and the answer its model's answers have
+    been running to; a sub-agent beside another of its session adds only its own part."""
+    gw = build_gateway(parse_config({"pool": {"endpoints": [{"url": URL, "models": ["m"]}]}}))
+    endpoint = next(iter(gw.pool)).endpoint.id
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x" * 4_000}]}
+    parsed = parse_request("chat", orjson.dumps(body))
+    headers = {"x-session-id": "s"}
+    assert gw.router.routing_request(parsed, headers, "r0").answer_tokens == 0
+    usage = {"prompt_tokens": 1_000, "completion_tokens": 200}
+    gw.prediction.observe(endpoint, gw.router.routing_request(parsed, {}, "r1"), usage)
+    first = gw.router.routing_request(parsed, headers, "r2")
+    second = gw.router.routing_request(parsed, headers, "r3")
+    assert first.answer_tokens == 200
+    state = gw.pool.get(endpoint)
+    assert state is not None
+    one = gw.router.lease(first, snap(endpoint))
+    assert state.in_flight_kv_tokens == first.prompt_tokens + 200
+    second.prefix_hits = {endpoint: len(second.block_hashes)}  # the first one's prompt, cached
+    two = gw.router.lease(second, snap(endpoint))
+    own = second.uncached_tokens(endpoint) + 200
+    assert own < second.prompt_tokens
+    assert state.in_flight_kv_tokens == first.prompt_tokens + 200 + own
+    one.release()
+    two.release()
+    assert state.in_flight_kv_tokens == 0
