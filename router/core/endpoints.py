@@ -81,14 +81,15 @@ NO_SESSIONS: Mapping[str, list[int]] = MappingProxyType({})
 def session_kv_held(held: list[int]) -> int:
     """The KV a session's requests in flight on one endpoint hold together
     (EndpointState.session_kv: [requests, largest claim, sum and largest of what each
-    computes]). Sub-agents forked from one context share it: the largest claim holds the
-    context once, and each of the others adds what it computes beyond it."""
+    computes and answers]). Sub-agents forked from one context share it: the largest claim
+    holds the context once, and each of the others adds its own part beyond it."""
     return held[1] + max(0, held[2] - held[3])
 
 
 def session_kv_added(held: list[int] | None, tokens: int, own: int) -> int:
-    """What one more request of the session, claiming ``tokens`` and computing ``own`` of
-    them, adds to what ``held`` holds (the whole claim where nothing of it is in flight)."""
+    """What one more request of the session, claiming ``tokens`` of which ``own`` are its
+    own (computed or answered), adds to what ``held`` holds (the whole claim where nothing
+    of the session is in flight)."""
     if held is None:
         return tokens
     own = min(own, tokens)
@@ -153,7 +154,7 @@ class EndpointState:
     # KV held by this gateway's requests in flight (Lease.kv_tokens): a session's requests
     # in flight at once (sub-agents forked from one context) share their context
     # (session_kv_held): session -> [requests, largest claim, sum and largest of what each
-    # computes].
+    # computes and answers].
     in_flight_kv_tokens: int = 0
     session_kv: dict[str, list[int]] = field(default_factory=dict)
     pending_prefill_tokens: int = 0
@@ -187,23 +188,21 @@ class EndpointState:
         return pending + (self.queue_average - pending) * math.exp(-elapsed / QUEUE_AVERAGE_S)
 
     def hold_kv(self, tokens: int, session: str | None, own: int | None = None) -> None:
-        """A request in flight claims ``tokens`` of KV, of which it computes ``own`` (all of
-        them when not told)."""
+        """A request in flight claims ``tokens`` of KV, of which ``own`` are its own (computed
+        or answered; all of them when not told): the rest its session's others may share."""
         if session is None:
             self.in_flight_kv_tokens += tokens
             return
         own = tokens if own is None else min(own, tokens)
         held = self.session_kv.get(session)
+        self.in_flight_kv_tokens += session_kv_added(held, tokens, own)
         if held is None:
             self.session_kv[session] = [1, tokens, own, own]
-            self.in_flight_kv_tokens += tokens
             return
-        before = session_kv_held(held)
         held[0] += 1
         held[1] = max(held[1], tokens)
         held[2] += own
         held[3] = max(held[3], own)
-        self.in_flight_kv_tokens += session_kv_held(held) - before
 
     def free_kv(self, tokens: int, session: str | None, own: int | None = None) -> None:
         if session is None:
