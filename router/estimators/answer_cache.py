@@ -13,11 +13,12 @@ usage (vLLM's ``--enable-prompt-tokens-details``) nothing is learned and the pri
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
+
+from router.estimators.model_average import ModelAverage
 
 
 class AnswerCache:
@@ -34,17 +35,16 @@ class AnswerCache:
     ) -> None:
         self._prior = prior
         # Weight of the past per answer: a half-life of ~14 answers.
-        self._decay = decay
+        self._shares = ModelAverage(decay, max_models, prior)
         # Answers shorter than this (two engine blocks) say little: the replica's count is
         # floored to whole blocks, the gateway's estimate is not.
         self._min_tokens = min_tokens
-        self._max_models = max_models
-        self._shares: OrderedDict[str, float] = OrderedDict()
         if registry is not None:
             registry.register(self)
 
     def share(self, model: str) -> float:
-        return self._shares.get(model, self._prior)
+        share = self._shares.get(model)
+        return self._prior if share is None else share
 
     def observe(self, model: str, credited_tokens: float, found_tokens: float) -> None:
         """One answered request: ``credited_tokens`` of the previous answer were counted as
@@ -52,20 +52,11 @@ class AnswerCache:
         matched by ``found_tokens``."""
         if credited_tokens < self._min_tokens:
             return
-        ratio = min(1.0, max(0.0, found_tokens / credited_tokens))
-        d = self._decay
-        self._shares[model] = d * self.share(model) + (1 - d) * ratio
-        self._shares.move_to_end(model)
-        while len(self._shares) > self._max_models:
-            self._shares.popitem(last=False)
+        self._shares.observe(model, min(1.0, max(0.0, found_tokens / credited_tokens)))
 
     def collect(self) -> Iterator[Metric]:
-        gauge = GaugeMetricFamily(
+        yield self._shares.gauge(
             "prefixgate_answer_cached_share",
             "Learned share of the previous turn's answer found cached where that turn was "
             "served, per model (1 until answers report cached tokens).",
-            labels=["model"],
         )
-        for model, share in list(self._shares.items()):
-            gauge.add_metric([model], share)
-        yield gauge

@@ -11,11 +11,12 @@ until a model's first answer is read it is 0, and claims count the prompt only.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
+
+from router.estimators.model_average import ModelAverage
 
 
 class AnswerLengths:
@@ -29,34 +30,21 @@ class AnswerLengths:
         max_models: int = 256,
     ) -> None:
         # Weight of the past per answer: a half-life of ~14 answers.
-        self._decay = decay
-        self._max_models = max_models
-        self._means: OrderedDict[str, float] = OrderedDict()
+        self._means = ModelAverage(decay, max_models)
         if registry is not None:
             registry.register(self)
 
     def tokens(self, model: str) -> int:
         """The tokens a new answer of ``model`` is expected to generate (0: none read yet)."""
-        return round(self._means.get(model, 0.0))
+        return round(self._means.get(model) or 0.0)
 
     def observe(self, model: str, completion_tokens: int) -> None:
         """One answer of ``model`` generated ``completion_tokens``."""
-        mean = self._means.get(model)
-        d = self._decay
-        self._means[model] = completion_tokens if mean is None else d * mean + (1 - d) * (
-            completion_tokens
-        )
-        self._means.move_to_end(model)
-        while len(self._means) > self._max_models:
-            self._means.popitem(last=False)
+        self._means.observe(model, completion_tokens)
 
     def collect(self) -> Iterator[Metric]:
-        gauge = GaugeMetricFamily(
+        yield self._means.gauge(
             "prefixgate_answer_tokens",
             "Learned mean length of an answer in tokens, per model (the KV cache an answer "
             "adds while it decodes; absent until the model's answers report usage).",
-            labels=["model"],
         )
-        for model, mean in list(self._means.items()):
-            gauge.add_metric([model], mean)
-        yield gauge
