@@ -66,8 +66,8 @@ class Lease:
     ) -> None:
         self.state = state
         self.kv_tokens = kv_tokens
-        # The part of kv_tokens the request computes (the rest its session's other requests
-        # in flight may share: EndpointState.hold_kv); None: all of it.
+        # The part of kv_tokens that is its own, computed or answered (the rest its session's
+        # other requests in flight may share: EndpointState.hold_kv); None: all of it.
         self.kv_own = kv_own
         self._session = session
         self._pool = pool
