@@ -86,6 +86,11 @@ def session_kv_held(held: list[int]) -> int:
     return held[1] + max(0, held[2] - held[3])
 
 
+def _own_part(tokens: int, own: int | None) -> int:
+    """A claim's own part as hold_kv and free_kv count it: all of it when not told."""
+    return tokens if own is None else min(own, tokens)
+
+
 def session_kv_added(held: list[int] | None, tokens: int, own: int) -> int:
     """What one more request of the session, claiming ``tokens`` of which ``own`` are its
     own (computed or answered), adds to what ``held`` holds (the whole claim where nothing
@@ -193,7 +198,7 @@ class EndpointState:
         if session is None:
             self.in_flight_kv_tokens += tokens
             return
-        own = tokens if own is None else min(own, tokens)
+        own = _own_part(tokens, own)
         held = self.session_kv.get(session)
         self.in_flight_kv_tokens += session_kv_added(held, tokens, own)
         if held is None:
@@ -219,7 +224,7 @@ class EndpointState:
             return
         # The largest claim stays until the session's last request there ends: which of
         # them held it is not kept.
-        held[2] -= tokens if own is None else min(own, tokens)
+        held[2] -= _own_part(tokens, own)
         self.in_flight_kv_tokens += session_kv_held(held) - before
 
     def add_pending(self, tokens: int, requests: int, now: float) -> None:
