@@ -29,6 +29,7 @@ from benchmarks.bench.runner import Runner
 from benchmarks.bench.settings import BenchSettings
 from benchmarks.bench.sweep_report import (
     METRICS,
+    clear_p90_losses,
     reuse_gaps,
     summary_table,
     target_stats,
@@ -159,6 +160,8 @@ def to_json(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun]) 
         "summary": {m: [s.to_json() for s in stats[m]] for m in METRICS},
         "reuse_gaps": {t: [[w, g] for w, g in gs]
                        for t, gs in reuse_gaps(ranked, names, spec.unranked).items()},
+        "clear_p90_losses": {t: [list(i) for i in ls] for t, ls
+                             in clear_p90_losses(ranked, names, spec.unranked).items()},
     }  # fmt: skip
 
 
@@ -176,12 +179,15 @@ def markdown(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun])
         "",
         "Per target, its TTFT over the best target's in each world (1.00: the best). "
         "TTFT in simulated seconds; reuse captured: the replicas' prefix-cache hits over the "
-        "tokens an infinite cache would have served."
+        "tokens an infinite cache would have served. The intervals are the requests' sampling "
+        "error alone (bootstrap; benchmarks/bench/intervals.py): a p90 loss whose interval "
+        "holds the bar may not repeat, one above it is clear."
         + (f" Unranked (ratios to the best of the others, never the best themselves): "
            f"{', '.join(spec.unranked)}." if spec.unranked else ""),
         "",
         *summary_table(target_stats(ranked, names, spec.unranked),
-                       reuse_gaps(ranked, names, spec.unranked)),
+                       reuse_gaps(ranked, names, spec.unranked),
+                       clear_p90_losses(ranked, names, spec.unranked)),
     ]
     for run in runs:
         lines += ["", f"## world {run.world.index}: {run.world.describe()}", ""]
@@ -194,7 +200,7 @@ def markdown(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun])
         if run.error:
             lines += [f"failed: {run.error}"]
             continue
-        lines += world_table(run.results, spec.unranked)
+        lines += world_table(run.results, spec.unranked, run.world.index)
     return "\n".join(lines) + "\n"
 
 

@@ -21,10 +21,14 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.bench.intervals import LEVEL, ratio_interval
 from benchmarks.bench.metrics import Summary, TargetResult
 
 METRICS = ("p90", "mean", "p99")
 BANDS = (1.10, 1.3)
+
+# (world, low end, high end) of a target's p90 over the world's best's (benchmarks.bench.intervals)
+Interval = tuple[int, float, float]
 
 
 def ratios(values: Mapping[str, float], unranked: Collection[str] = ()) -> dict[str, float]:
@@ -84,10 +88,46 @@ def ttft(r: TargetResult) -> Summary:
     answer as waiting the whole run (simulated), so a target cannot gain by stalling; a
     request answered with an error counts the same, so it cannot gain by failing either."""
     assert r.ttft is not None
-    unanswered = r.incomplete + r.errors
-    if not unanswered:
+    if not r.incomplete + r.errors:
         return r.ttft
-    return Summary.of([*r.ttft_samples, *[r.wall_s * r.speed] * unanswered])
+    return Summary.of(samples(r))
+
+
+def samples(r: TargetResult) -> list[float]:
+    """The TTFTs ranked, one per request: unanswered ones at the whole run (see ``ttft``)."""
+    return [*r.ttft_samples, *[r.wall_s * r.speed] * (r.incomplete + r.errors)]
+
+
+def p90_intervals(index: int, results: Sequence[TargetResult],
+                  unranked: Collection[str] = ()) -> dict[str, tuple[float, float]]:
+    """Each ranked target's interval of its TTFT p90 over the world's best target's (the
+    best's own is none), from the requests' samples; seeded by the world's index."""
+    runs = {r.name: r for r in ranked(results)}
+    values = {name: float(ttft(r).p90) for name, r in runs.items()}
+    rs = ratios(values, unranked)
+    best = next((n for n, v in rs.items() if v == 1.0 and n not in unranked), None)
+    if best is None:
+        return {}
+    out = {}
+    for name, r in runs.items():
+        if name != best:
+            interval = ratio_interval(samples(r), samples(runs[best]), seed=index)
+            if interval is not None:
+                out[name] = interval
+    return out
+
+
+def clear_p90_losses(worlds: Sequence[tuple[int, Sequence[TargetResult]]],
+                     targets: Sequence[str], unranked: Collection[str] = (),
+                     bound: float = BANDS[0]) -> dict[str, list[Interval]]:
+    """Per target, the worlds where even the low end of its p90 interval is above ``bound``:
+    losses its requests' sampling cannot explain."""
+    out: dict[str, list[Interval]] = {t: [] for t in targets}
+    for index, results in worlds:
+        for name, (low, high) in p90_intervals(index, results, unranked).items():
+            if name in out and low > bound:
+                out[name].append((index, low, high))
+    return out
 
 
 def reuse_captured(r: TargetResult) -> float:
@@ -136,11 +176,14 @@ def _f(value: float | None, digits: int = 2) -> str:
 
 
 def summary_table(stats: dict[str, list[TargetStats]],
-                  gaps: Mapping[str, Sequence[tuple[int, float]]]) -> list[str]:
+                  gaps: Mapping[str, Sequence[tuple[int, float]]],
+                  clear: Mapping[str, Sequence[Interval]] | None = None) -> list[str]:
+    """``clear``: per target, its p90 losses beyond 1.10x that sampling cannot explain."""
     lines = [
         "| target | TTFT | worlds | within 1.10x | within 1.3x | median ratio | worst ratio "
-        "(world) | not best in worlds | reuse: worst gap to best, points (world) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "(world) | not best in worlds | reuse: worst gap to best, points (world) "
+        f"| p90 over 1.10x at the low end of its {LEVEL:.0%} interval (worlds) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for metric in METRICS:
         for s in stats[metric]:
@@ -151,16 +194,28 @@ def summary_table(stats: dict[str, list[TargetStats]],
                 f"| {s.within(BANDS[1])} | {_f(s.median)} "
                 f"| {_f(worst[1]) + f' ({worst[0]})' if worst else '-'} "
                 f"| {', '.join(map(str, s.not_best)) or '-'} "
-                f"| {_f(gap[1], 1) + f' ({gap[0]})' if gap else '-'} |"
+                f"| {_f(gap[1], 1) + f' ({gap[0]})' if gap else '-'} "
+                f"| {_clear_cell(clear, s.target) if metric == 'p90' else '-'} |"
             )
     return lines
 
 
-def world_table(results: Sequence[TargetResult], unranked: Collection[str] = ()) -> list[str]:
+def _clear_cell(clear: Mapping[str, Sequence[Interval]] | None, target: str) -> str:
+    if clear is None or target not in clear:
+        return "-"
+    worlds = clear[target]
+    return f"{len(worlds)}" + (f": {', '.join(str(w) for w, _, _ in worlds)}" if worlds else "")
+
+
+def world_table(results: Sequence[TargetResult], unranked: Collection[str] = (),
+                index: int = 0) -> list[str]:
+    """The world's table; ``index`` seeds its intervals."""
     values = {m: {r.name: float(getattr(ttft(r), m)) for r in ranked(results)} for m in METRICS}
     rs = {m: ratios(v, unranked) for m, v in values.items()}
+    intervals = p90_intervals(index, results, unranked)
     lines = [
-        "| target | TTFT mean s | p50 s | p90 s | p99 s | p90 / best | reuse captured "
+        f"| target | TTFT mean s | p50 s | p90 s | p99 s | p90 / best ({LEVEL:.0%} interval) "
+        "| reuse captured "
         "| missed: placed / moved / at home | errors |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -176,7 +231,12 @@ def world_table(results: Sequence[TargetResult], unranked: Collection[str] = ())
             p90 += " (" + ", ".join(_f(v) for v in r.runs_p90) + ")"
         lines.append(
             f"| {r.name} | {_f(t.mean)} | {_f(t.p50)} | {p90} | {_f(t.p99)} "
-            f"| {_f(rs['p90'].get(r.name))} | {_f(reuse_captured(r) * 100, 1)}% "
+            f"| {_f(rs['p90'].get(r.name))}{_interval_text(intervals.get(r.name))} "
+            f"| {_f(reuse_captured(r) * 100, 1)}% "
             f"| {r.misses.cell()} | {errors} |"
         )
     return lines
+
+
+def _interval_text(interval: tuple[float, float] | None) -> str:
+    return "" if interval is None else f" ({_f(interval[0])}-{_f(interval[1])})"

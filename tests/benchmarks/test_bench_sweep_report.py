@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from benchmarks.bench.metrics import Summary, TargetResult
 from benchmarks.bench.sweep_report import (
+    clear_p90_losses,
+    p90_intervals,
     ratios,
     reuse_captured,
     reuse_gaps,
@@ -112,3 +115,38 @@ def test_errored_requests_count_as_waiting_the_whole_run_too() -> None:
     stats = {s.target: s for s in target_stats([(0, [failing, steady])],
                                                 ["failing", "steady"])["p90"]}
     assert stats["steady"].ratios == [(0, 1.0)] and stats["failing"].ratios[0][1] > 50
+
+
+def sampled(name: str, values: list[float]) -> TargetResult:
+    r = result(name, 1.0)
+    r.ttft, r.ttft_samples = Summary.of(values), sorted(values)
+    return r
+
+
+def test_p90_intervals_tell_clear_losses_from_what_the_sample_size_explains() -> None:
+    rng = random.Random(7)
+    best = [rng.expovariate(1.0) for _ in range(400)]
+    twice = [2 * rng.expovariate(1.0) for _ in range(400)]  # twice as slow: a clear loss
+    near = [1.05 * rng.expovariate(1.0) for _ in range(400)]
+    few = [1.3 * rng.expovariate(1.0) for _ in range(12)]  # 1.3x, but on 12 requests
+    results = [sampled("best", best), sampled("twice", twice), sampled("near", near),
+               sampled("few", few)]
+    intervals = p90_intervals(3, results)
+    assert "best" not in intervals and set(intervals) == {"twice", "near", "few"}
+    assert intervals["twice"][0] > 1.10 and intervals["near"][0] < 1.10 < intervals["twice"][1]
+    assert intervals["few"][0] < 1.10
+    assert p90_intervals(3, results) == intervals  # seeded by the world
+    names = ["best", "twice", "near", "few"]
+    clear = clear_p90_losses([(3, results), (4, results[:2])], names)
+    assert [w for w, _, _ in clear["twice"]] == [3, 4]
+    assert clear["near"] == [] and clear["few"] == [] and clear["best"] == []
+    rows = world_table(results, index=3)
+    low, high = intervals["twice"]
+    assert any(r.startswith("| twice |") and f"({low:.2f}-{high:.2f})" in r for r in rows)
+    assert all(r.count("|") == rows[0].count("|") for r in rows)
+    table = summary_table(target_stats([(3, results)], names), reuse_gaps([(3, results)], names),
+                          clear)
+    assert any(r.startswith("| twice | p90 |") and r.endswith("| 2: 3, 4 |") for r in table)
+    assert any(r.startswith("| near | p90 |") and r.endswith("| 0 |") for r in table)
+    assert any(r.startswith("| twice | mean |") and r.endswith("| - |") for r in table)
+    assert all(r.count("|") == table[0].count("|") for r in table)
