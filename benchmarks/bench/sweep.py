@@ -30,6 +30,7 @@ from benchmarks.bench.settings import BenchSettings
 from benchmarks.bench.sweep_report import (
     METRICS,
     clear_p90_losses,
+    p90_intervals,
     reuse_gaps,
     summary_table,
     target_stats,
@@ -67,6 +68,9 @@ class WorldRun:
     results: list[TargetResult]
     wall_s: float
     error: str = ""
+    # Each target's p90 over the best's, 95% interval (benchmarks/bench/intervals.py): computed
+    # once, as the report is rewritten after every world.
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def world_settings(template: BenchSettings, built: BuiltWorld, rep: int = 0) -> BenchSettings:
@@ -100,7 +104,8 @@ async def run_world(
     except (ValueError, RuntimeError, OSError) as exc:
         return WorldRun(world, None, [], time.monotonic() - started, str(exc).splitlines()[0])
     results = pooled(runs) if len(runs) > 1 else runs[0]
-    return WorldRun(world, built, results, time.monotonic() - started)
+    intervals = p90_intervals(world.index, results, spec.unranked)
+    return WorldRun(world, built, results, time.monotonic() - started, intervals=intervals)
 
 
 async def run_sweep(template: BenchSettings, spec: SweepSpec) -> list[WorldRun]:
@@ -141,6 +146,10 @@ def _slim(r: TargetResult) -> dict[str, Any]:
     return d
 
 
+def _intervals(runs: Sequence[WorldRun]) -> list[tuple[int, dict[str, tuple[float, float]]]]:
+    return [(run.world.index, run.intervals) for run in runs]
+
+
 def to_json(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun]) -> dict[str, Any]:
     ranked = [(run.world.index, run.results) for run in runs]
     names = _target_names(runs)
@@ -156,12 +165,13 @@ def to_json(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun]) 
             "world": run.world.to_json(), "built": run.built.summary() if run.built else None,
             "wall_s": run.wall_s, "error": run.error,
             "results": [_slim(r) for r in run.results],
+            "p90_intervals": {name: list(i) for name, i in run.intervals.items()},
         } for run in runs],
         "summary": {m: [s.to_json() for s in stats[m]] for m in METRICS},
         "reuse_gaps": {t: [[w, g] for w, g in gs]
                        for t, gs in reuse_gaps(ranked, names, spec.unranked).items()},
         "clear_p90_losses": {t: [list(i) for i in ls] for t, ls
-                             in clear_p90_losses(ranked, names, spec.unranked).items()},
+                             in clear_p90_losses(_intervals(runs), names).items()},
     }  # fmt: skip
 
 
@@ -187,7 +197,7 @@ def markdown(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun])
         "",
         *summary_table(target_stats(ranked, names, spec.unranked),
                        reuse_gaps(ranked, names, spec.unranked),
-                       clear_p90_losses(ranked, names, spec.unranked)),
+                       clear_p90_losses(_intervals(runs), names)),
     ]
     for run in runs:
         lines += ["", f"## world {run.world.index}: {run.world.describe()}", ""]
@@ -200,7 +210,7 @@ def markdown(template: BenchSettings, spec: SweepSpec, runs: Sequence[WorldRun])
         if run.error:
             lines += [f"failed: {run.error}"]
             continue
-        lines += world_table(run.results, spec.unranked, run.world.index)
+        lines += world_table(run.results, spec.unranked, run.intervals)
     return "\n".join(lines) + "\n"
 
 

@@ -117,14 +117,14 @@ def p90_intervals(index: int, results: Sequence[TargetResult],
     return out
 
 
-def clear_p90_losses(worlds: Sequence[tuple[int, Sequence[TargetResult]]],
-                     targets: Sequence[str], unranked: Collection[str] = (),
-                     bound: float = BANDS[0]) -> dict[str, list[Interval]]:
-    """Per target, the worlds where even the low end of its p90 interval is above ``bound``:
-    losses its requests' sampling cannot explain."""
+def clear_p90_losses(intervals: Sequence[tuple[int, Mapping[str, tuple[float, float]]]],
+                     targets: Sequence[str], bound: float = BANDS[0]) -> dict[str, list[Interval]]:
+    """Per target, the worlds where even the low end of its p90 interval (``intervals``: per
+    world, ``p90_intervals``) is above ``bound``: losses its requests' sampling cannot
+    explain."""
     out: dict[str, list[Interval]] = {t: [] for t in targets}
-    for index, results in worlds:
-        for name, (low, high) in p90_intervals(index, results, unranked).items():
+    for index, by_target in intervals:
+        for name, (low, high) in by_target.items():
             if name in out and low > bound:
                 out[name].append((index, low, high))
     return out
@@ -208,11 +208,11 @@ def _clear_cell(clear: Mapping[str, Sequence[Interval]] | None, target: str) -> 
 
 
 def world_table(results: Sequence[TargetResult], unranked: Collection[str] = (),
-                index: int = 0) -> list[str]:
-    """The world's table; ``index`` seeds its intervals."""
+                intervals: Mapping[str, tuple[float, float]] | None = None) -> list[str]:
+    """The world's table; ``intervals``: its ``p90_intervals``, shown beside the ratios."""
     values = {m: {r.name: float(getattr(ttft(r), m)) for r in ranked(results)} for m in METRICS}
     rs = {m: ratios(v, unranked) for m, v in values.items()}
-    intervals = p90_intervals(index, results, unranked)
+    intervals = intervals or {}
     lines = [
         f"| target | TTFT mean s | p50 s | p90 s | p99 s | p90 / best ({LEVEL:.0%} interval) "
         "| reuse captured "

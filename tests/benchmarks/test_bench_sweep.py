@@ -60,6 +60,16 @@ def test_a_tiny_sweep_runs_every_target_in_every_world(tmp_path: Path) -> None:
     assert "flowControl:\n  enabled: false" in config
     md = (out / "results.md").read_text()
     assert "| default-nofc | p90 | 2 |" in md and "## world 1: agentic" in md
+    # In each world, the target that was not the best has an interval of its p90 ratio, and
+    # the summary lists the clear losses (an interval wholly above 1.10x) from those.
+    for w in data["worlds"]:
+        assert len(w["p90_intervals"]) == 1
+        ((name, (low, high)),) = w["p90_intervals"].items()
+        assert low <= high and name in ("round-robin", "default-nofc")
+    clear = {t: [i[0] for i in ls] for t, ls in data["clear_p90_losses"].items()}
+    assert clear == {t: [w["world"]["index"] for w in data["worlds"]
+                         if w["p90_intervals"].get(t, (0.0,))[0] > 1.10]
+                     for t in ("round-robin", "default-nofc")}
 
 
 @pytest.mark.timeout(180)

@@ -137,10 +137,10 @@ def test_p90_intervals_tell_clear_losses_from_what_the_sample_size_explains() ->
     assert intervals["few"][0] < 1.10
     assert p90_intervals(3, results) == intervals  # seeded by the world
     names = ["best", "twice", "near", "few"]
-    clear = clear_p90_losses([(3, results), (4, results[:2])], names)
+    clear = clear_p90_losses([(3, intervals), (4, p90_intervals(4, results[:2]))], names)
     assert [w for w, _, _ in clear["twice"]] == [3, 4]
     assert clear["near"] == [] and clear["few"] == [] and clear["best"] == []
-    rows = world_table(results, index=3)
+    rows = world_table(results, intervals=intervals)
     low, high = intervals["twice"]
     assert any(r.startswith("| twice |") and f"({low:.2f}-{high:.2f})" in r for r in rows)
     assert all(r.count("|") == rows[0].count("|") for r in rows)
