@@ -11,13 +11,15 @@ from router.estimators.calibration import Calibrator
 MODEL = "sim-model"
 
 
-def gateway_config(urls: list[str], **overrides: Any) -> Any:
+def gateway_config(urls: list[str], speed_probe: bool = False, **overrides: Any) -> Any:
+    """``speed_probe``: off unless asked for, since tests count the requests replicas get."""
     data: dict[str, Any] = {
         "server": {"port": 0},
         "pool": {
             "endpoints": [{"url": u} for u in urls],
             "healthCheck": {"intervalSeconds": 0.2, "unhealthyThreshold": 2},
             "metricsScrape": {"intervalSeconds": 0.05},
+            "speedProbe": {"enabled": speed_probe},
         },
         "seed": 1,
     }

@@ -42,6 +42,7 @@ from router.index.token_counts import TokenCounts
 from router.pool.discovery import Forget, KubernetesDiscovery, LivePool
 from router.pool.metrics import GatewayMetrics
 from router.pool.scraper import CapacityCallback, EndpointMonitor, MonitorSettings
+from router.pool.speed_probe import SpeedProbe
 from router.precise.runtime import PreciseRuntime
 from router.protocol.auth import UpstreamKeys, build_authenticator, build_upstream_keys
 from router.scheduling.plugins import PluginRegistry, default_registry, endpoint_forgetters
@@ -81,6 +82,8 @@ class Gateway:
     token_counts: TokenCounts
     precise: PreciseRuntime | None = None
     discovery: KubernetesDiscovery | None = None
+    # Times each endpoint as it comes up (None: off), for the calibrator's speed prior.
+    speed_probe: SpeedProbe | None = None
 
 
 def _build_pool(config: GatewayConfig) -> EndpointPool:
@@ -157,6 +160,7 @@ def _build_monitor(
     on_capacity: CapacityCallback,
     on_restart: Callable[[str, float], Awaitable[None]],
     on_base_model: Callable[[str, str | None], None],
+    speed_probe: SpeedProbe | None,
 ) -> EndpointMonitor:
     hc, ms = config.pool.health_check, config.pool.metrics_scrape
     settings = MonitorSettings(
@@ -174,6 +178,19 @@ def _build_monitor(
         on_scrape=flow.poke,
         on_restart=on_restart,
         on_base_model=on_base_model,
+        on_healthy=speed_probe.endpoint_up if speed_probe is not None else None,
+    )
+
+
+def _build_speed_probe(
+    config: GatewayConfig, client: UpstreamClient, calibrator: Calibrator, keys: UpstreamKeys
+) -> SpeedProbe | None:
+    sp = config.pool.speed_probe
+    if not sp.enabled:
+        return None
+    return SpeedProbe(
+        client, calibrator.probed, requests=sp.requests, prompt_bytes=sp.prompt_bytes,
+        timeout_s=sp.timeout_seconds, auth_headers=keys.headers,
     )
 
 
@@ -184,6 +201,7 @@ def _build_discovery(
     stores: Stores,
     routing: RoutingGraph,
     sizer: IndexSizer,
+    speed_probe: SpeedProbe | None,
 ) -> KubernetesDiscovery | None:
     """Kubernetes discovery, wired to everything that follows the pool's joins and leaves."""
     if config.discovery is None:
@@ -195,6 +213,8 @@ def _build_discovery(
         routing.flow.forget_endpoint,
         sizer.forget_endpoint,
     ]
+    if speed_probe is not None:
+        forget.append(speed_probe.forget_endpoint)
     # Plugins that keep state per endpoint (no-hit-lru-scorer's order), the prefill profile's too.
     forget += endpoint_forgetters([routing.scheduler.profile, routing.prefill_profile])
     joined = []
@@ -248,15 +268,17 @@ def build_gateway(
         auth=build_authenticator(config.auth, environ), prediction=prediction, sizer=sizer,
         token_counts=token_counts, disagg=build_disagg(config, routing, metrics),
     )
+    speed_probe = _build_speed_probe(config, monitor_client, routing.calibrator, keys)
     monitor = _build_monitor(
         config, pool, monitor_client, stores, routing.flow, keys, _capacity_bound(precise, sizer),
-        _restarted(stores, routing), sizer.base_model,
+        _restarted(stores, routing), sizer.base_model, speed_probe,
     )
     return Gateway(
         config, pool, stores, routing.scheduler, metrics, routing.flow, routing.router, proxy,
         preparer, routing.calibrator, sizer, prediction, monitor, LoopLagMonitor(metrics.loop_lag),
         upstream, monitor_client, token_counts, precise,
-        _build_discovery(config, pool, monitor, stores, routing, sizer),
+        _build_discovery(config, pool, monitor, stores, routing, sizer, speed_probe),
+        speed_probe,
     )
 
 
@@ -278,7 +300,12 @@ async def gateway_running(gateway: Gateway) -> AsyncIterator[None]:
         if gateway.discovery is not None:
             stack.push_async_callback(gateway.discovery.stop)
             await gateway.discovery.start()
+        if gateway.speed_probe is not None:
+            stack.push_async_callback(gateway.speed_probe.stop)
         await gateway.monitor.check_all()
+        if gateway.speed_probe is not None:
+            # Not ready before the first placements can know which replicas are slow.
+            await gateway.speed_probe.settle(gateway.config.pool.speed_probe.startup_wait_seconds)
         gateway.monitor.start()
         gateway.flow.start()
         stack.push_async_callback(gateway.flow.stop)

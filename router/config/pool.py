@@ -37,6 +37,18 @@ class MetricsScrapeConfig(Strict):
     timeout_seconds: float = Field(0.5, gt=0)
 
 
+class SpeedProbeConfig(Strict):
+    """A few one-token completions timed on each endpoint as it comes up: the speed prior of
+    the cost model, before traffic shows which replicas are slow (docs/routing.md)."""
+
+    enabled: bool = True
+    requests: int = Field(3, ge=1, le=10)
+    prompt_bytes: int = Field(256, ge=16, le=65536)
+    timeout_seconds: float = Field(2.0, gt=0)
+    # How long start-up waits for the first probes (the gateway is not ready meanwhile).
+    startup_wait_seconds: float = Field(3.0, ge=0, le=60)
+
+
 class OutlierDetectionConfig(Strict):
     """Passive health: eject an endpoint after consecutive connect errors, timeouts or 5xx."""
 
@@ -59,6 +71,7 @@ class PoolConfig(Strict):
     health_check: HealthCheckConfig = HealthCheckConfig()
     metrics_scrape: MetricsScrapeConfig = MetricsScrapeConfig()
     outlier_detection: OutlierDetectionConfig = OutlierDetectionConfig()
+    speed_probe: SpeedProbeConfig = SpeedProbeConfig()
     api_key: SecretStr | None = None
     api_key_env: str | None = None
 

@@ -11,6 +11,7 @@ speed factor against it. The model and why: docs/routing.md.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ class _Speed:
     sx: list[float] = field(default_factory=lambda: [0.0] * 4)
     sy: float = 0.0
     last_sample: float = 0.0
+    count: int = 0  # every sample ever, undecayed: how far first bytes have outweighed a probe
 
     def add(
         self, counts: tuple[float, ...], y: float, decay: float, now: float, half_life_s: float
@@ -81,6 +83,7 @@ class _Speed:
         if self.w > 0:
             decay *= self.fade(now, half_life_s)
         self.w, self.sy = self.w * decay + 1.0, self.sy * decay + y
+        self.count += 1
         self.sx = [s * decay + v for s, v in zip(self.sx, counts, strict=True)]
         self.last_sample = now
 
@@ -121,6 +124,9 @@ class Calibrator:
         self._all = _Speed()
         # endpoint -> (the fleet price it was scaled from, when, the price)
         self._prices: dict[str, tuple[Price, float, Price]] = {}
+        # endpoint -> its speed probe's time (router/pool/speed_probe.py), and their median.
+        self._probes: dict[str, float] = {}
+        self._probe_median = 0.0
         if registry is not None:
             registry.register(self)
 
@@ -177,13 +183,35 @@ class Calibrator:
         """How much slower than the fleet the endpoint is (shrunk towards 1 by its evidence)."""
         return self._factor(endpoint_id, self.fleet_price())
 
+    def probed(self, endpoint_id: str, seconds: float) -> None:
+        """The endpoint's speed probe took ``seconds`` (the fastest of its tiny requests, sent
+        while it took no traffic of this gateway's): its time against the median of every
+        probed endpoint's is the speed factor's prior, where traffic has not told it yet."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        self._probes[endpoint_id] = seconds
+        self._probes_changed()
+
+    def _probes_changed(self) -> None:
+        self._probe_median = statistics.median(self._probes.values()) if self._probes else 0.0
+        self._prices.clear()
+
+    def _prior(self, endpoint_id: str) -> float:
+        """The speed factor before any first byte: the probe's ratio to the fleet's median (a
+        lone probe compares with nothing: 1)."""
+        probe = self._probes.get(endpoint_id)
+        if probe is None or len(self._probes) < 2:
+            return 1.0
+        return min(max(probe / self._probe_median, 0.1), 10.0)
+
     def _factor(self, endpoint_id: str, fleet: Price) -> float:
+        prior = self._prior(endpoint_id)
         speed = self._speeds.get(endpoint_id)
         if speed is None or speed.w <= 0:
-            return 1.0
+            return prior
         ratio = _ratio(speed, fleet)
         if ratio is None:
-            return 1.0
+            return prior
         p = self.priors
         if self._fleet.samples < p.warmup_samples:
             # While the fleet price still leans on the priors, an endpoint is judged against the
@@ -193,8 +221,13 @@ class Calibrator:
             # new prefix while the others stood empty.
             ratio /= _ratio(self._all, fleet) or ratio  # the fleet's sums hold this one's
         ratio = min(max(ratio, 0.1), 10.0)
+        k = p.endpoint_pseudo_samples
         weight = speed.w * speed.fade(self._clock(), p.stale_half_life_s)
-        return float(ratio ** (weight / (weight + p.endpoint_pseudo_samples)))
+        own = weight / (weight + k)
+        # Shrunk towards the prior by the pseudo-samples; the probe's prior itself fades as
+        # first bytes come (one probe met in a stall must not bias the endpoint for good).
+        prior **= k / (k + speed.count)
+        return float(ratio**own * prior ** (1.0 - own))
 
     def price(self, endpoint_id: str) -> Price:
         """The endpoint's figures: the fleet's, times its speed factor."""
@@ -265,6 +298,8 @@ class Calibrator:
         """Drop an endpoint's factor (it left the pool); what the fleet learned from it stays."""
         self._speeds.pop(endpoint_id, None)
         self._prices.pop(endpoint_id, None)
+        if self._probes.pop(endpoint_id, None) is not None:
+            self._probes_changed()
 
     async def forget_endpoint(self, endpoint_id: str) -> None:
         self.forget(endpoint_id)
@@ -284,8 +319,16 @@ class Calibrator:
             a, b = self.cost(endpoint_id)
             overhead.add_metric([endpoint_id], a)
             per_token.add_metric([endpoint_id], b)
+        probes = GaugeMetricFamily(
+            "prefixgate_speed_probe_seconds",
+            "Fastest of the speed probe's tiny completions on each endpoint (its speed prior).",
+            labels=["endpoint"],
+        )
+        for endpoint_id, seconds in list(self._probes.items()):
+            probes.add_metric([endpoint_id], seconds)
         yield overhead
         yield per_token
+        yield probes
         fleet = self.fleet_price()
         for name, text, value in (
             ("prefill_overhead_seconds", "fixed cost of a first token", fleet.overhead_s),

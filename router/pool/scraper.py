@@ -57,8 +57,12 @@ class EndpointMonitor:
         on_scrape: Callable[[], None] | None = None,
         on_restart: Callable[[str, float], Awaitable[None]] | None = None,
         on_base_model: Callable[[str, str | None], None] | None = None,
+        on_healthy: Callable[[EndpointState], None] | None = None,
     ) -> None:
         self._pool = pool
+        # Told when an endpoint passes its health check after failing (or first): the speed
+        # probe times it then.
+        self._on_healthy = on_healthy
         # Told the one base model an endpoint lists (None: not one) when its list changes:
         # its adapters run on it, and the index sizer sizes the endpoint by it.
         self._on_base_model = on_base_model
@@ -278,10 +282,13 @@ class EndpointMonitor:
 
     def _mark(self, state: EndpointState, ok: bool) -> None:
         if ok:
-            if not state.healthy:
-                log.info("endpoint %s is healthy", state.endpoint.id)
+            came_up = not state.healthy
             state.healthy = True
             state.consecutive_failures = 0
+            if came_up:
+                log.info("endpoint %s is healthy", state.endpoint.id)
+                if self._on_healthy is not None:
+                    self._on_healthy(state)
             return
         state.consecutive_failures += 1
         if state.healthy and state.consecutive_failures >= self._settings.unhealthy_threshold:

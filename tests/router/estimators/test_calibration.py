@@ -340,3 +340,52 @@ def test_evidence_faded_while_an_endpoint_was_quiet_stays_faded_at_its_next_samp
     assert calibrator.factor("x") == pytest.approx(1.0, abs=0.01)
     first_byte("x", 1.0)
     assert calibrator.factor("x") < 1.1
+
+
+def test_a_probed_endpoint_starts_at_its_probes_ratio_to_the_fleets_median() -> None:
+    registry = CollectorRegistry()
+    calibrator = Calibrator(registry=registry)
+    calibrator.probed("a", 0.02)
+    # A lone probe compares with nothing.
+    assert calibrator.factor("a") == 1.0
+    calibrator.probed("b", 0.02)
+    calibrator.probed("slow", 0.06)
+    assert calibrator.factor("slow") == pytest.approx(3.0)
+    assert calibrator.factor("a") == calibrator.factor("b") == pytest.approx(1.0)
+    assert calibrator.cost("slow")[1] == pytest.approx(3 * calibrator.cost("a")[1])
+    # Unprobed endpoints, and probes that measured nothing, keep the fleet's price.
+    calibrator.probed("never", float("nan"))
+    calibrator.probed("never", 0.0)
+    assert calibrator.factor("never") == 1.0
+    text = generate_latest(registry).decode()
+    assert 'prefixgate_speed_probe_seconds{endpoint="slow"} 0.06' in text
+    assert 'endpoint="never"' not in text
+    # An endpoint that left takes its probe along: the median is the others' again.
+    calibrator.forget("slow")
+    assert 'endpoint="slow"' not in generate_latest(registry).decode()
+    calibrator.probed("c", 0.04)
+    assert calibrator.factor("c") == pytest.approx(2.0)
+
+
+def test_first_bytes_outweigh_a_probe_that_was_wrong() -> None:
+    clock = ManualClock()
+    calibrator = Calibrator(clock=clock)
+    for endpoint, seconds in (("a", 0.02), ("b", 0.02), ("c", 0.02), ("d", 0.08)):
+        calibrator.probed(endpoint, seconds)
+    assert calibrator.factor("d") == pytest.approx(4.0)
+    rng = random.Random(3)
+    for _ in range(200):  # d is as fast as the others after all (its probe met a stall)
+        clock.now += 0.05
+        for endpoint in "abcd":
+            tokens = rng.uniform(100, 10_000)
+            calibrator.observe(endpoint, tokens, 0.03 + 0.0002 * tokens)
+    assert calibrator.factor("d") == pytest.approx(1.0, abs=0.1)
+    # Its own first bytes weigh w / (w + endpointPseudoSamples) against the probe.
+    fresh = Calibrator(clock=clock)
+    for endpoint, seconds in (("a", 0.02), ("b", 0.02), ("d", 0.08)):
+        fresh.probed(endpoint, seconds)
+    before = fresh.factor("d")
+    for _ in range(5):
+        for endpoint in "abd":
+            fresh.observe(endpoint, 1000, 0.03 + 0.0002 * 1000)
+    assert 1.0 < fresh.factor("d") < before

@@ -170,6 +170,7 @@ def pd_config(replicas: list[Replica], **disagg: Any) -> Any:
             "endpoints": endpoints,
             "healthCheck": {"intervalSeconds": 0.2, "unhealthyThreshold": 2},
             "metricsScrape": {"intervalSeconds": 0.05},
+            "speedProbe": {"enabled": False},  # the tests count what each replica gets
         },
         "seed": 1,
         "disaggregation": {"enabled": True, "nonCachedTokens": THRESHOLD, **disagg},
