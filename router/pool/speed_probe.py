@@ -94,11 +94,15 @@ class SpeedProbe:
         """One after another, so that none waits behind another; the fastest counts (a stall
         or a queue met by one is not the endpoint's speed)."""
         times = []
-        for _ in range(self._requests):
-            seconds = await self._one(endpoint_id, url, model)
-            if seconds is None:
-                break  # an endpoint that fails one is not timed on the rest
-            times.append(seconds)
+        try:
+            for _ in range(self._requests):
+                seconds = await self._one(endpoint_id, url, model)
+                if seconds is None:
+                    break  # an endpoint that fails one is not timed on the rest
+                times.append(seconds)
+        except Exception:  # a bug here must not go unseen, nor take the gateway down
+            log.exception("endpoint %s: speed probe failed", endpoint_id)
+            return
         if times:
             log.info("endpoint %s: speed probe %.1f ms", endpoint_id, 1e3 * min(times))
             self._on_probed(endpoint_id, min(times))

@@ -23,7 +23,9 @@ from tests.manual_clock import ManualClock
 class ScriptedClient:
     """Answers each POST at once, moving the clock by the endpoint's next scripted time."""
 
-    def __init__(self, clock: ManualClock, times: Mapping[str, Sequence[float | int]]) -> None:
+    def __init__(
+        self, clock: ManualClock, times: Mapping[str, Sequence[float | int | Exception]]
+    ) -> None:
         self.clock = clock
         self.times = {url: list(ts) for url, ts in times.items()}
         self.sent: list[tuple[str, list[tuple[str, str]], dict[str, object]]] = []
@@ -36,6 +38,8 @@ class ScriptedClient:
         base = url.removesuffix("/v1/completions")
         self.sent.append((url, list(headers), orjson.loads(body)))
         step = self.times[base].pop(0)
+        if isinstance(step, Exception):
+            raise step
         if isinstance(step, int):  # a status, not a time
             return Fetched(step, b"{}")
         self.clock.now += step
@@ -49,7 +53,9 @@ def _state(url: str, models: set[str] | None = None) -> EndpointState:
 
 
 async def _probe_all(
-    times: Mapping[str, Sequence[float | int]], states: Sequence[EndpointState], **kw: object
+    times: Mapping[str, Sequence[float | int | Exception]],
+    states: Sequence[EndpointState],
+    **kw: object,
 ) -> tuple[dict[str, float], ScriptedClient]:
     clock = ManualClock()
     client = ScriptedClient(clock, times)
@@ -93,6 +99,18 @@ async def test_an_endpoint_that_fails_or_serves_nothing_is_not_timed() -> None:
     assert [url for url, _, _ in client.sent] == [
         f"{a}/v1/completions", f"{a}/v1/completions", f"{b}/v1/completions",
     ]
+
+
+async def test_a_refused_connection_or_a_bug_ends_that_endpoints_probe_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a, b, c = "http://127.0.0.1:1001", "http://127.0.0.1:1002", "http://127.0.0.1:1003"
+    probed, _ = await _probe_all(
+        {a: [ConnectionRefusedError()], b: [ValueError("bug")], c: [0.01, 0.01, 0.01]},
+        [_state(a), _state(b), _state(c)],
+    )
+    assert probed == pytest.approx({"127.0.0.1:1003": 0.01})
+    assert "127.0.0.1:1002: speed probe failed" in caplog.text
 
 
 async def test_a_configured_model_is_asked_for_and_one_probe_runs_at_a_time() -> None:
