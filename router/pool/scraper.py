@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from router.core.endpoints import EndpointState, RemoteLoad
 from router.core.pool import EndpointPool
+from router.core.tasks import cancel_all
 from router.pool.engine_pages import listed_models, parse_vllm_metrics
 from router.upstream.client import UPSTREAM_ERRORS, ResponseTooLargeError, UpstreamClient
 
@@ -109,11 +110,7 @@ class EndpointMonitor:
         await asyncio.gather(*(self._health(s) for s in self._pool))
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
-        self._tasks.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
 
     async def _run(self, state: EndpointState) -> None:
         next_health = self._clock() + self._settings.health_interval

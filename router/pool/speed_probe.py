@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 import orjson
 
 from router.core.endpoints import EndpointState
+from router.core.tasks import cancel_all
 from router.upstream.client import UPSTREAM_ERRORS, UpstreamClient
 
 log = logging.getLogger("prefixgate.speed_probe")
@@ -84,11 +85,7 @@ class SpeedProbe:
             task.cancel()
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
-        self._tasks.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
 
     async def _probe(self, endpoint_id: str, url: str, model: str) -> None:
         """One after another, so that none waits behind another; the fastest counts (a stall
