@@ -180,7 +180,8 @@ class Calibrator:
         return price.overhead_s, price.per_token_s
 
     def factor(self, endpoint_id: str) -> float:
-        """How much slower than the fleet the endpoint is (shrunk towards 1 by its evidence)."""
+        """How much slower than the fleet the endpoint is (shrunk towards its speed probe's
+        prior, or 1 without one, by its evidence)."""
         return self._factor(endpoint_id, self.fleet_price())
 
     def probed(self, endpoint_id: str, seconds: float) -> None:
