@@ -14,7 +14,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import Field, model_validator
 
-from router.core.endpoints import EndpointSnapshot, session_kv_added
+from router.core.endpoints import EndpointSnapshot, session_kv_added, shared_part
 from router.core.framework import RoutingRequest
 from router.core.strict import Strict
 from router.estimators.calibration import Calibrator
@@ -295,10 +295,14 @@ def _kv_claim(request: RoutingRequest, endpoint: EndpointSnapshot, uncached: int
     """The KV the request would add on the endpoint (RoutingRequest.kv_claim): where its
     session has requests in flight there (sub-agents forked from one context), they hold the
     context already, and it adds what it computes, its answer included
-    (router.core.endpoints.session_kv_added)."""
+    (router.core.endpoints.session_kv_added); where other sessions' requests in flight there
+    share its leading prefix (an agent type's system prompt), they hold that part."""
     claim = request.kv_claim(uncached)
+    shared = request.shared_prefix
+    part = shared_part(claim, shared)
+    added = 0 if shared is None or shared.key in endpoint.prefix_kv else part
     held = endpoint.session_kv.get(request.session_id) if request.session_id else None
-    return session_kv_added(held, claim, request.kv_own(uncached))
+    return added + session_kv_added(held, claim - part, request.kv_own(uncached))
 
 
 def _kv_wait_s(endpoint: EndpointSnapshot, claim: int) -> float:

@@ -76,6 +76,24 @@ class EngineMetrics:
 
 
 NO_SESSIONS: Mapping[str, list[int]] = MappingProxyType({})
+NO_PREFIXES: Mapping[int, list[int]] = MappingProxyType({})
+
+
+class SharedPrefix(NamedTuple):
+    """The leading part of a session's prompts that other sessions share (an agent type's
+    system prompt and tools): ``tokens`` of them, named by ``key``, the hash of the prefix's
+    last block (a chain hash, so it names the whole prefix). Requests in flight on one
+    endpoint hold a shared prefix once, however many sessions run on it."""
+
+    key: int
+    tokens: int
+    # The prefix's length in the gateway's blocks: block_hashes[blocks - 1] is ``key``.
+    blocks: int
+
+
+def shared_part(tokens: int, shared: SharedPrefix | None) -> int:
+    """The part of a claim of ``tokens`` that is a shared prefix's (0 without one)."""
+    return 0 if shared is None else min(shared.tokens, tokens)
 
 
 def session_kv_held(held: list[int]) -> int:
@@ -138,6 +156,8 @@ class EndpointSnapshot(NamedTuple):
     # session -> what its requests in flight there hold (EndpointState.session_kv, not a
     # copy: read while scoring, which does not yield to the event loop).
     session_kv: Mapping[str, list[int]] = NO_SESSIONS
+    # Shared prefixes held by requests in flight there (EndpointState.prefix_kv, not a copy).
+    prefix_kv: Mapping[int, list[int]] = NO_PREFIXES
 
     @property
     def foreign_waiting(self) -> float:
@@ -162,6 +182,8 @@ class EndpointState:
     # computes and answers].
     in_flight_kv_tokens: int = 0
     session_kv: dict[str, list[int]] = field(default_factory=dict)
+    # Sessions sharing a prefix (SharedPrefix) hold it once: key -> [requests, its tokens].
+    prefix_kv: dict[int, list[int]] = field(default_factory=dict)
     pending_prefill_tokens: int = 0
     pending_prefill_requests: int = 0
     # In-flight requests past their first byte as far as headers go only (ext_proc).
@@ -192,9 +214,25 @@ class EndpointState:
             return self.queue_average
         return pending + (self.queue_average - pending) * math.exp(-elapsed / QUEUE_AVERAGE_S)
 
-    def hold_kv(self, tokens: int, session: str | None, own: int | None = None) -> None:
+    def hold_kv(
+        self,
+        tokens: int,
+        session: str | None,
+        own: int | None = None,
+        shared: SharedPrefix | None = None,
+    ) -> None:
         """A request in flight claims ``tokens`` of KV, of which ``own`` are its own (computed
-        or answered; all of them when not told): the rest its session's others may share."""
+        or answered; all of them when not told): the rest its session's others may share, and
+        the ``shared`` prefix at its start other sessions' requests may hold already."""
+        if shared is not None:
+            part = shared_part(tokens, shared)
+            tokens -= part
+            entry = self.prefix_kv.get(shared.key)
+            if entry is None:
+                self.prefix_kv[shared.key] = [1, part]
+                self.in_flight_kv_tokens += part
+            else:
+                entry[0] += 1
         if session is None:
             self.in_flight_kv_tokens += tokens
             return
@@ -209,7 +247,21 @@ class EndpointState:
         held[2] += own
         held[3] = max(held[3], own)
 
-    def free_kv(self, tokens: int, session: str | None, own: int | None = None) -> None:
+    def free_kv(
+        self,
+        tokens: int,
+        session: str | None,
+        own: int | None = None,
+        shared: SharedPrefix | None = None,
+    ) -> None:
+        if shared is not None:
+            tokens -= shared_part(tokens, shared)
+            entry = self.prefix_kv.get(shared.key)
+            if entry is not None:
+                entry[0] -= 1
+                if entry[0] <= 0:
+                    self.in_flight_kv_tokens -= entry[1]
+                    del self.prefix_kv[shared.key]
         if session is None:
             self.in_flight_kv_tokens -= tokens
             return
@@ -262,4 +314,5 @@ class EndpointState:
             m.gateway_kv_tokens,
             slots.hold(now),
             self.session_kv,
+            self.prefix_kv,
         )

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from router.core.endpoints import EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot, SharedPrefix
 
 log = logging.getLogger("prefixgate.scheduling")
 
@@ -61,6 +61,9 @@ class RoutingRequest:
     # (router/estimators/live_sessions.py),
     # this request's own session excluded.
     live_tokens: dict[str, int] = field(default_factory=dict)
+    # The leading prefix its session shares with other sessions (router/estimators/
+    # live_sessions.py): held once by the requests in flight on an endpoint.
+    shared_prefix: SharedPrefix | None = None
     # For the first request of a session: the requests the session is expected to send after
     # it, which will queue wherever this one goes (router/estimators/session_lengths.py). 0 for a
     # request

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from router.core.endpoints import SharedPrefix
 from router.core.slots import SlotLimit
 
 
@@ -21,9 +22,21 @@ class LeasedState(Protocol):
 
     def add_pending(self, tokens: int, requests: int, now: float) -> None: ...
 
-    def hold_kv(self, tokens: int, session: str | None, own: int | None = None) -> None: ...
+    def hold_kv(
+        self,
+        tokens: int,
+        session: str | None,
+        own: int | None = None,
+        shared: SharedPrefix | None = None,
+    ) -> None: ...
 
-    def free_kv(self, tokens: int, session: str | None, own: int | None = None) -> None: ...
+    def free_kv(
+        self,
+        tokens: int,
+        session: str | None,
+        own: int | None = None,
+        shared: SharedPrefix | None = None,
+    ) -> None: ...
 
 
 class LeasePool(Protocol):
@@ -49,8 +62,8 @@ class Lease:
 
     __slots__ = (
         "_answered", "_clock", "_first_byte_seen", "_headers_only", "_on_first_byte",
-        "_on_release", "_pool", "_released", "_sent_at", "_session", "_started", "kv_own",
-        "kv_tokens", "prefill_tokens", "state",
+        "_on_release", "_pool", "_released", "_sent_at", "_session", "_shared", "_started",
+        "kv_own", "kv_tokens", "prefill_tokens", "state",
     )
 
     def __init__(
@@ -63,6 +76,7 @@ class Lease:
         kv_tokens: int = 0,
         session: str | None = None,
         kv_own: int | None = None,
+        shared: SharedPrefix | None = None,
     ) -> None:
         self.state = state
         self.kv_tokens = kv_tokens
@@ -70,6 +84,7 @@ class Lease:
         # other requests in flight may share: EndpointState.hold_kv); None: all of it.
         self.kv_own = kv_own
         self._session = session
+        self._shared = shared
         self._pool = pool
         self.prefill_tokens = prefill_tokens
         self._first_byte_seen = self._answered = self._headers_only = False
@@ -83,7 +98,7 @@ class Lease:
         if state.in_flight <= 0:
             state.slots.busy_since = now
         state.in_flight += 1
-        state.hold_kv(kv_tokens, session, kv_own)
+        state.hold_kv(kv_tokens, session, kv_own, shared)
         state.add_pending(prefill_tokens, 1, now)
 
     def first_byte(self, tokens: bool = True, answered: bool = True) -> None:
@@ -121,7 +136,7 @@ class Lease:
             state.headers_only -= 1
         self._released = True
         state.in_flight -= 1
-        state.free_kv(self.kv_tokens, self._session, self.kv_own)
+        state.free_kv(self.kv_tokens, self._session, self.kv_own, self._shared)
         if state.in_flight <= 0:
             state.slots.busy_since = 0.0
         if self._on_release is not None:

@@ -21,6 +21,7 @@ from router.core.endpoints import (
     EndpointSnapshot,
     EndpointState,
     RemoteLoad,
+    SharedPrefix,
 )
 from router.core.lease import Lease
 from router.core.slots import fleet_limits
@@ -138,12 +139,14 @@ class EndpointPool:
         kv_tokens: int = 0,
         session: str | None = None,
         kv_own: int | None = None,
+        shared: SharedPrefix | None = None,
     ) -> Lease:
         state = self._states.get(endpoint_id)
         if state is None:
             raise KeyError(endpoint_id)
         return Lease(
-            state, prefill_tokens, self, on_first_byte, on_release, kv_tokens, session, kv_own
+            state, prefill_tokens, self, on_first_byte, on_release, kv_tokens, session, kv_own,
+            shared,
         )
 
     # -- passive health ------------------------------------------------------------------------

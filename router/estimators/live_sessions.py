@@ -8,9 +8,15 @@ there would evict. The contexts of sessions that ended or moved away cost nothin
 A session counts once it has come back (a second request: single-turn traffic never does),
 and stays live while it keeps to its own pace: it expires when it has been quiet for
 ``HORIZON_GAPS`` times the typical gap between a session's requests, learned from the traffic
-(between ``MIN_HORIZON_S`` and ``MAX_HORIZON_S``). Its context is its last prompt. Contexts of
-sessions sharing a system prompt are summed as if distinct, which overstates a crowded
-endpoint a little, never an idle one.
+(between ``MIN_HORIZON_S`` and ``MAX_HORIZON_S``). Its context is its last prompt.
+
+Sessions of one agent type share a system prompt and tools, often most of a young context: a
+cache holding eight such sessions holds that prefix once. So a session's first request also
+names the prefix it shares with others (``RoutingRequest.shared_prefix``: the longest prefix
+the index holds anywhere when the session starts, before it has sent anything of its own), and
+each endpoint counts each shared prefix once. Summed as if distinct, a replica holding many
+sessions of one type read as full, and new turns and sessions were priced off it onto replicas
+holding other types, whose prefixes they then evicted (docs/routing.md).
 
 Each gateway replica counts the sessions it served (with several gateways behind a balancer, a
 session's turns spread over them, and each sees its share).
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from router.core.endpoints import EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot, SharedPrefix, shared_part
 from router.core.framework import RoutingRequest
 from router.estimators.session_lengths import SessionLengths
 
@@ -55,6 +61,7 @@ class _Session:
     # new), for a pick that served nothing to be undone (on_unpick).
     before: tuple[str, int] | None = None
     withdrawn: bool = False  # that request's pick was undone: a retry's pick counts it again
+    shared: SharedPrefix | None = None
 
 
 class LiveSessions:
@@ -72,6 +79,8 @@ class LiveSessions:
         # The live ones, oldest last_seen first: expiry pops from the front.
         self._live: OrderedDict[str, _Session] = OrderedDict()
         self._tokens: dict[str, int] = {}
+        # endpoint -> shared prefix key -> [live sessions holding it there, its tokens]
+        self._prefixes: dict[str, dict[int, list[int]]] = {}
         self.typical_gap = INITIAL_GAP_S
         self._gaps = 0
         self.lengths = SessionLengths(max_sessions)
@@ -93,10 +102,41 @@ class LiveSessions:
         own = self._live.get(session_id) if session_id else None
         if own is not None and own.endpoint_id in tokens:
             # Its own context is extended by this request, not evicted.
-            tokens[own.endpoint_id] -= own.tokens
+            tokens[own.endpoint_id] -= self._held_alone(own)
         request.live_tokens = tokens
-        if session_id and self.lengths.is_new(session_id):
-            request.later_requests = self.lengths.later_requests
+        if session_id:
+            request.shared_prefix = self._shared_prefix(request, self._sessions.get(session_id))
+            if self.lengths.is_new(session_id):
+                request.later_requests = self.lengths.later_requests
+
+    def _held_alone(self, session: _Session) -> int:
+        """The context tokens only this live session keeps on its endpoint: its own, and its
+        shared prefix where no other live session there shares it."""
+        shared = session.shared
+        part = shared_part(session.tokens, shared)
+        alone = session.tokens - part
+        if shared is not None:
+            entry = self._prefixes.get(session.endpoint_id, {}).get(shared.key)
+            if entry is not None and entry[0] <= 1:
+                alone += entry[1]
+        return alone
+
+    @staticmethod
+    def _shared_prefix(request: RoutingRequest, session: _Session | None) -> SharedPrefix | None:
+        """A known session's shared prefix if this prompt still starts with it; for a new one,
+        the longest prefix the index holds anywhere (other sessions' prompts: the session has
+        sent nothing yet)."""
+        hashes = request.block_hashes
+        if session is not None:
+            shared = session.shared
+            if shared is None or len(hashes) < shared.blocks:
+                return None
+            return shared if hashes[shared.blocks - 1] == shared.key else None
+        blocks = min(max(request.prefix_hits.values(), default=0), len(hashes))
+        if blocks <= 0 or not request.prompt_bytes:
+            return None
+        share = min(1.0, blocks * request.block_bytes / request.prompt_bytes)
+        return SharedPrefix(hashes[blocks - 1], round(request.prompt_tokens * share), blocks)
 
     def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
         session_id = request.session_id
@@ -120,6 +160,7 @@ class LiveSessions:
                 self._learn_gap(now - session.last_seen)
             self._retire(session_id)
         session.endpoint_id, session.tokens = endpoint_id, request.prompt_tokens
+        session.shared = request.shared_prefix
         session.last_seen, session.serial = now, request.serial
         if not retry or session.withdrawn:
             session.requests += 1
@@ -150,9 +191,7 @@ class LiveSessions:
         """A session placed (and not live: retired first): live once it has come back."""
         if session.requests >= 2:
             self._live[session_id] = session
-            self._tokens[session.endpoint_id] = (
-                self._tokens.get(session.endpoint_id, 0) + session.tokens
-            )
+            self._add(session, 1)
 
     def clear_endpoint(self, endpoint_id: str) -> None:
         """The endpoint's engine restarted: the contexts of the sessions homed there are gone
@@ -174,13 +213,32 @@ class LiveSessions:
         """Takes a live session's context out of its endpoint's sum (before an update, on
         expiry or when the table drops it)."""
         session = self._live.pop(session_id, None)
-        if session is None:
-            return
-        left = self._tokens.get(session.endpoint_id, 0) - session.tokens
+        if session is not None:
+            self._add(session, -1)
+
+    def _add(self, session: _Session, sign: int) -> None:
+        """Counts a live session's context on its endpoint (``sign`` 1) or takes it out (-1):
+        its own part, and its shared prefix once among the live sessions there."""
+        endpoint_id, shared = session.endpoint_id, session.shared
+        part = shared_part(session.tokens, shared)
+        delta = sign * (session.tokens - part)
+        if shared is not None:
+            prefixes = self._prefixes.setdefault(endpoint_id, {})
+            entry = prefixes.get(shared.key)
+            if entry is None:
+                entry = prefixes[shared.key] = [0, part]
+            if entry[0] == (0 if sign > 0 else 1):
+                delta += sign * entry[1]
+            entry[0] += sign
+            if entry[0] <= 0:
+                del prefixes[shared.key]
+                if not prefixes:
+                    del self._prefixes[endpoint_id]
+        left = self._tokens.get(endpoint_id, 0) + delta
         if left > 0:
-            self._tokens[session.endpoint_id] = left
+            self._tokens[endpoint_id] = left
         else:
-            self._tokens.pop(session.endpoint_id, None)
+            self._tokens.pop(endpoint_id, None)
 
     def _expire(self, now: float) -> None:
         cutoff = now - self.horizon

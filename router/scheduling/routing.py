@@ -311,8 +311,9 @@ class Router:
         # A decode after a remote prefill holds the whole prompt's KV it pulled, as its own.
         own = routing.kv_own(routing.prompt_tokens if pulled else uncached)
         claim = own if pulled else routing.kv_claim(uncached)
+        shared = None if pulled else routing.shared_prefix
         lease = self._pool.lease(
-            endpoint_id, uncached, first_byte, flow.poke, claim, routing.session_id, own
+            endpoint_id, uncached, first_byte, flow.poke, claim, routing.session_id, own, shared
         )
         if not routing.stream:
             # Its first byte is its last: presume the prefill done after a generous multiple

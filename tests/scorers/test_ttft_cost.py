@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from router.config.model import parse_config
-from router.core.endpoints import EndpointSnapshot
+from router.core.endpoints import EndpointSnapshot, SharedPrefix
 from router.core.framework import RoutingRequest
 from router.estimators.calibration import Calibrator
 from router.precise.routing import precise_enabled
@@ -125,6 +125,20 @@ def test_sub_agents_beyond_their_homes_cache_wait_there() -> None:
     )
     assert scorer().terms(sub, few).kv_wait_s == 0
     assert scorer().score(sub, [few, other])[0] == 1.0
+
+
+def test_a_prefix_other_sessions_run_with_is_held_once() -> None:
+    """Sessions of one agent type share its system prompt: where requests of other sessions
+    run with it, a new one adds only its own part; where none do, the prompt too."""
+    system = SharedPrefix(key=7, tokens=6_000, blocks=60)
+    crowded = dict(num_gpu_blocks=1_000, in_flight_kv_tokens=6_000 + 3 * 2_000, hold_s=20.0)
+    with_type = snap("a", prefix_kv={7: [3, 6_000]}, **crowded)
+    without = snap("b", prefix_kv={8: [3, 6_000]}, **crowded)
+    turn = req(tokens=8_000, hits={"a": 80, "b": 80}, session_id="s", shared_prefix=system)
+    assert scorer().terms(turn, with_type).kv_wait_s == 0  # 12,000 + 2,000 fit in 16,000
+    excess = 12_000 + 8_000 - 16_000
+    assert scorer().terms(turn, without).kv_wait_s == pytest.approx(excess / 12_000 * 20.0)
+    assert scorer().score(turn, [with_type, without])[0] == 1.0
 
 
 def test_kv_wait_and_slot_wait_overlap() -> None:

@@ -8,6 +8,7 @@ from router.core.endpoints import (
     QUEUE_AVERAGE_S,
     Endpoint,
     EndpointState,
+    SharedPrefix,
     session_kv_added,
     session_kv_held,
 )
@@ -59,6 +60,25 @@ def test_a_session_without_its_own_share_told_shares_nothing() -> None:
     first.release()
     second.release()
     assert (s.in_flight_kv_tokens, s.session_kv) == (0, {})
+
+
+def test_sessions_sharing_a_prefix_hold_it_once() -> None:
+    """Sessions of one agent type start with the same system prompt: the engine holds its
+    blocks once for every request running with it."""
+    s = state()
+    system = SharedPrefix(key=7, tokens=4_000, blocks=40)
+    a = Lease(s, prefill_tokens=0, kv_tokens=5_000, session="a", kv_own=500, shared=system)
+    b = Lease(s, prefill_tokens=0, kv_tokens=6_000, session="b", kv_own=600, shared=system)
+    other = SharedPrefix(key=8, tokens=3_000, blocks=30)
+    c = Lease(s, prefill_tokens=0, kv_tokens=3_500, session="c", kv_own=300, shared=other)
+    assert s.in_flight_kv_tokens == 4_000 + 1_000 + 2_000 + 3_500
+    assert set(s.snapshot(0.0).prefix_kv) == {7, 8}
+    a.release()
+    assert s.in_flight_kv_tokens == 4_000 + 2_000 + 3_500, "held while one of them runs"
+    b.release()
+    b.release()
+    c.release()
+    assert (s.in_flight_kv_tokens, s.session_kv, s.prefix_kv) == (0, {}, {})
 
 
 @pytest.mark.parametrize(

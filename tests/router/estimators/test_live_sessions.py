@@ -190,3 +190,65 @@ def test_a_request_that_failed_everywhere_leaves_its_session_where_it_was() -> N
     live.on_pick(turn("t", 5_000, 10), "c")
     assert live.live_tokens("b") == 0
     assert live.live_tokens("c") == 3_000, "t's next request is its first served one"
+
+
+def agent_req(session: str, blocks: list[int], hits: dict[str, int]) -> RoutingRequest:
+    """A prompt of 100-token blocks (400 bytes each, 4 bytes a token)."""
+    return RoutingRequest(
+        request_id="r", model="m", session_id=session, prompt_tokens=100 * len(blocks),
+        prompt_bytes=400 * len(blocks), block_bytes=400, block_hashes=blocks, prefix_hits=hits,
+    )
+
+
+async def turn(live: LiveSessions, request: RoutingRequest, endpoint: str) -> None:
+    await live.produce(request, [snap("a"), snap("b")])
+    live.on_pick(request, endpoint)
+
+
+async def test_sessions_sharing_a_system_prompt_keep_it_once_on_their_endpoint() -> None:
+    clock = ManualClock(100.0)
+    live = LiveSessions(clock=clock)
+    system = [1, 2, 3, 4, 5, 6]  # 600 tokens every session of the agent type starts with
+    await turn(live, agent_req("s", [*system, 10], {}), "a")  # the type's first: nothing shared
+    await turn(live, agent_req("t", [*system, 20], {"a": 6}), "a")
+    await turn(live, agent_req("u", [*system, 30], {"a": 6}), "a")
+    for session, own in (("s", 10), ("t", 20), ("u", 30)):
+        clock.now += 1.0
+        await turn(live, agent_req(session, [*system, own, own + 1], {"a": 8}), "a")
+    # s counts its whole 800-token context (its prompt was the type's first); t and u their
+    # 200 own tokens each and the 600 shared once between them.
+    assert live.live_tokens("a") == 800 + 200 + 200 + 600
+    # A request of t would evict only what others keep: its own tokens are extended, and the
+    # shared prompt stays for u.
+    request = agent_req("t", [*system, 20, 21, 22], {"a": 8})
+    await live.produce(request, [snap("a"), snap("b")])
+    assert request.shared_prefix is not None and request.shared_prefix.tokens == 600
+    assert request.live_tokens == {"a": 800 + 200 + 600, "b": 0}
+    # t moves to b: it takes the shared prompt along (counted there), u still keeps it on a.
+    clock.now += 1.0
+    live.on_pick(request, "b")
+    assert (live.live_tokens("a"), live.live_tokens("b")) == (800 + 200 + 600, 900)
+    # u moves too: now no one keeps the shared prompt on a.
+    await turn(live, agent_req("u", [*system, 30, 31, 32], {"a": 8}), "b")
+    assert (live.live_tokens("a"), live.live_tokens("b")) == (800, 300 + 300 + 600)
+    # Expired, every count goes: nothing is left over.
+    clock.now += live.horizon + 1.0
+    assert (live.live_tokens("a"), live.live_tokens("b")) == (0, 0)
+
+
+async def test_a_prompt_that_no_longer_starts_with_the_shared_prefix_shares_nothing() -> None:
+    live = LiveSessions(clock=ManualClock(100.0))
+    first = agent_req("s", [1, 2, 3, 9], {"a": 3, "b": 2})  # the longest match anywhere
+    await live.produce(first, [snap("a"), snap("b")])
+    assert first.shared_prefix is not None
+    assert (first.shared_prefix.key, first.shared_prefix.tokens) == (3, 300)
+    live.on_pick(first, "a")
+    # A compacted context: a new chain from its start.
+    compacted = agent_req("s", [7, 8], {})
+    await live.produce(compacted, [snap("a"), snap("b")])
+    assert compacted.shared_prefix is None
+    # A request without a session names no shared prefix.
+    anonymous = RoutingRequest(request_id="r", model="m", prompt_tokens=400, prompt_bytes=1600,
+                               block_bytes=400, block_hashes=[1, 2, 3, 9], prefix_hits={"a": 3})
+    await live.produce(anonymous, [snap("a")])
+    assert anonymous.shared_prefix is None
