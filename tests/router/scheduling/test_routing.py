@@ -8,6 +8,7 @@ import orjson
 
 from router.app import build_gateway
 from router.config.model import parse_config
+from router.core.endpoints import SharedPrefix
 from router.core.framework import RoutingRequest
 from router.core.sampling import RateSampler
 from router.estimators.calibration import Calibrator
@@ -209,3 +210,24 @@ def test_a_lease_claims_the_answer_learned_and_a_sessions_context_once() -> None
     one.release()
     two.release()
     assert state.in_flight_kv_tokens == 0
+
+
+def test_leases_of_sessions_sharing_a_prefix_hold_it_once() -> None:
+    """Two sessions of one agent type on one endpoint: their shared system prompt is held once
+    (the live sessions' producer names it: router/estimators/live_sessions.py)."""
+    gw = build_gateway(parse_config({"pool": {"endpoints": [{"url": URL, "models": ["m"]}]}}))
+    endpoint = next(iter(gw.pool)).endpoint.id
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x" * 4_000}]}
+    parsed = parse_request("chat", orjson.dumps(body))
+    system = SharedPrefix(key=1, tokens=600, blocks=6)
+    requests = [gw.router.routing_request(parsed, {"x-session-id": s}, s) for s in ("a", "b")]
+    for request in requests:
+        request.shared_prefix = system
+    state = gw.pool.get(endpoint)
+    assert state is not None
+    leases = [gw.router.lease(request, snap(endpoint)) for request in requests]
+    prompt = requests[0].prompt_tokens
+    assert state.in_flight_kv_tokens == 600 + 2 * (prompt - 600)
+    for lease in leases:
+        lease.release()
+    assert (state.in_flight_kv_tokens, state.prefix_kv) == (0, {})
