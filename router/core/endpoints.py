@@ -96,6 +96,26 @@ def shared_part(tokens: int, shared: SharedPrefix | None) -> int:
     return 0 if shared is None else min(shared.tokens, tokens)
 
 
+def count_shared(table: dict[int, list[int]], shared: SharedPrefix, part: int, sign: int) -> int:
+    """One more holder of a shared prefix (``sign`` 1, holding ``part`` tokens of it) or one
+    fewer (-1), in ``table`` (key -> [holders, its tokens]). Returns the change in what the
+    holders hold together: the prefix's tokens where the first came or the last left."""
+    entry = table.get(shared.key)
+    if sign > 0:
+        if entry is None:
+            table[shared.key] = [1, part]
+            return part
+        entry[0] += 1
+        return 0
+    if entry is None:
+        return 0
+    entry[0] -= 1
+    if entry[0] > 0:
+        return 0
+    del table[shared.key]
+    return -entry[1]
+
+
 def session_kv_held(held: list[int]) -> int:
     """The KV a session's requests in flight on one endpoint hold together
     (EndpointState.session_kv: [requests, largest claim, sum and largest of what each
@@ -227,12 +247,7 @@ class EndpointState:
         if shared is not None:
             part = shared_part(tokens, shared)
             tokens -= part
-            entry = self.prefix_kv.get(shared.key)
-            if entry is None:
-                self.prefix_kv[shared.key] = [1, part]
-                self.in_flight_kv_tokens += part
-            else:
-                entry[0] += 1
+            self.in_flight_kv_tokens += count_shared(self.prefix_kv, shared, part, 1)
         if session is None:
             self.in_flight_kv_tokens += tokens
             return
@@ -256,12 +271,7 @@ class EndpointState:
     ) -> None:
         if shared is not None:
             tokens -= shared_part(tokens, shared)
-            entry = self.prefix_kv.get(shared.key)
-            if entry is not None:
-                entry[0] -= 1
-                if entry[0] <= 0:
-                    self.in_flight_kv_tokens -= entry[1]
-                    del self.prefix_kv[shared.key]
+            self.in_flight_kv_tokens += count_shared(self.prefix_kv, shared, 0, -1)
         if session is None:
             self.in_flight_kv_tokens -= tokens
             return

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from router.core.endpoints import EndpointSnapshot, SharedPrefix, shared_part
+from router.core.endpoints import EndpointSnapshot, SharedPrefix, count_shared, shared_part
 from router.core.framework import RoutingRequest
 from router.estimators.session_lengths import SessionLengths
 
@@ -115,8 +115,9 @@ class LiveSessions:
         shared = session.shared
         part = shared_part(session.tokens, shared)
         alone = session.tokens - part
-        if shared is not None:
-            entry = self._prefixes.get(session.endpoint_id, {}).get(shared.key)
+        prefixes = self._prefixes.get(session.endpoint_id)
+        if shared is not None and prefixes is not None:
+            entry = prefixes.get(shared.key)
             if entry is not None and entry[0] <= 1:
                 alone += entry[1]
         return alone
@@ -224,16 +225,9 @@ class LiveSessions:
         delta = sign * (session.tokens - part)
         if shared is not None:
             prefixes = self._prefixes.setdefault(endpoint_id, {})
-            entry = prefixes.get(shared.key)
-            if entry is None:
-                entry = prefixes[shared.key] = [0, part]
-            if entry[0] == (0 if sign > 0 else 1):
-                delta += sign * entry[1]
-            entry[0] += sign
-            if entry[0] <= 0:
-                del prefixes[shared.key]
-                if not prefixes:
-                    del self._prefixes[endpoint_id]
+            delta += count_shared(prefixes, shared, part, sign)
+            if not prefixes:
+                del self._prefixes[endpoint_id]
         left = self._tokens.get(endpoint_id, 0) + delta
         if left > 0:
             self._tokens[endpoint_id] = left
