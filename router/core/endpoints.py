@@ -99,14 +99,18 @@ def shared_part(tokens: int, shared: SharedPrefix | None) -> int:
 def count_shared(table: dict[int, list[int]], shared: SharedPrefix, part: int, sign: int) -> int:
     """One more holder of a shared prefix (``sign`` 1, holding ``part`` tokens of it) or one
     fewer (-1), in ``table`` (key -> [holders, its tokens]). Returns the change in what the
-    holders hold together: the prefix's tokens where the first came or the last left."""
+    holders hold together: the prefix's tokens where the first came or the last left, and
+    where a newcomer counts them otherwise (the latest count stands: the estimate of tokens a
+    byte improves as answers come, and a prefix held without a break would keep its first
+    count for good)."""
     entry = table.get(shared.key)
     if sign > 0:
         if entry is None:
             table[shared.key] = [1, part]
             return part
         entry[0] += 1
-        return 0
+        change, entry[1] = part - entry[1], part
+        return change
     if entry is None:
         return 0
     entry[0] -= 1

@@ -101,6 +101,14 @@ class RoutingRequest:
         """The prompt bytes the prefix index matched on the endpoint."""
         return min(self.prefix_hits.get(endpoint_id, 0) * self.block_bytes, self.prompt_bytes)
 
+    def leading_tokens(self, blocks: int) -> int:
+        """This prompt's tokens in its first ``blocks`` blocks, at this request's count of
+        tokens a byte (the learned ratio: a count carried from an earlier request may predate
+        it)."""
+        if not self.prompt_bytes:
+            return 0
+        return round(self.prompt_tokens * min(1.0, blocks * self.block_bytes / self.prompt_bytes))
+
     def answer_bytes_beyond(self, endpoint_id: str) -> int:
         """The last answer's bytes past the endpoint's match, if the match reaches the
         answer's start (every full block before it matched: the endpoint served the turn that

@@ -126,18 +126,22 @@ class LiveSessions:
     def _shared_prefix(request: RoutingRequest, session: _Session | None) -> SharedPrefix | None:
         """A known session's shared prefix if this prompt still starts with it; for a new one,
         the longest prefix the index holds anywhere (other sessions' prompts: the session has
-        sent nothing yet)."""
+        sent nothing yet). Its tokens are counted anew each time: a session's first request
+        often comes before the gateway has learned the model's bytes a token, and a count
+        carried from it would be off by as much for the session's life."""
         hashes = request.block_hashes
         if session is not None:
             shared = session.shared
             if shared is None or len(hashes) < shared.blocks:
                 return None
-            return shared if hashes[shared.blocks - 1] == shared.key else None
-        blocks = min(max(request.prefix_hits.values(), default=0), len(hashes))
+            if hashes[shared.blocks - 1] != shared.key:
+                return None
+            blocks = shared.blocks
+        else:
+            blocks = min(max(request.prefix_hits.values(), default=0), len(hashes))
         if blocks <= 0 or not request.prompt_bytes:
             return None
-        share = min(1.0, blocks * request.block_bytes / request.prompt_bytes)
-        return SharedPrefix(hashes[blocks - 1], round(request.prompt_tokens * share), blocks)
+        return SharedPrefix(hashes[blocks - 1], request.leading_tokens(blocks), blocks)
 
     def on_pick(self, request: RoutingRequest, endpoint_id: str) -> None:
         session_id = request.session_id

@@ -81,6 +81,21 @@ def test_sessions_sharing_a_prefix_hold_it_once() -> None:
     assert (s.in_flight_kv_tokens, s.session_kv, s.prefix_kv) == (0, {}, {})
 
 
+def test_a_shared_prefix_is_held_at_its_latest_count() -> None:
+    """A prefix held without a break by one request after another keeps the latest count of
+    its tokens (the estimate of tokens a byte improves), and nothing is left when all end."""
+    s = state()
+    early = SharedPrefix(key=7, tokens=4_000, blocks=40)  # counted at a prior 4 bytes a token
+    a = Lease(s, prefill_tokens=0, kv_tokens=5_000, session="a", kv_own=500, shared=early)
+    learned = SharedPrefix(key=7, tokens=1_600, blocks=40)
+    b = Lease(s, prefill_tokens=0, kv_tokens=2_100, session="b", kv_own=200, shared=learned)
+    assert s.in_flight_kv_tokens == 1_000 + 1_600 + 500
+    a.release()
+    assert s.in_flight_kv_tokens == 1_600 + 500
+    b.release()
+    assert (s.in_flight_kv_tokens, s.session_kv, s.prefix_kv) == (0, {}, {})
+
+
 @pytest.mark.parametrize(
     ("requests", "claim", "own", "added"),
     [

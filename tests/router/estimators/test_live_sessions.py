@@ -252,3 +252,26 @@ async def test_a_prompt_that_no_longer_starts_with_the_shared_prefix_shares_noth
                                block_bytes=400, block_hashes=[1, 2, 3, 9], prefix_hits={"a": 3})
     await live.produce(anonymous, [snap("a")])
     assert anonymous.shared_prefix is None
+
+
+async def test_a_sessions_shared_prefix_is_counted_at_the_latest_tokens_a_byte() -> None:
+    """A session's first request may come before the gateway has learned the model's bytes a
+    token: its later requests count the shared prefix again, at the ratio their own prompt
+    counts carry, and the live contexts follow."""
+    live = LiveSessions(clock=ManualClock(100.0))
+    system = [1, 2, 3, 4, 5, 6]
+    await turn(live, agent_req("s", [*system, 10], {}), "a")
+    first = agent_req("t", [*system, 20], {"a": 6})  # counted at 4 bytes a token: 600 shared
+    await turn(live, first, "a")
+    assert first.shared_prefix is not None and first.shared_prefix.tokens == 600
+    # Learned since: 10 bytes a token, so the same 400-byte blocks hold 40 tokens each.
+    later = RoutingRequest(
+        request_id="r", model="m", session_id="t", prompt_tokens=40 * 8, prompt_bytes=400 * 8,
+        block_bytes=400, block_hashes=[*system, 20, 21], prefix_hits={"a": 7},
+    )
+    await turn(live, later, "a")
+    assert later.shared_prefix is not None
+    assert (later.shared_prefix.key, later.shared_prefix.tokens) == (6, 240)
+    # t, live from its second request: its 80 own tokens and the prefix at its latest count
+    # (s has not come back: not live).
+    assert live.live_tokens("a") == 80 + 240
