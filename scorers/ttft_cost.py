@@ -240,6 +240,11 @@ class TTFTCostScorer:
             "prefill_s": t.prefill_s, "load_s": t.load_s, "kv_wait_s": t.kv_wait_s,
             "affinity_bonus_s": t.affinity_bonus_s, "horizon_s": t.horizon_s,
             "slot_wait_s": t.slot_wait_s, "home_margin": t.home_margin,
+            # What the wait for KV room was reckoned from: a count that stands still while
+            # replicas preempt is visible here (docs/routing.md, *shared prefixes*).
+            "kv_held_tokens": round(_kv_held(endpoint)),
+            "kv_claim_tokens": _kv_claim(request, endpoint, t.uncached_tokens),
+            "kv_capacity_tokens": _capacity_tokens(endpoint), "hold_s": endpoint.hold_s,
         }
 
     def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
@@ -315,9 +320,17 @@ def _kv_wait_s(endpoint: EndpointSnapshot, claim: int) -> float:
     capacity = _capacity_tokens(endpoint)
     if not capacity:
         return 0.0
-    foreign = max(0.0, endpoint.kv_usage * capacity - endpoint.scraped_kv_tokens)
-    held = endpoint.in_flight_kv_tokens + foreign
+    held = _kv_held(endpoint)
     excess = held + claim - capacity
     if excess <= 0 or held <= 0:
         return 0.0
     return min(excess, held) / min(held, capacity) * endpoint.hold_s
+
+
+def _kv_held(endpoint: EndpointSnapshot) -> float:
+    """The KV held on the endpoint: this gateway's claims in flight now, plus what the scrape
+    showed beyond this gateway's claims in flight then (others' requests)."""
+    capacity = _capacity_tokens(endpoint)
+    return endpoint.in_flight_kv_tokens + max(
+        0.0, endpoint.kv_usage * capacity - endpoint.scraped_kv_tokens
+    )

@@ -359,6 +359,17 @@ def test_explain_reports_every_term() -> None:
         terms["prefill_s"] + terms["load_s"] + max(terms["kv_wait_s"], terms["slot_wait_s"])
     )
     assert terms["priced_s"] == pytest.approx(terms["predicted_ttft_s"] + terms["horizon_s"])
+    # The wait for KV room, with what it was reckoned from.
+    full = snap(
+        "a", kv_usage=0.5, scraped_kv_tokens=20_000, in_flight_kv_tokens=150_000, hold_s=20.0
+    )
+    kv = scorer().explain(req(tokens=8_000), full)
+    held = 150_000 + 0.5 * kv["kv_capacity_tokens"] - 20_000
+    assert (kv["kv_held_tokens"], kv["kv_claim_tokens"], kv["hold_s"]) == (held, 8_000, 20.0)
+    excess = held + 8_000 - kv["kv_capacity_tokens"]
+    assert kv["kv_wait_s"] == pytest.approx(
+        excess / min(held, kv["kv_capacity_tokens"]) * 20.0
+    )
     # At a home holding the context the price is discounted; the prediction reported stays
     # the prediction.
     session = req(tokens=1_024, hits={"a": 16}, session_id="s", affinity_endpoint="a")
