@@ -242,7 +242,7 @@ class TTFTCostScorer:
             "slot_wait_s": t.slot_wait_s, "home_margin": t.home_margin,
             # What the wait for KV room was reckoned from: a count that stands still while
             # replicas preempt is visible here (docs/routing.md, *shared prefixes*).
-            "kv_held_tokens": round(_kv_held(endpoint)),
+            "kv_held_tokens": round(_kv_held(endpoint, _capacity_tokens(endpoint))),
             "kv_claim_tokens": _kv_claim(request, endpoint, t.uncached_tokens),
             "kv_capacity_tokens": _capacity_tokens(endpoint), "hold_s": endpoint.hold_s,
         }
@@ -320,17 +320,17 @@ def _kv_wait_s(endpoint: EndpointSnapshot, claim: int) -> float:
     capacity = _capacity_tokens(endpoint)
     if not capacity:
         return 0.0
-    held = _kv_held(endpoint)
+    held = _kv_held(endpoint, capacity)
     excess = held + claim - capacity
     if excess <= 0 or held <= 0:
         return 0.0
     return min(excess, held) / min(held, capacity) * endpoint.hold_s
 
 
-def _kv_held(endpoint: EndpointSnapshot) -> float:
-    """The KV held on the endpoint: this gateway's claims in flight now, plus what the scrape
-    showed beyond this gateway's claims in flight then (others' requests)."""
-    capacity = _capacity_tokens(endpoint)
+def _kv_held(endpoint: EndpointSnapshot, capacity: int) -> float:
+    """The KV held on the endpoint (of ``capacity`` tokens): this gateway's claims in flight
+    now, plus what the scrape showed beyond this gateway's claims in flight then (others'
+    requests)."""
     return endpoint.in_flight_kv_tokens + max(
         0.0, endpoint.kv_usage * capacity - endpoint.scraped_kv_tokens
     )
