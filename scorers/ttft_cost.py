@@ -314,9 +314,8 @@ def _kv_wait_s(endpoint: EndpointSnapshot, claim: int) -> float:
     """The wait for KV room: where the request's ``claim`` (RoutingRequest.kv_claim) does not
     fit beside what the requests there hold, vLLM admits it only once enough of them end.
     What runs frees about once every hold time, and no more than the cache holds runs at
-    once: beyond it the requests ahead go in waves, each a hold time. Held: this gateway's
-    claims in flight now, plus what the scrape showed beyond this gateway's claims in flight
-    then (others' requests; this gateway's own that ended since are no longer held)."""
+    once: beyond it the requests ahead go in waves, each a hold time. What is held:
+    _kv_held."""
     capacity = _capacity_tokens(endpoint)
     if not capacity:
         return 0.0
@@ -330,7 +329,7 @@ def _kv_wait_s(endpoint: EndpointSnapshot, claim: int) -> float:
 def _kv_held(endpoint: EndpointSnapshot, capacity: int) -> float:
     """The KV held on the endpoint (of ``capacity`` tokens): this gateway's claims in flight
     now, plus what the scrape showed beyond this gateway's claims in flight then (others'
-    requests)."""
+    requests; this gateway's own that ended since are no longer held)."""
     return endpoint.in_flight_kv_tokens + max(
         0.0, endpoint.kv_usage * capacity - endpoint.scraped_kv_tokens
     )
