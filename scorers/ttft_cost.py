@@ -230,6 +230,7 @@ class TTFTCostScorer:
 
     def explain(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> dict[str, float]:
         t = self.terms(request, endpoint)
+        capacity = _capacity_tokens(endpoint)
         return {
             "predicted_ttft_s": t.predicted_s, "priced_s": t.total_s,
             "queued_tokens": t.queued_tokens,
@@ -242,9 +243,9 @@ class TTFTCostScorer:
             "slot_wait_s": t.slot_wait_s, "home_margin": t.home_margin,
             # What the wait for KV room was reckoned from: a count that stands still while
             # replicas preempt is visible here (docs/routing.md, *shared prefixes*).
-            "kv_held_tokens": round(_kv_held(endpoint, _capacity_tokens(endpoint))),
+            "kv_held_tokens": round(_kv_held(endpoint, capacity)),
             "kv_claim_tokens": _kv_claim(request, endpoint, t.uncached_tokens),
-            "kv_capacity_tokens": _capacity_tokens(endpoint), "hold_s": endpoint.hold_s,
+            "kv_capacity_tokens": capacity, "hold_s": endpoint.hold_s,
         }
 
     def score(self, request: RoutingRequest, endpoints: Sequence[EndpointSnapshot]) -> list[float]:
